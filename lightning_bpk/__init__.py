@@ -1,0 +1,49 @@
+"""lightning-bpk: crash-safe, pickle-free PyTorch Lightning checkpoints in Burn's burnpack format.
+
+The package is layered; each layer only uses the ones listed before it:
+
+- :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
+- :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
+- :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
+- :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe;
+- :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration.
+
+Public names are imported lazily so ``import lightning_bpk`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "burnpack": "lightning_bpk.burnpack",
+    "state": "lightning_bpk.state",
+    "ModuleRecord": "lightning_bpk.records",
+    "OptimizerRecord": "lightning_bpk.records",
+    "LrSchedulerRecord": "lightning_bpk.records",
+    "StateRecord": "lightning_bpk.records",
+    "RecordError": "lightning_bpk.records",
+    "Checkpointer": "lightning_bpk.checkpointer",
+    "get_latest_checkpoint_number": "lightning_bpk.checkpointer",
+    "BurnpackCheckpoint": "lightning_bpk.callback",
+    "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'lightning_bpk' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

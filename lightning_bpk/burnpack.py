@@ -1,0 +1,983 @@
+"""Burn's burnpack v1 container (``.bpk``), read and written byte-compatibly with Burn.
+
+Layout of a file::
+
+    0      4       6              10                        data_start (multiple of 256)
+    | NRUB | 01 00 | metadata_size | CBOR metadata | zeros  | tensor 0 | zeros | tensor 1 | ...
+
+The CBOR metadata is ``{"tensors": {name: {"dtype", "shape", "data_offsets", "param_id"?}},
+"metadata"?: {str: str}, "scalars"?: {str: Scalar}}`` encoded exactly as Burn's ``ciborium``
+writer does, so a file written here is byte-identical to Burn's for the same content.
+
+Beyond Burn, every tensor written here carries an xxh3-64 checksum in the ``metadata`` map
+under the reserved prefix :data:`CHECKSUM_PREFIX` (Burn ignores it), and reading is stricter:
+offsets must be aligned, in bounds, non-overlapping and match ``shape x dtype``.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_bpk import burnpack
+    >>> data = burnpack.dumps({"w": torch.ones(2, 2)}, scalars={"step": 3})
+    >>> pack = burnpack.loads(data)
+    >>> pack.tensor("w").sum().item(), pack.scalars["step"]
+    (4.0, Scalar.Int(3))
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Union
+
+import cbor2
+import torch
+import xxhash
+
+from lightning_bpk import _fs
+
+# --- Format constants (Burn's values; the reason for each is beside it) -------------------------
+
+MAGIC = 0x4255524E  # "BURN" as a little-endian u32, so the file starts with b"NRUB"
+MAGIC_BYTES = MAGIC.to_bytes(4, "little")
+FORMAT_VERSION = 1  # the only version Burn writes; readers reject anything newer
+HEADER_SIZE = 10  # magic u32 + version u16 + metadata_size u32
+TENSOR_ALIGNMENT = 256  # data section and every tensor start are 256-byte aligned (mmap/SIMD)
+MAX_METADATA_SIZE = 100 * 1024 * 1024  # checked before allocating: a header cannot demand 4 GiB
+MAX_TENSOR_COUNT = 100_000  # bounds the work of parsing a hostile index
+MAX_TENSOR_SIZE = 10 * 1024**3  # one tensor at most 10 GiB, as Burn on 64-bit targets
+MAX_CBOR_DEPTH = 128  # nesting limit of the metadata decoder (stack safety)
+MAX_FILE_SIZE = 100 * 1024**3  # larger files are refused before anything is mapped
+MAX_RANK = 64  # no real tensor has more dimensions; bounds shape parsing
+
+# Reserved metadata prefix for per-tensor checksums: "lightning_bpk/xxh3/<tensor name>" -> 16 hex.
+CHECKSUM_PREFIX = "lightning_bpk/xxh3/"
+_CHECKSUM_PLACEHOLDER = "0" * 16  # same length as a real digest, so metadata size is known upfront
+
+_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+class BurnpackError(Exception):
+    """Base class of every error raised while reading or writing a burnpack."""
+
+
+class HeaderError(BurnpackError):
+    """The input is shorter than its header or than the metadata the header announces."""
+
+
+class MagicError(BurnpackError):
+    """The first four bytes are not ``NRUB``: this is not a burnpack file."""
+
+
+class VersionError(BurnpackError):
+    """The header names a format version this reader does not understand."""
+
+
+class MetadataError(BurnpackError):
+    """The CBOR metadata is malformed, too deep, or does not follow Burn's schema."""
+
+
+class ValidationError(BurnpackError):
+    """A limit is exceeded or offsets, shapes and sizes are inconsistent."""
+
+
+class TensorNotFoundError(BurnpackError):
+    """The pack has no tensor of the requested name."""
+
+
+class ChecksumError(BurnpackError):
+    """A tensor's bytes do not match the checksum recorded when it was written."""
+
+
+class SizeMismatchError(BurnpackError):
+    """A deferred tensor produced a different number of bytes than it declared."""
+
+
+class BurnpackIOError(BurnpackError, OSError):
+    """A file could not be opened, read, written or renamed."""
+
+
+# --- Scalars ------------------------------------------------------------------------------------
+
+ScalarKind = str  # "Int" | "UInt" | "Float" | "Bool"
+
+
+class Scalar:
+    """A typed scalar as Burn stores it: ``Int`` (i64), ``UInt`` (u64), ``Float`` (f64), ``Bool``.
+
+    >>> Scalar.UInt(42) == Scalar.UInt(42), Scalar.UInt(42) == Scalar.Int(42)
+    (True, False)
+    >>> Scalar.coerce(2**63).kind
+    'UInt'
+    """
+
+    __slots__ = ("kind", "value")
+    kind: str
+    value: int | float | bool
+
+    def __init__(self, kind: str, value: int | float | bool) -> None:
+        if kind == "Int" or kind == "UInt":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Scalar.{kind} needs an int, got {type(value).__name__}")
+            lo, hi = (_I64_MIN, _I64_MAX) if kind == "Int" else (0, _U64_MAX)
+            if not lo <= value <= hi:
+                raise ValueError(f"{value} does not fit Scalar.{kind} ({lo}..{hi})")
+        elif kind == "Float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"Scalar.Float needs a number, got {type(value).__name__}")
+            value = float(value)
+        elif kind == "Bool":
+            if not isinstance(value, bool):
+                raise TypeError(f"Scalar.Bool needs a bool, got {type(value).__name__}")
+        else:
+            raise ValueError(f"unknown scalar kind {kind!r}; expected Int, UInt, Float or Bool")
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "value", value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Scalar is immutable")
+
+    @classmethod
+    def Int(cls, value: int) -> Scalar:  # noqa: N802 - mirrors Burn's variant names
+        """A signed 64-bit integer scalar."""
+        return cls("Int", value)
+
+    @classmethod
+    def UInt(cls, value: int) -> Scalar:  # noqa: N802
+        """An unsigned 64-bit integer scalar."""
+        return cls("UInt", value)
+
+    @classmethod
+    def Float(cls, value: float) -> Scalar:  # noqa: N802
+        """A 64-bit float scalar."""
+        return cls("Float", value)
+
+    @classmethod
+    def Bool(cls, value: bool) -> Scalar:  # noqa: N802
+        """A boolean scalar."""
+        return cls("Bool", value)
+
+    @classmethod
+    def coerce(cls, value: Scalar | bool | int | float) -> Scalar:
+        """Turn a plain Python value into a Scalar: bool -> Bool, int -> Int (UInt past i64),
+        float -> Float. A Scalar is returned unchanged."""
+        if isinstance(value, Scalar):
+            return value
+        if isinstance(value, bool):
+            return cls("Bool", value)
+        if isinstance(value, int):
+            return cls("UInt" if value > _I64_MAX else "Int", value)
+        if isinstance(value, float):
+            return cls("Float", value)
+        raise TypeError(f"cannot store {type(value).__name__} as a burnpack scalar")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Scalar):
+            return NotImplemented
+        if self.kind != other.kind:
+            return False
+        if self.kind == "Float" and math.isnan(self.value) and math.isnan(other.value):
+            return True
+        return self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.value))
+
+    def __repr__(self) -> str:
+        return f"Scalar.{self.kind}({self.value!r})"
+
+
+# --- DTypes -------------------------------------------------------------------------------------
+
+DType = Union[str, dict]  # Burn's dtype value as it appears in the metadata
+
+
+@dataclass(frozen=True)
+class _DTypeInfo:
+    itemsize: int  # bytes per element; 0 for the opaque QFloat
+    torch_dtype: torch.dtype | None  # dtype of the stored bytes when viewed by torch
+
+
+_SIMPLE_DTYPES: dict[str, _DTypeInfo] = {
+    "F64": _DTypeInfo(8, torch.float64),
+    "F32": _DTypeInfo(4, torch.float32),
+    "Flex32": _DTypeInfo(4, torch.float32),
+    "F16": _DTypeInfo(2, torch.float16),
+    "BF16": _DTypeInfo(2, torch.bfloat16),
+    "I64": _DTypeInfo(8, torch.int64),
+    "I32": _DTypeInfo(4, torch.int32),
+    "I16": _DTypeInfo(2, torch.int16),
+    "I8": _DTypeInfo(1, torch.int8),
+    "U64": _DTypeInfo(8, torch.uint64),
+    "U32": _DTypeInfo(4, torch.uint32),
+    "U16": _DTypeInfo(2, torch.uint16),
+    "U8": _DTypeInfo(1, torch.uint8),
+}
+_BOOL_DTYPES: dict[str, _DTypeInfo] = {
+    "Native": _DTypeInfo(1, torch.bool),
+    "U8": _DTypeInfo(1, torch.uint8),
+    "U32": _DTypeInfo(4, torch.uint32),
+}
+_QFLOAT = _DTypeInfo(0, None)
+
+_TORCH_TO_BURN: dict[torch.dtype, DType] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: {"Bool": "Native"},
+}
+
+
+def _dtype_info(dtype: object) -> _DTypeInfo | None:
+    """Look up a Burn dtype value; ``None`` when it is not one Burn defines."""
+    if isinstance(dtype, str):
+        return _SIMPLE_DTYPES.get(dtype)
+    if isinstance(dtype, dict) and len(dtype) == 1:
+        ((variant, payload),) = dtype.items()
+        if variant == "Bool" and isinstance(payload, str):
+            return _BOOL_DTYPES.get(payload)
+        if variant == "QFloat" and isinstance(payload, dict):
+            return _QFLOAT
+    return None
+
+
+def burn_dtype(dtype: torch.dtype) -> DType:
+    """Burn's dtype value for a torch dtype (``torch.float32`` -> ``"F32"``).
+
+    >>> burn_dtype(torch.bool)
+    {'Bool': 'Native'}
+    """
+    try:
+        return _TORCH_TO_BURN[dtype]
+    except KeyError:
+        raise ValidationError(f"torch dtype {dtype} has no burnpack equivalent") from None
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch dtype a tensor of Burn dtype ``dtype`` reads as (Bool variants -> torch.bool)."""
+    info = _dtype_info(dtype)
+    if info is None or info.torch_dtype is None:
+        raise ValidationError(f"dtype {dtype!r} has no torch equivalent")
+    return torch.bool if isinstance(dtype, dict) else info.torch_dtype
+
+
+# --- Writing ------------------------------------------------------------------------------------
+
+BytesLike = Union[bytes, bytearray, memoryview]
+
+
+class TensorEntry:
+    """A tensor to write: Burn dtype, shape, bytes (or a provider of them) and an optional param id.
+
+    ``data`` is a bytes-like object, a ``torch.Tensor`` or a zero-argument callable returning
+    either (a *deferred* tensor, called exactly once while writing; ``nbytes`` is then required).
+
+    >>> TensorEntry("F32", [2], b"\\x00" * 8, param_id=7).nbytes
+    8
+    """
+
+    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape")
+
+    def __init__(
+        self,
+        dtype: DType,
+        shape: Iterable[int],
+        data: BytesLike | torch.Tensor | Callable[[], BytesLike | torch.Tensor],
+        param_id: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        self.dtype = dtype
+        self.shape = tuple(int(d) for d in shape)
+        self.data = data
+        self.param_id = param_id
+        if nbytes is None:
+            if callable(data) and not isinstance(data, torch.Tensor):
+                raise ValueError("a deferred TensorEntry needs nbytes")
+            nbytes = _nbytes_of(data)
+        self.nbytes = int(nbytes)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
+        """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU."""
+        return cls(burn_dtype(tensor.dtype), tensor.shape, tensor, param_id=param_id)
+
+
+def _nbytes_of(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, without a copy when it is contiguous on CPU."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _as_bytes(data: Any) -> memoryview:
+    if isinstance(data, torch.Tensor):
+        return tensor_bytes(data)
+    return memoryview(data).cast("B")
+
+
+class _Float:
+    """A float to be encoded in the smallest lossless CBOR width (as ciborium does)."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, value: float) -> None:
+        bits = struct.pack(">d", value)
+        for code, fmt in ((b"\xf9", ">e"), (b"\xfa", ">f")):
+            try:
+                narrow = struct.pack(fmt, value)
+            except OverflowError:
+                continue
+            if struct.pack(">d", struct.unpack(fmt, narrow)[0]) == bits:
+                self.encoded = code + narrow
+                return
+        self.encoded = b"\xfb" + bits
+
+
+def _encode_default(encoder: cbor2.CBOREncoder, value: object) -> None:
+    if isinstance(value, _Float):
+        encoder.write(value.encoded)
+        return
+    raise MetadataError(f"cannot encode {type(value).__name__} in burnpack metadata")
+
+
+def _cbor_value(value: Any) -> Any:
+    """Prepare a dtype value (possibly QFloat's nested struct) for encoding, floats narrowed."""
+    if isinstance(value, float):
+        return _Float(value)
+    if isinstance(value, dict):
+        return {k: _cbor_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cbor_value(v) for v in value]
+    return value
+
+
+@dataclass
+class _Planned:
+    name: str
+    entry: TensorEntry
+    start: int  # relative to the data section
+    end: int
+
+
+@dataclass
+class _Plan:
+    tensors: list[_Planned]
+    metadata: dict[str, str]
+    scalars: dict[str, Scalar]
+    checksums: bool
+
+    def encode_metadata(self, digests: Mapping[str, str] | None = None) -> bytes:
+        descriptors = {}
+        for p in sorted(self.tensors, key=lambda p: p.name):
+            desc: dict[str, Any] = {
+                "dtype": _cbor_value(p.entry.dtype),
+                "shape": list(p.entry.shape),
+                "data_offsets": [p.start, p.end],
+            }
+            if p.entry.param_id is not None:
+                desc["param_id"] = p.entry.param_id
+            descriptors[p.name] = desc
+        top: dict[str, Any] = {"tensors": descriptors}
+        metadata = dict(self.metadata)
+        if self.checksums:
+            for p in self.tensors:
+                digest = digests.get(p.name) if digests else None
+                metadata[CHECKSUM_PREFIX + p.name] = digest or _CHECKSUM_PLACEHOLDER
+        if metadata:
+            top["metadata"] = {k: metadata[k] for k in sorted(metadata)}
+        if self.scalars:
+            top["scalars"] = {
+                k: {s.kind: _Float(s.value) if s.kind == "Float" else s.value}
+                for k, s in sorted(self.scalars.items())
+            }
+        return cbor2.dumps(top, default=_encode_default)
+
+    @property
+    def data_size(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+
+def _align(n: int) -> int:
+    return -(-n // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
+
+def data_section_start(metadata_size: int) -> int:
+    """Absolute offset of the data section for a metadata blob of ``metadata_size`` bytes.
+
+    >>> [data_section_start(m) for m in (0, 246, 247)]
+    [256, 256, 512]
+    """
+    return _align(HEADER_SIZE + metadata_size)
+
+
+TensorsArg = Union[Mapping[str, Union[torch.Tensor, TensorEntry]], Iterable[tuple]]
+
+
+def _plan(
+    tensors: TensorsArg,
+    metadata: Mapping[str, str] | None,
+    scalars: Mapping[str, Any] | None,
+    checksums: bool,
+) -> _Plan:
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    planned: list[_Planned] = []
+    seen: set[str] = set()
+    offset = 0
+    for name, value in items:
+        if not isinstance(name, str):
+            raise ValidationError(f"tensor name {name!r} is not a string")
+        if name in seen:
+            raise ValidationError(f"Duplicate tensor name '{name}'")
+        seen.add(name)
+        entry = value if isinstance(value, TensorEntry) else None
+        if entry is None:
+            if not isinstance(value, torch.Tensor):
+                raise ValidationError(
+                    f"tensor '{name}': expected a torch.Tensor or TensorEntry, "
+                    f"got {type(value).__name__}"
+                )
+            try:
+                entry = TensorEntry.from_tensor(value)
+            except ValidationError as e:
+                raise ValidationError(f"tensor '{name}': {e}") from None
+        _check_entry(name, entry)
+        start = _align(offset)
+        planned.append(_Planned(name, entry, start, start + entry.nbytes))
+        offset = start + entry.nbytes
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValidationError(f"metadata entry {k!r}: keys and values must be strings")
+        if k.startswith(CHECKSUM_PREFIX):
+            raise ValidationError(
+                f"metadata key {k!r} uses the reserved prefix {CHECKSUM_PREFIX!r}"
+            )
+    scal = {}
+    for k, v in (scalars or {}).items():
+        if not isinstance(k, str):
+            raise ValidationError(f"scalar name {k!r} is not a string")
+        try:
+            scal[k] = Scalar.coerce(v)
+        except (TypeError, ValueError) as e:
+            raise ValidationError(f"scalar '{k}': {e}") from None
+    return _Plan(planned, meta, scal, checksums)
+
+
+def _check_entry(name: str, entry: TensorEntry) -> None:
+    info = _dtype_info(entry.dtype)
+    if info is None:
+        raise ValidationError(f"tensor '{name}': unknown dtype {entry.dtype!r}")
+    if any(d < 0 for d in entry.shape):
+        raise ValidationError(f"tensor '{name}': negative dimension in shape {list(entry.shape)}")
+    if entry.param_id is not None and not (
+        isinstance(entry.param_id, int) and 0 <= entry.param_id <= _U64_MAX
+    ):
+        raise ValidationError(f"tensor '{name}': param_id {entry.param_id!r} is not a u64")
+    if info is not _QFLOAT:
+        need = math.prod(entry.shape) * info.itemsize
+        if entry.nbytes != need:
+            raise ValidationError(
+                f"tensor '{name}' declares {entry.nbytes} bytes but its shape "
+                f"{list(entry.shape)} and dtype {entry.dtype} need {need}"
+            )
+    if isinstance(entry.data, torch.Tensor) and entry.data.dtype == torch.bool:
+        if info.itemsize != 1:
+            raise ValidationError(f"tensor '{name}': a torch.bool tensor must be stored as 1 byte")
+
+
+def _materialize(p: _Planned) -> memoryview:
+    """Call a deferred provider exactly once and check the length it returns."""
+    data = p.entry.data
+    if callable(data) and not isinstance(data, torch.Tensor):
+        try:
+            data = data()
+        except BurnpackError as e:
+            raise type(e)(f"tensor '{p.name}': {e}") from e
+        except Exception as e:
+            raise BurnpackIOError(f"tensor '{p.name}': {e}") from e
+    view = _as_bytes(data)
+    if view.nbytes != p.entry.nbytes:
+        raise SizeMismatchError(
+            f"tensor '{p.name}': deferred source has inconsistent length "
+            f"(expected {p.entry.nbytes}, got {view.nbytes})"
+        )
+    return view
+
+
+def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
+    """Stream header, metadata and tensors to a seekable sink; patch checksums in at the end."""
+    meta = plan.encode_metadata()
+    if len(meta) > 0xFFFFFFFF:
+        raise BurnpackIOError(f"metadata of {len(meta)} bytes does not fit the u32 header field")
+    data_start = data_section_start(len(meta))
+    header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
+    _fs.write_all(sink, header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
+    position = 0
+    digests: dict[str, str] = {}
+    for p in plan.tensors:
+        if p.start > position:
+            _fs.write_all(sink, bytes(p.start - position))
+        view = _materialize(p)
+        if plan.checksums:
+            digests[p.name] = xxhash.xxh3_64_hexdigest(view)
+        _fs.write_all(sink, view)
+        del view  # drop this tensor's bytes before the next provider runs
+        position = p.end
+    if plan.checksums and plan.tensors:
+        patched = plan.encode_metadata(digests)
+        assert len(patched) == len(meta), "checksum digests must not change the metadata size"
+        sink.seek(HEADER_SIZE)
+        _fs.write_all(sink, patched)
+        sink.seek(0, io.SEEK_END)
+
+
+def dumps(
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    checksums: bool = True,
+) -> bytes:
+    """Encode tensors, string metadata and typed scalars as burnpack bytes.
+
+    ``tensors`` maps names to tensors or :class:`TensorEntry`; its order is the data order.
+    ``checksums=False`` writes exactly what Burn would (no checksum entries).
+
+    >>> len(dumps({}))  # an empty pack is one aligned block
+    256
+    """
+    plan = _plan(tensors, metadata, scalars, checksums)
+    buffer = io.BytesIO()
+    _write_plan(plan, buffer)
+    return buffer.getvalue()
+
+
+def size(
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    checksums: bool = True,
+) -> int:
+    """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
+    plan = _plan(tensors, metadata, scalars, checksums)
+    return data_section_start(len(plan.encode_metadata())) + plan.data_size
+
+
+def with_suffix(path: str | os.PathLike[str]) -> Path:
+    """``path`` with ``.bpk`` appended when it has no suffix (Burn's rule for writers)."""
+    p = Path(path)
+    return p if p.suffix else p.with_name(p.name + ".bpk")
+
+
+def write(
+    path: str | os.PathLike[str],
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    atomic: bool = True,
+    checksums: bool = True,
+) -> Path:
+    """Write a burnpack file and return its path (``.bpk`` added when the path has no suffix).
+
+    With ``atomic=True`` (default) the bytes go to a scratch file in the same directory, which is
+    fsynced and renamed over ``path``: a failure leaves no scratch file and an existing file
+    untouched. Offsets are planned before any I/O, each deferred provider is called once, in order,
+    and tensors are streamed, so peak extra memory is about the largest tensor.
+
+    >>> import tempfile, torch
+    >>> write(tempfile.mkdtemp() + "/model", {"w": torch.zeros(3)}).name
+    'model.bpk'
+    """
+    target = with_suffix(path)
+    plan = _plan(tensors, metadata, scalars, checksums)
+    try:
+        if atomic:
+            with _fs.atomic_file(target) as f:
+                _write_plan(plan, f)
+        else:
+            with open(target, "wb", buffering=0) as f:
+                _write_plan(plan, f)
+    except BurnpackError as e:
+        raise type(e)(f"{target}: {e}") from e
+    except OSError as e:
+        raise BurnpackIOError(f"cannot write {target}: {e.strerror or e}") from e
+    return target
+
+
+# --- Reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's descriptor as stored: Burn dtype, shape, offsets relative to the data section."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+    param_id: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+def _decode_metadata(blob: memoryview) -> dict:
+    decoder = cbor2.CBORDecoder(
+        io.BytesIO(blob),
+        max_depth=MAX_CBOR_DEPTH,
+        allow_indefinite=False,
+        allow_duplicate_keys=False,
+        tag_hook=_reject_tag,
+    )
+    try:
+        top = decoder.decode()
+    except MetadataError:
+        raise
+    except (cbor2.CBORError, ValueError, TypeError, OverflowError, RecursionError) as e:
+        raise MetadataError(f"invalid CBOR metadata: {e}") from None
+    trailing = len(blob) - decoder.fp.tell()
+    if trailing:
+        raise MetadataError(f"{trailing} trailing bytes after the CBOR metadata item")
+    if not isinstance(top, dict):
+        raise MetadataError(f"metadata is a {type(top).__name__}, expected a map")
+    return top
+
+
+def _reject_tag(decoder: Any, tag: Any) -> Any:
+    raise MetadataError(f"CBOR tag {tag.tag} is not allowed in burnpack metadata")
+
+
+def _uint(value: object, what: str, limit: int = _U64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise MetadataError(f"{what} must be an unsigned integer, got {value!r}")
+    return value
+
+
+def _parse_descriptor(name: object, desc: object) -> TensorInfo:
+    if not isinstance(name, str):
+        raise MetadataError(f"tensor name {name!r} is not a text string")
+    if not isinstance(desc, dict):
+        raise MetadataError(f"tensor '{name}': descriptor is not a map")
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in desc:
+            raise MetadataError(f"tensor '{name}': missing field '{field}'")
+    dtype = desc["dtype"]
+    if _dtype_info(dtype) is None:
+        raise MetadataError(f"tensor '{name}': unknown dtype {dtype!r}")
+    shape = desc["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise MetadataError(f"tensor '{name}': shape must be a list of at most {MAX_RANK} dims")
+    shape = tuple(_uint(d, f"tensor '{name}': shape dimension") for d in shape)
+    offsets = desc["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise MetadataError(f"tensor '{name}': data_offsets must be [start, end]")
+    start, end = (_uint(o, f"tensor '{name}': data offset") for o in offsets)
+    param_id = desc.get("param_id")
+    if param_id is not None:
+        param_id = _uint(param_id, f"tensor '{name}': param_id")
+    return TensorInfo(dtype, shape, (start, end), param_id)
+
+
+def _parse_scalar(name: object, value: object) -> Scalar:
+    if not isinstance(name, str):
+        raise MetadataError(f"scalar name {name!r} is not a text string")
+    if not isinstance(value, dict) or len(value) != 1:
+        raise MetadataError(f"scalar '{name}': expected a one-entry map like {{'Int': 1}}")
+    ((kind, payload),) = value.items()
+    if kind == "Float" and not isinstance(payload, float):
+        raise MetadataError(f"scalar '{name}': a Float payload must be a CBOR float")
+    if kind == "Bool" and not isinstance(payload, bool):
+        raise MetadataError(f"scalar '{name}': a Bool payload must be true or false")
+    try:
+        return Scalar(kind, payload)
+    except (TypeError, ValueError) as e:
+        raise MetadataError(f"scalar '{name}': {e}") from None
+
+
+def _parse_string_map(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise MetadataError("'metadata' must be a map of text to text")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise MetadataError(f"metadata entry {k!r}: keys and values must be text strings")
+    return value
+
+
+class Pack:
+    """A parsed burnpack: the index is read eagerly, tensor bytes lazily and without copies.
+
+    Use as a context manager to release the file mapping deterministically. Tensors returned by
+    :meth:`tensor` are views on the file's bytes; they stay valid after :meth:`close` (the mapping
+    then lives as long as they do).
+    """
+
+    def __init__(self, buffer: Any, *, source: str = "<bytes>", _mmap: mmap.mmap | None = None):
+        self._buffer = memoryview(buffer).cast("B")
+        self._mmap = _mmap
+        self.source = source
+        self._verified: set[str] = set()
+        try:
+            self._parse()
+        except BurnpackError as e:
+            self.close()
+            raise type(e)(f"{source}: {e}") from None
+
+    def _parse(self) -> None:
+        buf = self._buffer
+        total = buf.nbytes
+        if total < HEADER_SIZE:
+            raise HeaderError(f"Invalid header: insufficient bytes ({total} < {HEADER_SIZE})")
+        if bytes(buf[:4]) != MAGIC_BYTES:
+            raise MagicError(f"Invalid magic number {bytes(buf[:4])!r} (expected b'NRUB')")
+        version, meta_size = struct.unpack_from("<HI", buf, 4)
+        if version != FORMAT_VERSION:
+            raise VersionError(f"Unsupported version {version} (this reader knows 1)")
+        if meta_size > MAX_METADATA_SIZE:
+            raise ValidationError(
+                f"Metadata size {meta_size} exceeds maximum allowed size of "
+                f"{MAX_METADATA_SIZE} bytes (potential DoS attack)"
+            )
+        if HEADER_SIZE + meta_size > total:
+            raise HeaderError(
+                f"Invalid header: insufficient bytes (metadata needs {HEADER_SIZE + meta_size}, "
+                f"have {total})"
+            )
+        self.version = version
+        self.metadata_size = meta_size
+        self.data_start = data_section_start(meta_size)
+        top = _decode_metadata(buf[HEADER_SIZE : HEADER_SIZE + meta_size])
+        if "tensors" not in top:
+            raise MetadataError("missing 'tensors' map")
+        raw_tensors = top["tensors"]
+        if not isinstance(raw_tensors, dict):
+            raise MetadataError("'tensors' must be a map")
+        if len(raw_tensors) > MAX_TENSOR_COUNT:
+            raise ValidationError(
+                f"File contains {len(raw_tensors)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}"
+            )
+        entries = {name: _parse_descriptor(name, d) for name, d in raw_tensors.items()}
+        metadata = _parse_string_map(top.get("metadata", {}))
+        raw_scalars = top.get("scalars", {})
+        if not isinstance(raw_scalars, dict):
+            raise MetadataError("'scalars' must be a map")
+        self.scalars: dict[str, Scalar] = {k: _parse_scalar(k, v) for k, v in raw_scalars.items()}
+        self.checksums: dict[str, str] = {}
+        self.metadata: dict[str, str] = {}
+        for k, v in metadata.items():
+            if k.startswith(CHECKSUM_PREFIX):
+                self.checksums[k[len(CHECKSUM_PREFIX) :]] = v
+            else:
+                self.metadata[k] = v
+        self._validate_layout(entries, total)
+        self.entries: dict[str, TensorInfo] = {k: entries[k] for k in sorted(entries)}
+        self.names: list[str] = list(self.entries)
+        unknown = sorted(set(self.checksums) - set(entries))
+        if unknown:
+            raise ValidationError(f"checksums recorded for absent tensors: {unknown[:5]}")
+
+    def _validate_layout(self, entries: dict[str, TensorInfo], total: int) -> None:
+        end_max = 0
+        for name, info in sorted(entries.items(), key=lambda kv: kv[1].data_offsets):
+            start, end = info.data_offsets
+            if end < start:
+                raise ValidationError(f"tensor '{name}': end offset {end} < start {start}")
+            if end - start > MAX_TENSOR_SIZE:
+                raise ValidationError(
+                    f"Tensor '{name}' size {end - start} exceeds maximum {MAX_TENSOR_SIZE}"
+                )
+            if start % TENSOR_ALIGNMENT:
+                raise ValidationError(f"tensor '{name}': start {start} is not 256-byte aligned")
+            if start < end_max:
+                raise ValidationError(f"tensor '{name}': bytes {start}..{end} overlap another")
+            info_dtype = _dtype_info(info.dtype)
+            if info_dtype is not _QFLOAT:
+                need = math.prod(info.shape) * info_dtype.itemsize
+                if need != end - start:
+                    raise ValidationError(
+                        f"tensor '{name}': {end - start} bytes stored but shape "
+                        f"{list(info.shape)} and dtype {info.dtype} need {need}"
+                    )
+            end_max = max(end_max, end)
+        expected = self.data_start + end_max
+        if entries and expected > total:
+            raise ValidationError(
+                f"File truncated: expected at least {expected} bytes, got {total} bytes"
+            )
+        if entries and total > expected:
+            raise ValidationError(f"{total - expected} unexpected bytes after the last tensor")
+
+    # -- access --
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise TensorNotFoundError(f"{self.source}: no tensor named '{name}'") from None
+
+    def raw(self, name: str, *, verify: bool = True) -> memoryview:
+        """The stored bytes of tensor ``name`` (a zero-copy view), checksum-verified by default."""
+        info = self._info(name)
+        start, end = info.data_offsets
+        view = self._buffer[self.data_start + start : self.data_start + end]
+        if verify and name not in self._verified:
+            expected = self.checksums.get(name)
+            if expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
+                raise ChecksumError(
+                    f"{self.source}: tensor '{name}' fails its checksum (file is damaged)"
+                )
+            self._verified.add(name)
+        return view
+
+    def tensor(self, name: str, *, verify: bool = True) -> torch.Tensor:
+        """Tensor ``name`` as a torch tensor viewing the pack's bytes (copied only for Bool
+        variants stored as U8/U32). QFloat tensors are opaque: use :meth:`raw`."""
+        info = self._info(name)
+        dinfo = _dtype_info(info.dtype)
+        if dinfo is _QFLOAT:
+            raise ValidationError(
+                f"{self.source}: tensor '{name}' is quantized (QFloat); read it with raw()"
+            )
+        view = self.raw(name, verify=verify)
+        if view.nbytes == 0:
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        with warnings.catch_warnings():
+            # Read-only sources (bytes) give read-only views; torch warns but shares memory.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
+        tensor = flat.reshape(info.shape)
+        if isinstance(info.dtype, dict):  # Bool variants
+            if dinfo.torch_dtype is torch.bool:
+                if bool((flat.view(torch.uint8) > 1).any()):
+                    raise ValidationError(
+                        f"{self.source}: tensor '{name}' holds bool bytes other than 0 and 1"
+                    )
+            else:
+                tensor = tensor != 0
+        return tensor
+
+    def tensors(self, *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Every non-quantized tensor, by name (sorted)."""
+        return {
+            n: self.tensor(n, verify=verify)
+            for n in self.names
+            if _dtype_info(self.entries[n].dtype) is not _QFLOAT
+        }
+
+    def verify(self) -> None:
+        """Check every tensor that has a checksum; raise :class:`ChecksumError` naming all bad ones."""
+        bad = []
+        for name in self.names:
+            try:
+                self.raw(name)
+            except ChecksumError:
+                bad.append(name)
+        if bad:
+            raise ChecksumError(f"{self.source}: tensors failing their checksum: {bad}")
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole pack in bytes."""
+        return self._buffer.nbytes
+
+    def close(self) -> None:
+        """Release the file mapping (deferred while tensors still view it)."""
+        try:
+            self._buffer.release()
+        except BufferError:
+            pass  # a caller still holds a buffer export; the view is freed with it
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # tensors still view the mapping; it is unmapped when they are freed
+            self._mmap = None
+
+    def __enter__(self) -> Pack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Pack {self.source}: {len(self.entries)} tensors, {len(self.scalars)} scalars>"
+
+
+def loads(data: BytesLike) -> Pack:
+    """Parse burnpack bytes; tensors are views on ``data`` (no copy).
+
+    >>> loads(dumps({}, metadata={"k": "v"})).metadata
+    {'k': 'v'}
+    """
+    return Pack(data)
+
+
+def resolve_path(path: str | os.PathLike[str]) -> Path:
+    """Burn's reader rule: add ``.bpk`` only when ``path`` has no suffix and does not exist."""
+    p = Path(path)
+    if not p.suffix and not p.exists():
+        return p.with_name(p.name + ".bpk")
+    return p
+
+
+def read(path: str | os.PathLike[str]) -> Pack:
+    """Open a burnpack file lazily: only the header and metadata are read now.
+
+    The file is memory-mapped copy-on-write, so tensors are zero-copy views that stay intact if
+    the file is later replaced (writers here always replace, never rewrite in place).
+    """
+    p = resolve_path(path)
+    try:
+        with open(p, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            if file_size > MAX_FILE_SIZE:
+                raise ValidationError(
+                    f"{p}: File size {file_size} bytes exceeds maximum allowed size of "
+                    f"{MAX_FILE_SIZE} bytes"
+                )
+            if file_size < HEADER_SIZE:
+                raise HeaderError(
+                    f"{p}: Invalid header: insufficient bytes ({file_size} < {HEADER_SIZE})"
+                )
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise BurnpackIOError(f"cannot read {p}: {e.strerror or e}") from e
+    return Pack(mapping, source=str(p), _mmap=mapping)
