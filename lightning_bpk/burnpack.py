@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import mmap
@@ -146,22 +147,22 @@ class Scalar:
         raise AttributeError("Scalar is immutable")
 
     @classmethod
-    def Int(cls, value: int) -> Scalar:  # noqa: N802 - mirrors Burn's variant names
+    def Int(cls, value: int) -> Scalar:
         """A signed 64-bit integer scalar."""
         return cls("Int", value)
 
     @classmethod
-    def UInt(cls, value: int) -> Scalar:  # noqa: N802
+    def UInt(cls, value: int) -> Scalar:
         """An unsigned 64-bit integer scalar."""
         return cls("UInt", value)
 
     @classmethod
-    def Float(cls, value: float) -> Scalar:  # noqa: N802
+    def Float(cls, value: float) -> Scalar:
         """A 64-bit float scalar."""
         return cls("Float", value)
 
     @classmethod
-    def Bool(cls, value: bool) -> Scalar:  # noqa: N802
+    def Bool(cls, value: bool) -> Scalar:
         """A boolean scalar."""
         return cls("Bool", value)
 
@@ -197,7 +198,7 @@ class Scalar:
 
 # --- DTypes -------------------------------------------------------------------------------------
 
-DType = Union[str, dict]  # Burn's dtype value as it appears in the metadata
+DType = str | dict  # Burn's dtype value as it appears in the metadata
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 # --- Writing ------------------------------------------------------------------------------------
 
-BytesLike = Union[bytes, bytearray, memoryview]
+BytesLike = bytes | bytearray | memoryview
 
 
 class TensorEntry:
@@ -438,7 +439,7 @@ def data_section_start(metadata_size: int) -> int:
     return _align(HEADER_SIZE + metadata_size)
 
 
-TensorsArg = Union[Mapping[str, Union[torch.Tensor, TensorEntry]], Iterable[tuple]]
+TensorsArg = Mapping[str, torch.Tensor | TensorEntry] | Iterable[tuple]
 
 
 def _plan(
@@ -508,9 +509,9 @@ def _check_entry(name: str, entry: TensorEntry) -> None:
                 f"tensor '{name}' declares {entry.nbytes} bytes but its shape "
                 f"{list(entry.shape)} and dtype {entry.dtype} need {need}"
             )
-    if isinstance(entry.data, torch.Tensor) and entry.data.dtype == torch.bool:
-        if info.itemsize != 1:
-            raise ValidationError(f"tensor '{name}': a torch.bool tensor must be stored as 1 byte")
+    data = entry.data
+    if isinstance(data, torch.Tensor) and data.dtype == torch.bool and info.itemsize != 1:
+        raise ValidationError(f"tensor '{name}': a torch.bool tensor must be stored as 1 byte")
 
 
 def _materialize(p: _Planned) -> memoryview:
@@ -903,7 +904,7 @@ class Pack:
         }
 
     def verify(self) -> None:
-        """Check every tensor that has a checksum; raise :class:`ChecksumError` naming all bad ones."""
+        """Check every checksummed tensor; raise :class:`ChecksumError` naming all bad ones."""
         bad = []
         for name in self.names:
             try:
@@ -920,15 +921,12 @@ class Pack:
 
     def close(self) -> None:
         """Release the file mapping (deferred while tensors still view it)."""
-        try:
+        # While tensors still view the bytes, the mapping is unmapped when they are freed.
+        with contextlib.suppress(BufferError):
             self._buffer.release()
-        except BufferError:
-            pass  # a caller still holds a buffer export; the view is freed with it
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                pass  # tensors still view the mapping; it is unmapped when they are freed
             self._mmap = None
 
     def __enter__(self) -> Pack:
