@@ -1,0 +1,23 @@
+"""Records: training state split the way Burn splits it, one burnpack file each.
+
+- :class:`ModuleRecord`: a module's parameters and buffers, each parameter with a u64 ``param_id``;
+- :class:`OptimizerRecord`: optimizer state keyed by parameter id, never by position;
+- :class:`LrSchedulerRecord`: a scheduler's state as scalars only;
+- :class:`StateRecord`: any nested plain data (through :mod:`lightning_bpk.state`).
+"""
+
+from lightning_bpk.records.base import (
+    RECORD_KIND_KEY,
+    Record,
+    RecordError,
+    StateRecord,
+    load_record,
+)
+
+__all__ = [
+    "RECORD_KIND_KEY",
+    "Record",
+    "RecordError",
+    "StateRecord",
+    "load_record",
+]

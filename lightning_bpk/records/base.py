@@ -1,0 +1,160 @@
+"""What every record shares: bytes/file round trips, the record-kind tag and :class:`RecordError`.
+
+A record is one burnpack file. Its kind (``module``, ``optimizer``, ``lr_scheduler``, ``state``)
+is written to the metadata entry :data:`RECORD_KIND_KEY`, so :func:`load_record` can open any
+record without being told what it is. Burn ignores unknown metadata, so the tag costs nothing in
+compatibility; files Burn wrote carry no tag and load through the class the caller names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from lightning_bpk import burnpack, state
+
+RECORD_KIND_KEY = "lightning_bpk/record"
+
+R = TypeVar("R", bound="Record")
+
+
+class RecordError(Exception):
+    """A record could not be read, written or applied.
+
+    ``kind`` is ``"io"`` (the file or its bytes) or ``"validation"`` (content that does not
+    fit the target); ``problems`` lists every problem found, sorted, and the message shows them all.
+    """
+
+    def __init__(self, kind: str, problems: str | Iterable[str]) -> None:
+        if kind not in ("io", "validation"):
+            raise ValueError(f"RecordError kind must be 'io' or 'validation', not {kind!r}")
+        self.kind = kind
+        self.problems = sorted([problems] if isinstance(problems, str) else problems)
+        label = "Record I/O error" if kind == "io" else "Record validation error"
+        super().__init__(f"{label}: " + "; ".join(self.problems))
+
+
+class Record:
+    """Base class: subclasses say how they map to burnpack content and back."""
+
+    kind: ClassVar[str]
+    _registry: ClassVar[dict[str, type[Record]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            Record._registry[cls.kind] = cls
+
+    # -- what subclasses provide --
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        """``(tensors, scalars, metadata)`` to write; tensors may be ``burnpack.TensorEntry``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_pack(cls: type[R], pack: burnpack.Pack) -> R:
+        """Build the record from an open pack (tensors may stay zero-copy views of it)."""
+        raise NotImplementedError
+
+    # -- shared behaviour --
+
+    def _content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], dict[str, str]]:
+        tensors, scalars, metadata = self.to_content()
+        return tensors, scalars, {**metadata, RECORD_KIND_KEY: self.kind}
+
+    def to_bytes(self) -> bytes:
+        """The record as burnpack bytes."""
+        tensors, scalars, metadata = self._content()
+        try:
+            return burnpack.dumps(tensors, scalars=scalars, metadata=metadata)
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the record atomically (``.bpk`` added when ``path`` has no suffix)."""
+        tensors, scalars, metadata = self._content()
+        try:
+            return burnpack.write(path, tensors, scalars=scalars, metadata=metadata)
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+
+    @classmethod
+    def from_bytes(cls: type[R], data: bytes | bytearray | memoryview) -> R:
+        """Parse a record from burnpack bytes."""
+        try:
+            pack = burnpack.loads(data)
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+        return cls._from_checked_pack(pack)
+
+    @classmethod
+    def load(cls: type[R], path: str | os.PathLike[str]) -> R:
+        """Read a record file (Burn's rule: ``.bpk`` is tried when ``path`` has no suffix)."""
+        try:
+            pack = burnpack.read(path)
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+        with pack:
+            return cls._from_checked_pack(pack)
+
+    @classmethod
+    def _from_checked_pack(cls: type[R], pack: burnpack.Pack) -> R:
+        found = pack.metadata.get(RECORD_KIND_KEY)
+        if found is not None and found != cls.kind:
+            raise RecordError(
+                "validation", f"{pack.source} holds a {found!r} record, not {cls.kind!r}"
+            )
+        try:
+            return cls.from_pack(pack)
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+        except state.StateError as e:
+            raise RecordError("validation", f"{pack.source}: {e}") from e
+
+
+def user_metadata(pack: burnpack.Pack) -> dict[str, str]:
+    """The pack's metadata without entries this package reserves for itself."""
+    return {k: v for k, v in pack.metadata.items() if k != RECORD_KIND_KEY}
+
+
+class StateRecord(Record):
+    """Nested plain data (no pickle) as one record: Lightning's loop counters, RNG states, ...
+
+    >>> StateRecord.from_bytes(StateRecord({"epoch": 3}).to_bytes()).value
+    {'epoch': 3}
+    """
+
+    kind = "state"
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        try:
+            content = state.encode(self.value)
+        except state.StateError as e:
+            raise RecordError("validation", str(e)) from e
+        return content.tensors, content.scalars, content.metadata
+
+    @classmethod
+    def from_pack(cls, pack: burnpack.Pack) -> StateRecord:
+        return cls(state.decode(pack))
+
+
+def load_record(path: str | os.PathLike[str]) -> Record:
+    """Open any record this package wrote, choosing the class from its kind tag."""
+    try:
+        pack = burnpack.read(path)
+    except burnpack.BurnpackError as e:
+        raise RecordError("io", str(e)) from e
+    with pack:
+        kind = pack.metadata.get(RECORD_KIND_KEY)
+        record_cls = Record._registry.get(kind) if kind is not None else None
+        if record_cls is None:
+            raise RecordError(
+                "validation",
+                f"{pack.source} has no known record kind ({RECORD_KIND_KEY} = {kind!r})",
+            )
+        return record_cls._from_checked_pack(pack)
