@@ -13,6 +13,10 @@ Beyond Burn, every tensor written here carries an xxh3-64 checksum in the ``meta
 under the reserved prefix :data:`CHECKSUM_PREFIX` (Burn ignores it), and reading is stricter:
 offsets must be aligned, in bounds, non-overlapping and match ``shape x dtype``.
 
+Byte order: the format stores every tensor little-endian and :meth:`Pack.tensor` views those
+bytes directly, so this module assumes a little-endian host (x86-64, AArch64: every platform
+torch ships wheels for). A big-endian host would need a byteswap on read and write.
+
 Example::
 
     >>> import torch
@@ -29,7 +33,10 @@ import contextlib
 import io
 import math
 import mmap
+import numbers
+import operator
 import os
+import stat
 import struct
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -38,6 +45,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import cbor2
+import numpy
 import torch
 import xxhash
 
@@ -60,8 +68,15 @@ MAX_RANK = 64  # no real tensor has more dimensions; bounds shape parsing
 # Reserved metadata prefix for per-tensor checksums: "lightning_bpk/xxh3/<tensor name>" -> 16 hex.
 CHECKSUM_PREFIX = "lightning_bpk/xxh3/"
 _CHECKSUM_PLACEHOLDER = "0" * 16  # same length as a real digest, so metadata size is known upfront
+_HEX_DIGITS = frozenset("0123456789abcdef")
 
-_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+def _is_digest(text: str) -> bool:
+    """True for what ``xxh3_64_hexdigest`` produces: 16 lowercase hex digits."""
+    return len(text) == len(_CHECKSUM_PLACEHOLDER) and _HEX_DIGITS.issuperset(text)
+
+
+_I64_MIN, _I64_MAX, _U32_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**32 - 1, 2**64 - 1
 
 # --- Errors -------------------------------------------------------------------------------------
 
@@ -126,20 +141,27 @@ class Scalar:
 
     def __init__(self, kind: str, value: int | float | bool) -> None:
         if kind == "Int" or kind == "UInt":
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"Scalar.{kind} needs an int, got {type(value).__name__}")
+            value = int(value)  # numpy/torch integers become plain ints
             lo, hi = (_I64_MIN, _I64_MAX) if kind == "Int" else (0, _U64_MAX)
             if not lo <= value <= hi:
                 raise ValueError(f"{value} does not fit Scalar.{kind} ({lo}..{hi})")
         elif kind == "Float":
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"Scalar.Float needs a number, got {type(value).__name__}")
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{value} does not fit Scalar.Float (f64)") from None
         elif kind == "Bool":
-            if not isinstance(value, bool):
+            if not isinstance(value, (bool, numpy.bool_)):
                 raise TypeError(f"Scalar.Bool needs a bool, got {type(value).__name__}")
+            value = bool(value)
         else:
-            raise ValueError(f"unknown scalar kind {kind!r}; expected Int, UInt, Float or Bool")
+            raise ValueError(
+                f"unknown scalar kind {_short(kind)}; expected Int, UInt, Float or Bool"
+            )
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "value", value)
 
@@ -169,14 +191,14 @@ class Scalar:
     @classmethod
     def coerce(cls, value: Scalar | bool | int | float) -> Scalar:
         """Turn a plain Python value into a Scalar: bool -> Bool, int -> Int (UInt past i64),
-        float -> Float. A Scalar is returned unchanged."""
+        float -> Float (numpy scalars likewise). A Scalar is returned unchanged."""
         if isinstance(value, Scalar):
             return value
-        if isinstance(value, bool):
-            return cls("Bool", value)
-        if isinstance(value, int):
+        if isinstance(value, (bool, numpy.bool_)):
+            return cls("Bool", bool(value))
+        if isinstance(value, numbers.Integral):
             return cls("UInt" if value > _I64_MAX else "Int", value)
-        if isinstance(value, float):
+        if isinstance(value, numbers.Real):
             return cls("Float", value)
         raise TypeError(f"cannot store {type(value).__name__} as a burnpack scalar")
 
@@ -190,7 +212,9 @@ class Scalar:
         return self.value == other.value
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.value))
+        # NaN hashes by identity in Python; all NaN Floats are equal here, so hash them alike.
+        nan = self.kind == "Float" and math.isnan(self.value)
+        return hash((self.kind, "nan" if nan else self.value))
 
     def __repr__(self) -> str:
         return f"Scalar.{self.kind}({self.value!r})"
@@ -305,7 +329,7 @@ class TensorEntry:
         nbytes: int | None = None,
     ) -> None:
         self.dtype = dtype
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = tuple(operator.index(d) for d in shape)  # 2.5 is an error, not 2
         self.data = data
         self.param_id = param_id
         if nbytes is None:
@@ -394,6 +418,7 @@ class _Plan:
     metadata: dict[str, str]
     scalars: dict[str, Scalar]
     checksums: bool
+    encoded: bytes = b""  # the metadata blob (checksum placeholders), set once planning succeeds
 
     def encode_metadata(self, digests: Mapping[str, str] | None = None) -> bytes:
         descriptors = {}
@@ -489,15 +514,22 @@ def _plan(
             scal[k] = Scalar.coerce(v)
         except (TypeError, ValueError) as e:
             raise ValidationError(f"scalar '{k}': {e}") from None
-    return _Plan(planned, meta, scal, checksums)
+    plan = _Plan(planned, meta, scal, checksums)
+    try:
+        plan.encoded = plan.encode_metadata()
+    except UnicodeEncodeError as e:  # lone surrogates cannot be stored as UTF-8 text
+        raise ValidationError(f"{e.object!r} is not valid UTF-8 text: {e.reason}") from None
+    if len(plan.encoded) > _U32_MAX:
+        raise BurnpackIOError(f"metadata of {len(plan.encoded)} bytes does not fit the u32 header")
+    return plan
 
 
 def _check_entry(name: str, entry: TensorEntry) -> None:
     info = _dtype_info(entry.dtype)
     if info is None:
         raise ValidationError(f"tensor '{name}': unknown dtype {entry.dtype!r}")
-    if any(d < 0 for d in entry.shape):
-        raise ValidationError(f"tensor '{name}': negative dimension in shape {list(entry.shape)}")
+    if any(not 0 <= d <= _I64_MAX for d in entry.shape):
+        raise ValidationError(f"tensor '{name}': shape {list(entry.shape)} has a negative or over-i64 dim")
     if entry.param_id is not None and not (
         isinstance(entry.param_id, int) and 0 <= entry.param_id <= _U64_MAX
     ):
@@ -535,9 +567,7 @@ def _materialize(p: _Planned) -> memoryview:
 
 def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
     """Stream header, metadata and tensors to a seekable sink; patch checksums in at the end."""
-    meta = plan.encode_metadata()
-    if len(meta) > 0xFFFFFFFF:
-        raise BurnpackIOError(f"metadata of {len(meta)} bytes does not fit the u32 header field")
+    meta = plan.encoded
     data_start = data_section_start(len(meta))
     header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
     _fs.write_all(sink, header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
@@ -590,7 +620,7 @@ def size(
 ) -> int:
     """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
     plan = _plan(tensors, metadata, scalars, checksums)
-    return data_section_start(len(plan.encode_metadata())) + plan.data_size
+    return data_section_start(len(plan.encoded)) + plan.data_size
 
 
 def with_suffix(path: str | os.PathLike[str]) -> Path:
@@ -612,8 +642,10 @@ def write(
 
     With ``atomic=True`` (default) the bytes go to a scratch file in the same directory, which is
     fsynced and renamed over ``path``: a failure leaves no scratch file and an existing file
-    untouched. Offsets are planned before any I/O, each deferred provider is called once, in order,
-    and tensors are streamed, so peak extra memory is about the largest tensor.
+    untouched. ``atomic=False`` is Burn's plain ``write_to_file``: a failure partway leaves a
+    short, corrupt file in place of the old one. Offsets are planned before any I/O, each deferred
+    provider is called once, in order, and tensors are streamed, so peak extra memory is about
+    the largest tensor.
 
     >>> import tempfile, torch
     >>> write(tempfile.mkdtemp() + "/model", {"w": torch.zeros(3)}).name
@@ -626,6 +658,10 @@ def write(
             with _fs.atomic_file(target) as f:
                 _write_plan(plan, f)
         else:
+            # Burn truncates in place; unlinking first gives the same clobbering semantics but
+            # keeps packs that still map the old file (their tensors are views) intact.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
             with open(target, "wb", buffering=0) as f:
                 _write_plan(plan, f)
     except BurnpackError as e:
@@ -652,19 +688,38 @@ class TensorInfo:
         return self.data_offsets[1] - self.data_offsets[0]
 
 
+class _RejectAllTags(dict):
+    """``semantic_decoders`` for cbor2 that refuses every tag.
+
+    Burn's metadata never contains tags, and cbor2 decodes many tags itself (datetime, bignum,
+    decimal, regex, MIME, sets, shared references) *without* calling ``tag_hook``: a hostile file
+    could otherwise smuggle arbitrary objects (or a ``re.compile``) into the parse.
+    """
+
+    def __getitem__(self, tag: int) -> Callable[..., Any]:
+        def reject(*_: Any) -> Any:
+            raise MetadataError(f"CBOR tag {tag} is not allowed in burnpack metadata")
+
+        return reject
+
+
+_REJECT_ALL_TAGS = _RejectAllTags()
+
+
 def _decode_metadata(blob: memoryview) -> dict:
     decoder = cbor2.CBORDecoder(
         io.BytesIO(blob),
         max_depth=MAX_CBOR_DEPTH,
         allow_indefinite=False,
         allow_duplicate_keys=False,
-        tag_hook=_reject_tag,
+        strict_hashable_types=True,  # map keys must be text/bytes: no hash-collision DoS
+        semantic_decoders=_REJECT_ALL_TAGS,
     )
     try:
         top = decoder.decode()
-    except MetadataError:
-        raise
     except (cbor2.CBORError, ValueError, TypeError, OverflowError, RecursionError) as e:
+        if isinstance(e.__cause__, MetadataError):  # cbor2 wraps errors raised by decoders
+            raise e.__cause__ from None
         raise MetadataError(f"invalid CBOR metadata: {e}") from None
     trailing = len(blob) - decoder.fp.tell()
     if trailing:
@@ -674,19 +729,24 @@ def _decode_metadata(blob: memoryview) -> dict:
     return top
 
 
-def _reject_tag(decoder: Any, tag: Any) -> Any:
-    raise MetadataError(f"CBOR tag {tag.tag} is not allowed in burnpack metadata")
+_REPR_LIMIT = 80  # hostile values can be megabytes long; error messages show a prefix
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to a readable length for error messages."""
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
 
 
 def _uint(value: object, what: str, limit: int = _U64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-        raise MetadataError(f"{what} must be an unsigned integer, got {value!r}")
+        raise MetadataError(f"{what} must be an unsigned integer <= {limit}, got {_short(value)}")
     return value
 
 
 def _parse_descriptor(name: object, desc: object) -> TensorInfo:
     if not isinstance(name, str):
-        raise MetadataError(f"tensor name {name!r} is not a text string")
+        raise MetadataError(f"tensor name {_short(name)} is not a text string")
     if not isinstance(desc, dict):
         raise MetadataError(f"tensor '{name}': descriptor is not a map")
     for field in ("dtype", "shape", "data_offsets"):
@@ -694,11 +754,12 @@ def _parse_descriptor(name: object, desc: object) -> TensorInfo:
             raise MetadataError(f"tensor '{name}': missing field '{field}'")
     dtype = desc["dtype"]
     if _dtype_info(dtype) is None:
-        raise MetadataError(f"tensor '{name}': unknown dtype {dtype!r}")
+        raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")
     shape = desc["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise MetadataError(f"tensor '{name}': shape must be a list of at most {MAX_RANK} dims")
-    shape = tuple(_uint(d, f"tensor '{name}': shape dimension") for d in shape)
+    # torch sizes are int64, so a larger dimension could never be materialized
+    shape = tuple(_uint(d, f"tensor '{name}': shape dimension", _I64_MAX) for d in shape)
     offsets = desc["data_offsets"]
     if not isinstance(offsets, list) or len(offsets) != 2:
         raise MetadataError(f"tensor '{name}': data_offsets must be [start, end]")
@@ -711,7 +772,7 @@ def _parse_descriptor(name: object, desc: object) -> TensorInfo:
 
 def _parse_scalar(name: object, value: object) -> Scalar:
     if not isinstance(name, str):
-        raise MetadataError(f"scalar name {name!r} is not a text string")
+        raise MetadataError(f"scalar name {_short(name)} is not a text string")
     if not isinstance(value, dict) or len(value) != 1:
         raise MetadataError(f"scalar '{name}': expected a one-entry map like {{'Int': 1}}")
     ((kind, payload),) = value.items()
@@ -730,7 +791,7 @@ def _parse_string_map(value: object) -> dict[str, str]:
         raise MetadataError("'metadata' must be a map of text to text")
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise MetadataError(f"metadata entry {k!r}: keys and values must be text strings")
+            raise MetadataError(f"metadata entry {_short(k)}: keys and values must be text")
     return value
 
 
@@ -745,7 +806,9 @@ class Pack:
     def __init__(self, buffer: Any, *, source: str = "<bytes>", _mmap: mmap.mmap | None = None):
         self._buffer = memoryview(buffer).cast("B")
         self._mmap = _mmap
+        self._closed = False
         self.source = source
+        self.file_size = self._buffer.nbytes
         self._verified: set[str] = set()
         try:
             self._parse()
@@ -796,6 +859,8 @@ class Pack:
         self.metadata: dict[str, str] = {}
         for k, v in metadata.items():
             if k.startswith(CHECKSUM_PREFIX):
+                if not _is_digest(v):
+                    raise MetadataError(f"checksum entry {_short(k)}: {_short(v)} is not xxh3 hex")
                 self.checksums[k[len(CHECKSUM_PREFIX) :]] = v
             else:
                 self.metadata[k] = v
@@ -829,13 +894,17 @@ class Pack:
                         f"{list(info.shape)} and dtype {info.dtype} need {need}"
                     )
             end_max = max(end_max, end)
+        # Stricter than Burn, which skips this check for a pack without tensors.
         expected = self.data_start + end_max
-        if entries and expected > total:
+        if expected > total:
             raise ValidationError(
                 f"File truncated: expected at least {expected} bytes, got {total} bytes"
             )
-        if entries and total > expected:
-            raise ValidationError(f"{total - expected} unexpected bytes after the last tensor")
+        if total > expected:
+            raise ValidationError(
+                f"{total - expected} unexpected bytes after the data section (file ends at "
+                f"{expected})"
+            )
 
     # -- access --
 
@@ -857,6 +926,8 @@ class Pack:
     def raw(self, name: str, *, verify: bool = True) -> memoryview:
         """The stored bytes of tensor ``name`` (a zero-copy view), checksum-verified by default."""
         info = self._info(name)
+        if self._closed:
+            raise BurnpackError(f"{self.source}: pack is closed; tensor '{name}' is unavailable")
         start, end = info.data_offsets
         view = self._buffer[self.data_start + start : self.data_start + end]
         if verify and name not in self._verified:
@@ -917,11 +988,12 @@ class Pack:
     @property
     def nbytes(self) -> int:
         """Size of the whole pack in bytes."""
-        return self._buffer.nbytes
+        return self.file_size
 
     def close(self) -> None:
         """Release the file mapping (deferred while tensors still view it)."""
         # While tensors still view the bytes, the mapping is unmapped when they are freed.
+        self._closed = True
         with contextlib.suppress(BufferError):
             self._buffer.release()
         if self._mmap is not None:
@@ -960,12 +1032,23 @@ def read(path: str | os.PathLike[str]) -> Pack:
     """Open a burnpack file lazily: only the header and metadata are read now.
 
     The file is memory-mapped copy-on-write, so tensors are zero-copy views that stay intact if
-    the file is later replaced (writers here always replace, never rewrite in place).
+    the file is later replaced (writers here always replace, never rewrite in place; a foreign
+    program that truncates the file in place would break the mapping, as with any mmap reader).
+
+    >>> import tempfile, torch
+    >>> path = write(tempfile.mkdtemp() + "/m.bpk", {"w": torch.arange(3.0)})
+    >>> with read(path) as pack:
+    ...     pack.names, pack.tensor("w").tolist()
+    (['w'], [0.0, 1.0, 2.0])
     """
     p = resolve_path(path)
     try:
-        with open(p, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on regular files).
+        with open(os.open(p, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValidationError(f"{p}: not a regular file")
+            file_size = st.st_size
             if file_size > MAX_FILE_SIZE:
                 raise ValidationError(
                     f"{p}: File size {file_size} bytes exceeds maximum allowed size of "
