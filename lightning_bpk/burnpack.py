@@ -529,7 +529,9 @@ def _check_entry(name: str, entry: TensorEntry) -> None:
     if info is None:
         raise ValidationError(f"tensor '{name}': unknown dtype {entry.dtype!r}")
     if any(not 0 <= d <= _I64_MAX for d in entry.shape):
-        raise ValidationError(f"tensor '{name}': shape {list(entry.shape)} has a negative or over-i64 dim")
+        raise ValidationError(
+            f"tensor '{name}': shape {list(entry.shape)} has a negative or over-i64 dim"
+        )
     if entry.param_id is not None and not (
         isinstance(entry.param_id, int) and 0 <= entry.param_id <= _U64_MAX
     ):
@@ -738,13 +740,13 @@ def _short(value: object) -> str:
     return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
 
 
-def _uint(value: object, what: str, limit: int = _U64_MAX) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-        raise MetadataError(f"{what} must be an unsigned integer <= {limit}, got {_short(value)}")
-    return value
+def _is_uint(value: object, limit: int) -> bool:
+    # ``type() is int`` also excludes bool; cbor2 decodes integers as plain ints.
+    return type(value) is int and 0 <= value <= limit
 
 
 def _parse_descriptor(name: object, desc: object) -> TensorInfo:
+    # Hot for packs with many tensors: error messages are only formatted on failure.
     if not isinstance(name, str):
         raise MetadataError(f"tensor name {_short(name)} is not a text string")
     if not isinstance(desc, dict):
@@ -756,18 +758,25 @@ def _parse_descriptor(name: object, desc: object) -> TensorInfo:
     if _dtype_info(dtype) is None:
         raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")
     shape = desc["shape"]
-    if not isinstance(shape, list) or len(shape) > MAX_RANK:
-        raise MetadataError(f"tensor '{name}': shape must be a list of at most {MAX_RANK} dims")
     # torch sizes are int64, so a larger dimension could never be materialized
-    shape = tuple(_uint(d, f"tensor '{name}': shape dimension", _I64_MAX) for d in shape)
+    if not (
+        type(shape) is list and len(shape) <= MAX_RANK and all(_is_uint(d, _I64_MAX) for d in shape)
+    ):
+        raise MetadataError(
+            f"tensor '{name}': shape must be a list of at most {MAX_RANK} dimensions, "
+            f"each in 0..2**63-1, got {_short(shape)}"
+        )
     offsets = desc["data_offsets"]
-    if not isinstance(offsets, list) or len(offsets) != 2:
-        raise MetadataError(f"tensor '{name}': data_offsets must be [start, end]")
-    start, end = (_uint(o, f"tensor '{name}': data offset") for o in offsets)
+    if not (
+        type(offsets) is list and len(offsets) == 2 and all(_is_uint(o, _U64_MAX) for o in offsets)
+    ):
+        raise MetadataError(
+            f"tensor '{name}': data_offsets must be [start, end] as u64, got {_short(offsets)}"
+        )
     param_id = desc.get("param_id")
-    if param_id is not None:
-        param_id = _uint(param_id, f"tensor '{name}': param_id")
-    return TensorInfo(dtype, shape, (start, end), param_id)
+    if param_id is not None and not _is_uint(param_id, _U64_MAX):
+        raise MetadataError(f"tensor '{name}': param_id must be a u64, got {_short(param_id)}")
+    return TensorInfo(dtype, tuple(shape), (offsets[0], offsets[1]), param_id)
 
 
 def _parse_scalar(name: object, value: object) -> Scalar:
@@ -941,7 +950,38 @@ class Pack:
 
     def tensor(self, name: str, *, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` as a torch tensor viewing the pack's bytes (copied only for Bool
-        variants stored as U8/U32). QFloat tensors are opaque: use :meth:`raw`."""
+        variants stored as U8/U32). QFloat tensors are opaque: use :meth:`raw`.
+
+        >>> loads(dumps({"w": torch.ones(2)})).tensor("w")
+        tensor([1., 1.])
+        """
+        with self._quiet_readonly():
+            return self._tensor(name, verify)
+
+    def tensors(self, *, verify: bool = True) -> dict[str, torch.Tensor]:
+        """Every non-quantized tensor, by name (sorted)."""
+        with self._quiet_readonly():
+            return {
+                n: self._tensor(n, verify)
+                for n, info in self.entries.items()
+                if _dtype_info(info.dtype) is not _QFLOAT
+            }
+
+    @contextlib.contextmanager
+    def _quiet_readonly(self) -> Iterator[None]:
+        """Silence torch's "buffer is not writable" warning for read-only sources (``bytes``).
+
+        The tensors still share memory. Only entered when needed: ``catch_warnings`` costs
+        microseconds per call and swaps process-wide warning state.
+        """
+        if not self._buffer.readonly:
+            yield
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+
+    def _tensor(self, name: str, verify: bool) -> torch.Tensor:
         info = self._info(name)
         dinfo = _dtype_info(info.dtype)
         if dinfo is _QFLOAT:
@@ -951,10 +991,7 @@ class Pack:
         view = self.raw(name, verify=verify)
         if view.nbytes == 0:
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        with warnings.catch_warnings():
-            # Read-only sources (bytes) give read-only views; torch warns but shares memory.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
+        flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
         tensor = flat.reshape(info.shape)
         if isinstance(info.dtype, dict):  # Bool variants
             if dinfo.torch_dtype is torch.bool:
@@ -965,14 +1002,6 @@ class Pack:
             else:
                 tensor = tensor != 0
         return tensor
-
-    def tensors(self, *, verify: bool = True) -> dict[str, torch.Tensor]:
-        """Every non-quantized tensor, by name (sorted)."""
-        return {
-            n: self.tensor(n, verify=verify)
-            for n in self.names
-            if _dtype_info(self.entries[n].dtype) is not _QFLOAT
-        }
 
     def verify(self) -> None:
         """Check every checksummed tensor; raise :class:`ChecksumError` naming all bad ones."""
