@@ -3,8 +3,8 @@
 Both saves are durable: burnpack ``write`` is atomic (scratch file, fsync, rename, directory
 fsync); safetensors ``save_file`` is followed by an fsync of the file. Loads are "open, get every
 tensor, touch every byte" (a sum), so lazy and eager readers do the same work; burnpack also
-verifies its per-tensor checksums (a row with ``verify=False`` shows their cost), and a row adds ``clone()`` to own the memory
-as ``load_file``'s tensors do. Runs are interleaved after a warm-up; the page cache is warm for
+verifies its per-tensor checksums (a row with ``verify=False`` shows their cost), and a row
+adds ``clone()`` to own the memory. Runs are interleaved after a warm-up; the page cache is warm for
 every load (the file was just written). Prints median and [min, max] over ``--reps`` runs.
 
     .venv/bin/python benchmarks/format_vs_safetensors.py [--reps 5] [--dir DIR]
