@@ -13,11 +13,21 @@ from lightning_bpk.records.base import (
     StateRecord,
     load_record,
 )
+from lightning_bpk.records.module import (
+    Adapter,
+    ModuleRecord,
+    default_param_id,
+    param_ids,
+)
 
 __all__ = [
     "RECORD_KIND_KEY",
+    "Adapter",
+    "ModuleRecord",
     "Record",
     "RecordError",
     "StateRecord",
+    "default_param_id",
     "load_record",
+    "param_ids",
 ]

@@ -1,0 +1,313 @@
+"""A module's parameters and persistent buffers as one burnpack, loaded with Burn's semantics.
+
+Names are ``module.state_dict()`` keys (``fc1.weight``, ``bn.running_mean``,
+``bn.num_batches_tracked`` as I64) and the write order is the module's registration order, so a
+record reads like Burn's ``ModuleRecord`` and a Burn file (no kind tag, Burn's names) loads as one.
+
+**Parameter ids.** Every parameter is written with a u64 ``param_id`` (Burn's ``ParamId``); the
+optimizer record keys its state by these ids. A parameter that was loaded from a record carries
+that record's id (attribute :data:`PARAM_ID_ATTR` on the ``nn.Parameter``). A parameter that was
+never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
+passed in: the first 8 bytes of ``blake2b(name, digest_size=8, person=b"lightning_bpk")`` read
+little-endian. That is stable across processes, so a fresh run names the same state the same
+way; wrapping the module (``nn.Sequential(model)``) changes the names and hence these ids,
+while ids taken from a record stay on the parameter objects. :func:`param_ids` lists them.
+
+**Tied weights** (one tensor object under several names) are stored once, under the first
+name; every further name is an alias in metadata (``lightning_bpk/alias/<name>`` ->
+``<first name>``). Burn reads the first name; :meth:`ModuleRecord.apply` loads into every name.
+
+**Adapters** translate names and layouts between this package and another framework (the
+interop module implements Burn <-> PyTorch ones). An adapter is any object with two methods::
+
+    class Adapter(Protocol):
+        def from_module(self, name: str, tensor: Tensor, layer: nn.Module | None)
+            -> tuple[str, Tensor]: ...   # torch name/tensor -> record name/tensor (on save)
+        def to_module(self, name: str, tensor: Tensor, layer: nn.Module | None)
+            -> tuple[str, Tensor]: ...   # record name/tensor -> torch name/tensor (on apply)
+
+``layer`` is the submodule owning the tensor: for ``from_module`` the owner of the torch name,
+for ``to_module`` the submodule at the record name's prefix (``None`` when there is none, e.g.
+when the adapter also renames the prefix). A returned tensor may be a new one (a transpose).
+
+Example::
+
+    >>> import torch
+    >>> net = torch.nn.Linear(2, 3)
+    >>> record = ModuleRecord.from_module(net)
+    >>> list(record.tensors)
+    ['weight', 'bias']
+    >>> other = ModuleRecord.from_bytes(record.to_bytes()).apply(torch.nn.Linear(2, 3))
+    >>> torch.equal(other.weight, net.weight), param_ids(other) == param_ids(net)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_bpk import burnpack
+from lightning_bpk.records.base import Record, RecordError, user_metadata
+
+# Attribute on an nn.Parameter holding the u64 id it was loaded with.
+PARAM_ID_ATTR = "_lightning_bpk_param_id"
+# Metadata prefix of tied-weight aliases: "<prefix><alias name>" -> "<stored name>".
+ALIAS_PREFIX = "lightning_bpk/alias/"
+# Personalization of the name hash, so our ids do not coincide with other blake2b uses.
+_ID_PERSON = b"lightning_bpk"
+DTYPE_POLICIES = ("from_record", "cast_to_module")
+
+
+class Adapter(Protocol):
+    """Translates names/tensors between a torch module and a record (see the module docstring)."""
+
+    def from_module(
+        self, name: str, tensor: torch.Tensor, layer: nn.Module | None
+    ) -> tuple[str, torch.Tensor]: ...
+
+    def to_module(
+        self, name: str, tensor: torch.Tensor, layer: nn.Module | None
+    ) -> tuple[str, torch.Tensor]: ...
+
+
+def default_param_id(name: str) -> int:
+    """The id of a never-loaded parameter: a 64-bit hash of its fully qualified name.
+
+    >>> default_param_id("fc1.weight") == default_param_id("fc1.weight")
+    True
+    """
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=_ID_PERSON).digest()
+    return int.from_bytes(digest, "little")
+
+
+def param_table(module: nn.Module) -> dict[int, tuple[int, str, nn.Parameter]]:
+    """``id(parameter) -> (param_id, first name, parameter)`` for every distinct parameter."""
+    table: dict[int, tuple[int, str, nn.Parameter]] = {}
+    for name, param in module.named_parameters():
+        pid = getattr(param, PARAM_ID_ATTR, None)
+        table[id(param)] = (default_param_id(name) if pid is None else pid, name, param)
+    return table
+
+
+def param_ids(module: nn.Module) -> dict[str, int]:
+    """Every parameter name (tied aliases included) -> its u64 param id.
+
+    >>> ids = param_ids(torch.nn.Linear(1, 1))
+    >>> sorted(ids), ids["bias"] == default_param_id("bias")
+    (['bias', 'weight'], True)
+    """
+    table = param_table(module)
+    return {name: table[id(p)][0] for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at the prefix of a dotted tensor name, or None when there is none."""
+    prefix = name.rpartition(".")[0]
+    try:
+        return module.get_submodule(prefix)
+    except AttributeError:
+        return None
+
+
+class ModuleRecord(Record):
+    """Parameters and buffers of a module, each parameter with its u64 ``param_id``.
+
+    ``tensors`` maps names to tensors in write order (views on the file when loaded from one),
+    ``param_ids`` names to ids, ``aliases`` tied names to the stored name, ``metadata`` holds
+    any other string metadata of the file (kept on re-save).
+    """
+
+    kind = "module"
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        param_ids: Mapping[str, int] | None = None,
+        aliases: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.tensors = dict(tensors)
+        self.param_ids = dict(param_ids or {})
+        self.aliases = dict(aliases or {})
+        self.metadata = dict(metadata or {})
+        dangling = [
+            f"alias '{a}' -> '{t}'" for a, t in self.aliases.items() if t not in self.tensors
+        ]
+        if dangling:
+            raise RecordError("validation", [f"{d} names no stored tensor" for d in dangling])
+
+    @classmethod
+    def from_module(cls, module: nn.Module, adapter: Adapter | None = None) -> ModuleRecord:
+        """Record ``module.state_dict()`` without copying (tensors are the module's own).
+
+        >>> sorted(ModuleRecord.from_module(torch.nn.BatchNorm1d(2)).tensors)[:2]
+        ['bias', 'num_batches_tracked']
+        """
+        ids = param_table(module)
+        tensors: dict[str, torch.Tensor] = {}
+        pids: dict[str, int] = {}
+        aliases: dict[str, str] = {}
+        stored_as: dict[int, str] = {}  # id(tensor) -> record name it is stored under
+        problems = []
+        for name, value in module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"'{name}': {type(value).__name__} is not a tensor")
+                continue
+            rec_name, tensor = name, value
+            if adapter is not None:
+                rec_name, tensor = adapter.from_module(name, value, _owner(module, name))
+            if rec_name in tensors or rec_name in aliases:
+                problems.append(f"'{rec_name}': two tensors are recorded under this name")
+            elif id(value) in stored_as:
+                aliases[rec_name] = stored_as[id(value)]
+            else:
+                try:
+                    burnpack.burn_dtype(tensor.dtype)
+                except burnpack.BurnpackError as e:
+                    problems.append(f"'{rec_name}': {e}")
+                stored_as[id(value)] = rec_name
+                tensors[rec_name] = tensor.detach()
+                if isinstance(value, nn.Parameter):
+                    pids[rec_name] = ids[id(value)][0]
+        if problems:
+            raise RecordError("validation", problems)
+        return cls(tensors, param_ids=pids, aliases=aliases)
+
+    def apply(
+        self,
+        module: nn.Module,
+        *,
+        allow_partial: bool = False,
+        allow_unused: bool = False,
+        validate: bool = True,
+        dtype_policy: str = "from_record",
+        adapter: Adapter | None = None,
+    ) -> nn.Module:
+        """Load the record into ``module`` in place and return it, as Burn's ``load_record``.
+
+        Record entries match module tensors by exact name. Checked before anything is changed,
+        and reported together in one :class:`RecordError` (kind ``validation``):
+
+        - shape mismatches ("apply errors"), unless ``validate=False`` (then skipped silently);
+        - module tensors absent from the record ("missing"), unless ``allow_partial``;
+        - record entries matching nothing ("unused"), unless ``allow_unused``.
+
+        ``dtype_policy="from_record"`` (Burn's default) gives each tensor the record's dtype;
+        ``"cast_to_module"`` keeps the module's dtype and casts the data. Parameters keep their
+        identity (optimizers still reference them) and take the record's ``param_id``.
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> ModuleRecord({"weight": torch.ones(2, 2)}).apply(net, allow_partial=True).weight.sum()
+        tensor(4., grad_fn=<SumBackward0>)
+        """
+        if dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, not {dtype_policy!r}")
+        incoming = self._incoming(module, adapter)
+        targets = module.state_dict(keep_vars=True)
+        apply_errors, missing, plan = [], [], []
+        for name, target in targets.items():
+            if name not in incoming:
+                missing.append(f"Missing tensor: '{name}'")
+                continue
+            tensor, pid = incoming[name]
+            if not isinstance(target, torch.Tensor):
+                apply_errors.append(
+                    f"Apply error: '{name}': module holds a {type(target).__name__}"
+                )
+            elif tuple(tensor.shape) != tuple(target.shape):
+                if validate:
+                    apply_errors.append(
+                        f"Apply error: '{name}': shape mismatch, expected {list(target.shape)} "
+                        f"but record has {list(tensor.shape)}"
+                    )
+            elif (
+                dtype_policy == "from_record"
+                and target.requires_grad
+                and not (tensor.is_floating_point() or tensor.is_complex())
+            ):
+                apply_errors.append(
+                    f"Apply error: '{name}': record dtype {tensor.dtype} cannot hold a trainable "
+                    "parameter (use dtype_policy='cast_to_module')"
+                )
+            else:
+                plan.append((target, tensor, pid))
+        problems = apply_errors
+        if not allow_partial:
+            problems += missing
+        if not allow_unused:
+            problems += [f"Unused tensor: '{n}'" for n in incoming if n not in targets]
+        if problems:
+            raise RecordError("validation", problems)
+        loaded: set[int] = set()  # a tied tensor appears under several names; load it once
+        with torch.no_grad():
+            for target, tensor, pid in plan:
+                if id(target) in loaded:
+                    continue
+                loaded.add(id(target))
+                if dtype_policy == "cast_to_module" or tensor.dtype == target.dtype:
+                    target.copy_(tensor)  # the one copy out of the record, casting if needed
+                else:
+                    target.data = tensor.to(device=target.device, copy=True)
+                if pid is not None and isinstance(target, nn.Parameter):
+                    setattr(target, PARAM_ID_ATTR, pid)
+        return module
+
+    def _incoming(
+        self, module: nn.Module, adapter: Adapter | None
+    ) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Record entries (aliases expanded) by module name, through the adapter if any."""
+        entries = [(n, t, self.param_ids.get(n)) for n, t in self.tensors.items()]
+        entries += [(a, self.tensors[t], self.param_ids.get(t)) for a, t in self.aliases.items()]
+        incoming: dict[str, tuple[torch.Tensor, int | None]] = {}
+        duplicates = []
+        for name, tensor, pid in entries:
+            if adapter is not None:
+                name, tensor = adapter.to_module(name, tensor, _owner(module, name))
+            if name in incoming:
+                duplicates.append(f"'{name}': the adapter maps two record entries to this name")
+            incoming[name] = (tensor, pid)
+        if duplicates:
+            raise RecordError("validation", duplicates)
+        return incoming
+
+    # -- burnpack content --
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        tensors = {
+            name: burnpack.TensorEntry.from_tensor(t, param_id=self.param_ids.get(name))
+            for name, t in self.tensors.items()
+        }
+        aliases = {ALIAS_PREFIX + a: t for a, t in self.aliases.items()}
+        return tensors, {}, {**self.metadata, **aliases}
+
+    @classmethod
+    def from_pack(cls, pack: burnpack.Pack) -> ModuleRecord:
+        quantized = [
+            n
+            for n, info in pack.entries.items()
+            if isinstance(info.dtype, dict) and "QFloat" in info.dtype
+        ]
+        if quantized:
+            raise RecordError(
+                "validation",
+                [
+                    f"{pack.source}: tensor '{n}' is quantized (QFloat), which torch cannot load"
+                    for n in quantized
+                ],
+            )
+        # Data order is the writer's input order (Burn: the module's visiting order).
+        order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+        tensors = {n: pack.tensor(n) for n in order}
+        pids = {n: pack.entries[n].param_id for n in order if pack.entries[n].param_id is not None}
+        metadata = user_metadata(pack)
+        aliases = {
+            k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)
+        }
+        other = {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)}
+        return cls(tensors, param_ids=pids, aliases=aliases, metadata=other)
