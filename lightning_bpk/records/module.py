@@ -22,13 +22,18 @@ interop module implements Burn <-> PyTorch ones). An adapter is any object with 
 
     class Adapter(Protocol):
         def from_module(self, name: str, tensor: Tensor, layer: nn.Module | None)
-            -> tuple[str, Tensor]: ...   # torch name/tensor -> record name/tensor (on save)
+            -> tuple[str, Tensor] | None: ...   # torch name/tensor -> record name/tensor (on save)
         def to_module(self, name: str, tensor: Tensor, layer: nn.Module | None)
             -> tuple[str, Tensor]: ...   # record name/tensor -> torch name/tensor (on apply)
 
 ``layer`` is the submodule owning the tensor: for ``from_module`` the owner of the torch name,
 for ``to_module`` the submodule at the record name's prefix (``None`` when there is none, e.g.
 when the adapter also renames the prefix). A returned tensor may be a new one (a transpose).
+``from_module`` may return ``None`` for a tensor the other framework does not have (torch's
+``num_batches_tracked`` in Burn): it is then neither recorded nor reported missing on apply.
+
+A buffer loaded from a record that gives it an id (Burn records running statistics with ids)
+keeps that id like a parameter does, so it is written back with it.
 
 Example::
 
@@ -68,7 +73,7 @@ class Adapter(Protocol):
 
     def from_module(
         self, name: str, tensor: torch.Tensor, layer: nn.Module | None
-    ) -> tuple[str, torch.Tensor]: ...
+    ) -> tuple[str, torch.Tensor] | None: ...
 
     def to_module(
         self, name: str, tensor: torch.Tensor, layer: nn.Module | None
@@ -161,7 +166,10 @@ class ModuleRecord(Record):
                 continue
             rec_name, tensor = name, value
             if adapter is not None:
-                rec_name, tensor = adapter.from_module(name, value, _owner(module, name))
+                adapted = adapter.from_module(name, value, _owner(module, name))
+                if adapted is None:
+                    continue
+                rec_name, tensor = adapted
             if rec_name in tensors or rec_name in aliases:
                 problems.append(f"'{rec_name}': two tensors are recorded under this name")
             elif id(value) in stored_as:
@@ -175,6 +183,8 @@ class ModuleRecord(Record):
                 tensors[rec_name] = tensor.detach()
                 if isinstance(value, nn.Parameter):
                     pids[rec_name] = ids[id(value)][0]
+                elif getattr(value, PARAM_ID_ATTR, None) is not None:
+                    pids[rec_name] = getattr(value, PARAM_ID_ATTR)
         if problems:
             raise RecordError("validation", problems)
         return cls(tensors, param_ids=pids, aliases=aliases)
@@ -213,7 +223,8 @@ class ModuleRecord(Record):
         apply_errors, missing, plan = [], [], []
         for name, target in targets.items():
             if name not in incoming:
-                missing.append(f"Missing tensor: '{name}'")
+                if adapter is None or adapter.from_module(name, target, _owner(module, name)):
+                    missing.append(f"Missing tensor: '{name}'")
                 continue
             tensor, pid = incoming[name]
             if not isinstance(target, torch.Tensor):
@@ -254,7 +265,7 @@ class ModuleRecord(Record):
                     target.copy_(tensor)  # the one copy out of the record, casting if needed
                 else:
                     target.data = tensor.to(device=target.device, copy=True)
-                if pid is not None and isinstance(target, nn.Parameter):
+                if pid is not None:
                     setattr(target, PARAM_ID_ATTR, pid)
         return module
 
