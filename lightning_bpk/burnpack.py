@@ -816,6 +816,7 @@ class Pack:
         self._buffer = memoryview(buffer).cast("B")
         self._mmap = _mmap
         self._closed = False
+        self._readonly = self._buffer.readonly
         self.source = source
         self.file_size = self._buffer.nbytes
         self._verified: set[str] = set()
@@ -974,7 +975,7 @@ class Pack:
         The tensors still share memory. Only entered when needed: ``catch_warnings`` costs
         microseconds per call and swaps process-wide warning state.
         """
-        if not self._buffer.readonly:
+        if not self._readonly:
             yield
             return
         with warnings.catch_warnings():
@@ -1073,21 +1074,25 @@ def read(path: str | os.PathLike[str]) -> Pack:
     p = resolve_path(path)
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on regular files).
-        with open(os.open(p, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ValidationError(f"{p}: not a regular file")
-            file_size = st.st_size
-            if file_size > MAX_FILE_SIZE:
-                raise ValidationError(
-                    f"{p}: File size {file_size} bytes exceeds maximum allowed size of "
-                    f"{MAX_FILE_SIZE} bytes"
-                )
-            if file_size < HEADER_SIZE:
-                raise HeaderError(
-                    f"{p}: Invalid header: insufficient bytes ({file_size} < {HEADER_SIZE})"
-                )
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise BurnpackIOError(f"cannot read {p}: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValidationError(f"{p}: not a regular file")
+        if st.st_size > MAX_FILE_SIZE:
+            raise ValidationError(
+                f"{p}: File size {st.st_size} bytes exceeds maximum allowed size of "
+                f"{MAX_FILE_SIZE} bytes"
+            )
+        if st.st_size < HEADER_SIZE:
+            raise HeaderError(
+                f"{p}: Invalid header: insufficient bytes ({st.st_size} < {HEADER_SIZE})"
+            )
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise BurnpackIOError(f"cannot read {p}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)  # the mapping keeps the file's pages reachable on its own
     return Pack(mapping, source=str(p), _mmap=mapping)
