@@ -22,16 +22,20 @@ Saving iteration N (when ``N % checkpoint_frequency == 0``), under the directory
 1. remove temporaries an earlier crashed save left (only names this checkpointer produces);
 2. write every entry into the staging directory ``ckpt.N.<pid>-<k>.tmp`` (each file fsynced,
    and the directory after each rename, by :func:`lightning_bpk._fs.atomic_file`);
-3. if ``ckpt.N`` already exists: remove sentinel N first (N stops being "complete"), then move
-   the old data aside; rename the staging directory to ``ckpt.N``; fsync ``base_directory``;
+3. if ``ckpt.N`` already exists: move sentinel N aside first (N stops being "complete") and
+   fsync, then move the old data aside; rename the staging directory to ``ckpt.N``; fsync
+   ``base_directory``;
 4. write the sentinel atomically (scratch file, fsync, rename, fsync ``base_directory``);
-5. garbage-collect (below), sentinels before data.
+5. delete what step 3 moved aside, then garbage-collect (below), sentinels before data.
+
+An exception anywhere in steps 2-4 (a full disk, an I/O error) undoes what was done, with
+renames only, so a failed save leaves the directory exactly as it found it.
 
 A crash (even SIGKILL or power loss) at any point therefore leaves every earlier complete
 checkpoint as it was, and a sentinel only ever names data that is already durable. The one
-window with a cost is re-saving an existing N: between steps 3 and 4 the old N is no longer
-complete, so a crash there falls back to the checkpoint before it (the old bytes are never
-half-destroyed; they sit in a temporary that the next save removes).
+window with a cost is re-saving an existing N: if the process dies between steps 3 and 4, the
+old N is no longer complete and resume falls back to the checkpoint before it (the old bytes
+are never half-destroyed; they sit in temporaries that the next save removes).
 
 **The sentinel is a manifest**, not Dopamine's ``b'done'``: format tag and version, the
 iteration, the data directory name and, per file, its key, record kind, size and the xxh3-64 of
@@ -644,31 +648,57 @@ class Checkpointer:
                 _remove(path)
 
     def _publish(self, n: int, data: Mapping[str, Any]) -> Path:
-        """Stage, swap into place, then write the sentinel (steps 2-4 of the module docstring)."""
+        """Stage, swap into place, write the sentinel (steps 2-5 of the module docstring)."""
         target = self.checkpoint_path(n)
         sentinel = self.sentinel_path(n)
         staging, files = self._stage(n, data)
-        displaced = None
+        old_sentinel = old_data = None
+        swapped = False
         try:
             if os.path.lexists(target):
                 # N becomes incomplete before its old data is touched: a crash from here on
                 # falls back to an older checkpoint, never to a half-replaced N.
+                if os.path.lexists(sentinel):
+                    old_sentinel = _fs.scratch_path(sentinel)
+                    os.rename(sentinel, old_sentinel)
+                    _fs.fsync_dir(self.base_directory)
+                old_data = _fs.scratch_path(target)
+                os.rename(target, old_data)
+            os.rename(staging, target)
+            swapped = True
+            _fs.fsync_dir(self.base_directory)
+            with _fs.atomic_file(sentinel) as f:
+                _fs.write_all(f, _encode_manifest(n, _Manifest(target.name, files)))
+        except BaseException:
+            self._roll_back(staging, target, sentinel, swapped, old_data, old_sentinel)
+            raise
+        for moved in (old_data, old_sentinel):
+            if moved is not None:
+                _remove(moved)
+        return target
+
+    def _roll_back(
+        self,
+        staging: Path,
+        target: Path,
+        sentinel: Path,
+        swapped: bool,
+        old_data: Path | None,
+        old_sentinel: Path | None,
+    ) -> None:
+        """Undo a failed :meth:`_publish` with renames only (no free space needed)."""
+        with contextlib.suppress(OSError):
+            if swapped:
+                # Any sentinel N now is the new one: the old one was moved aside or never existed.
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(sentinel)
-                _fs.fsync_dir(self.base_directory)
-                displaced = _fs.scratch_path(target)
-                os.rename(target, displaced)
-            os.rename(staging, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                _remove(staging)
-            raise
-        _fs.fsync_dir(self.base_directory)
-        with _fs.atomic_file(sentinel) as f:
-            _fs.write_all(f, _encode_manifest(n, _Manifest(target.name, files)))
-        if displaced is not None:
-            _remove(displaced)
-        return target
+                os.rename(target, staging)
+            _remove(staging)
+            if old_data is not None:
+                os.rename(old_data, target)
+            if old_sentinel is not None:
+                os.rename(old_sentinel, sentinel)
+            _fs.fsync_dir(self.base_directory)
 
     def _stage(self, n: int, data: Mapping[str, Any]) -> tuple[Path, dict[str, _FileEntry]]:
         """Write every entry into a fresh staging directory; return it and the manifest entries.
