@@ -4,23 +4,27 @@ Lightning's checkpoint dict mixes tensors with ints, floats, strings, tuples, ``
 int-keyed dicts. This codec stores each leaf where a reader of the ``.bpk`` expects it and
 records the shape of the structure as JSON, so every value comes back with its exact type:
 
-=====================  ===============================================================
-Python value           stored as
-=====================  ===============================================================
-``torch.Tensor``       a tensor (0-d included, dtype kept)
-``numpy.ndarray``      a tensor, decoded back to an ndarray
-``bytes``              a U8 tensor
-``bool``/``int``       a ``Bool``/``Int`` scalar (``UInt`` past i64; decimal text past u64)
-``float``              a ``Float`` scalar (NaN and infinities included)
-``str``                a ``metadata`` entry
-``None``               only in the structure
-dict/list/tuple        only in the structure; dict keys may be str, int, float, bool, None
-=====================  ===============================================================
+==========================  ===================================================================
+Python value                stored as
+==========================  ===================================================================
+``torch.Tensor``            a tensor (0-d included, dtype kept)
+``numpy.ndarray``           a tensor, decoded back to an ndarray
+``bytes``, ``bytearray``    a U8 tensor
+``bool``/``int``            a ``Bool``/``Int`` scalar (``UInt`` past i64; decimal text past u64)
+``float``                   a ``Float`` scalar (NaN and infinities included)
+``str``                     a ``metadata`` entry
+``None``                    only in the structure
+dict/list/tuple             only in the structure; dict keys may be str, int, float, bool, None
+==========================  ===================================================================
 
 Leaf names are the dotted path to the leaf (``optimizer_states.0.param_groups.0.lr``); a ``.``
-or ``%`` inside a key is percent-escaped. The structure lives in the metadata entry
-:data:`STRUCTURE_KEY`. Anything else (a user object, a lambda, a set) raises :class:`StateError`
-naming where it sits, e.g. ``$['hyper_parameters']['loss_fn']``.
+or ``%`` inside a key is percent-escaped, and a name that would start with the reserved
+:data:`RESERVED_PREFIX` has its first letter escaped. The structure lives in the metadata entry
+:data:`STRUCTURE_KEY`. Two hooks let a caller lay leaves out the way another reader expects
+(the optimizer record uses them for Burn's names): ``name_path`` maps a leaf's path to the path
+that names it, and ``as_scalar`` picks 0-d tensors to store as scalars (the dtype stays in the
+structure, so they decode as the same 0-d tensor). Anything else (a user object, a lambda, a
+set) raises :class:`StateError` naming where it sits, e.g. ``$['hyper_parameters']['loss_fn']``.
 
 >>> import torch
 >>> content = encode({"step": 3, "betas": (0.9, 0.999), "w": torch.ones(2)})
@@ -33,8 +37,9 @@ naming where it sits, e.g. ``$['hyper_parameters']['loss_fn']``.
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +50,9 @@ from lightning_bpk.burnpack import Scalar
 
 # Metadata entry holding the JSON structure; the "/" keeps it apart from escaped leaf names.
 STRUCTURE_KEY = "lightning_bpk/state"
+# Names under this prefix belong to the package (record kind, checksums, aliases): leaf names
+# never start with it, so user keys like "lightning_bpk/record" cannot overwrite them.
+RESERVED_PREFIX = "lightning_bpk/"
 # Bumped when the structure encoding changes incompatibly; readers refuse newer versions.
 STRUCTURE_VERSION = 1
 # Name of a leaf that is the whole value (``encode(3)``).
@@ -79,8 +87,28 @@ def _where(path: tuple) -> str:
     return "$" + "".join(f"[{k!r}]" for k in path)
 
 
+PathHook = Callable[[tuple], tuple]
+ScalarHook = Callable[[tuple], bool]
+
+
+def _tensor_scalar(tensor: torch.Tensor) -> Scalar:
+    """A 0-d tensor as a scalar: counters (integral values, e.g. a float ``step``) as ``UInt``
+    (``Int`` when negative), other floats as ``Float``; the structure keeps the dtype."""
+    value = tensor.item()
+    if isinstance(value, bool):
+        return Scalar.Bool(value)
+    if isinstance(value, float):
+        integral = math.isfinite(value) and value == int(value) and math.copysign(1, value) > 0
+        if not integral or int(value) > _U64_MAX:  # -0.0, NaN, fractions, huge: keep a float
+            return Scalar.Float(value)
+        value = int(value)
+    return Scalar("UInt" if value >= 0 else "Int", value)
+
+
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, name_path: PathHook | None, as_scalar: ScalarHook | None) -> None:
+        self.name_path = name_path
+        self.as_scalar = as_scalar
         self.content = Content({}, {}, {})
         self.used: set[str] = {STRUCTURE_KEY}
         # id(tensor) -> (tensor, name): a tensor met twice is stored once; holding the tensor
@@ -88,7 +116,10 @@ class _Encoder:
         self.tensor_names: dict[int, tuple[torch.Tensor, str]] = {}
 
     def name_for(self, path: tuple) -> str:
-        base = ".".join(_segment(k) for k in path) or ROOT_NAME
+        named = self.name_path(path) if self.name_path is not None else path
+        base = ".".join(_segment(k) for k in named) or ROOT_NAME
+        if base.startswith(RESERVED_PREFIX):
+            base = f"%{ord(base[0]):02X}{base[1:]}"
         name, n = base, 1
         while name in self.used:  # e.g. keys 1 and "1" side by side
             name, n = f"{base}~{n}", n + 1
@@ -115,11 +146,16 @@ class _Encoder:
             self.content.metadata[name] = value
             return ["s", name]
         if isinstance(value, torch.Tensor):
+            if value.dim() == 0 and self.as_scalar is not None and self.as_scalar(path):
+                dtype = self.check_dtype(value, path)
+                return ["z", self.scalar(path, _tensor_scalar(value)), dtype]
             return ["t", self.tensor(value, path)]
         if isinstance(value, np.ndarray):
             return ["n", self.tensor(_from_numpy(value, path), path)]
         if isinstance(value, (bytes, bytearray)):
-            return ["y", self.tensor(torch.tensor(list(value), dtype=torch.uint8), path)]
+            data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else None
+            tensor = torch.zeros(0, dtype=torch.uint8) if data is None else data
+            return ["y" if isinstance(value, bytes) else "Y", self.tensor(tensor, path)]
         if isinstance(value, (dict, OrderedDict)):
             kind = "O" if isinstance(value, OrderedDict) else "D"
             items = []
@@ -152,36 +188,50 @@ class _Encoder:
         shared = self.tensor_names.get(id(tensor))
         if shared is not None:
             return shared[1]
-        if tensor.layout != torch.strided:
-            raise StateError(f"{_where(path)}: {tensor.layout} tensors are not supported")
-        try:
-            burnpack.burn_dtype(tensor.dtype)
-        except burnpack.BurnpackError:
-            raise StateError(
-                f"{_where(path)}: tensor dtype {tensor.dtype} has no burnpack equivalent"
-            ) from None
+        self.check_dtype(tensor, path)
         name = self.name_for(path)
         self.content.tensors[name] = tensor.detach()
         self.tensor_names[id(tensor)] = (tensor, name)
         return name
 
+    def check_dtype(self, tensor: torch.Tensor, path: tuple) -> Any:
+        """Burn's dtype value for the tensor; StateError when it has none."""
+        if tensor.layout != torch.strided:
+            raise StateError(f"{_where(path)}: {tensor.layout} tensors are not supported")
+        try:
+            return burnpack.burn_dtype(tensor.dtype)
+        except burnpack.BurnpackError:
+            raise StateError(
+                f"{_where(path)}: tensor dtype {tensor.dtype} has no burnpack equivalent"
+            ) from None
+
 
 def _from_numpy(array: np.ndarray, path: tuple) -> torch.Tensor:
+    # np.ascontiguousarray would turn a 0-d array into shape (1,); copy keeps the shape.
+    native = array.astype(array.dtype.newbyteorder("="), order="C", copy=True)
     try:
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(native)
     except TypeError:
         raise StateError(f"{_where(path)}: numpy dtype {array.dtype} is not supported") from None
 
 
-def encode(obj: Any) -> Content:
+def encode(
+    obj: Any, *, name_path: PathHook | None = None, as_scalar: ScalarHook | None = None
+) -> Content:
     """Split nested Python data into burnpack tensors, scalars and metadata.
 
     Raises :class:`StateError` naming the path of the first value it cannot represent.
+    ``name_path(path)`` returns the path whose segments name a leaf (default: ``path``);
+    ``as_scalar(path)`` says whether a 0-d tensor there is stored as a scalar.
 
     >>> encode({1: "a"}).metadata["1"]
     'a'
+    >>> content = encode({"s": {"step": torch.tensor(3.0)}}, name_path=lambda p: ("x", *p[1:]),
+    ...                  as_scalar=lambda p: p[-1] == "step")
+    >>> content.scalars, decode(content)["s"]["step"]
+    ({'x.step': Scalar.UInt(3)}, tensor(3.))
     """
-    encoder = _Encoder()
+    encoder = _Encoder(name_path, as_scalar)
     tree = encoder.node(obj, ())
     encoder.content.metadata[STRUCTURE_KEY] = json.dumps(
         {"version": STRUCTURE_VERSION, "tree": tree}, separators=(",", ":"), allow_nan=True
@@ -204,9 +254,11 @@ class _Decoder:
     def node(self, node: Any, path: tuple) -> Any:
         if node is None:
             return None
-        if len(path) > MAX_DEPTH or not isinstance(node, list) or len(node) != 2:
+        if len(path) > MAX_DEPTH or not isinstance(node, list) or len(node) not in (2, 3):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
-        kind, arg = node
+        if (len(node) == 3) != (node[0] == "z"):
+            raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
+        kind, arg = node[0], node[1]
         if kind in ("b", "i", "f"):
             scalar = self.leaf(self.scalars, arg, "scalar", path)
             expected = {"b": ("Bool",), "i": ("Int", "UInt"), "f": ("Float",)}[kind]
@@ -221,13 +273,14 @@ class _Decoder:
                 return int(text)
             except ValueError:
                 raise StateError(f"{_where(path)}: {text[:40]!r} is not an integer") from None
-        if kind in ("t", "n", "y"):
-            if arg in self.seen:
-                return self.seen[arg]
-            tensor = self.tensors(arg, path)
-            value = tensor if kind == "t" else tensor.numpy() if kind == "n" else bytes(tensor)
-            self.seen[arg] = value
-            return value
+        if kind == "z" and isinstance(node, list):
+            return self.scalar_tensor(node, path)
+        if kind in ("t", "n", "y", "Y"):
+            if not isinstance(arg, str):
+                raise StateError(f"{_where(path)}: tensor name {str(arg)[:80]} is not a string")
+            if arg not in self.seen:
+                self.seen[arg] = _tensor_as(kind, self.tensors(arg, path), path)
+            return self.seen[arg]
         if kind in ("L", "U") and isinstance(arg, list):
             items = [self.node(v, (*path, i)) for i, v in enumerate(arg)]
             return items if kind == "L" else tuple(items)
@@ -241,7 +294,43 @@ class _Decoder:
                     raise StateError(f"{_where(path)}: malformed dict key {str(key)[:80]}")
                 out[key] = self.node(child, (*path, key))
             return out
-        raise StateError(f"{_where(path)}: unknown structure node kind {kind!r}")
+        raise StateError(f"{_where(path)}: unknown structure node kind {str(kind)[:20]}")
+
+    def scalar_tensor(self, node: list, path: tuple) -> torch.Tensor:
+        """A ``["z", scalar name, burn dtype]`` node: the 0-d tensor stored as a scalar."""
+        _, name, dtype_value = node
+        scalar = self.leaf(self.scalars, name, "scalar", path)
+        try:
+            dtype = burnpack.torch_dtype(dtype_value)
+        except (burnpack.BurnpackError, TypeError):
+            raise StateError(f"{_where(path)}: unknown dtype {str(dtype_value)[:40]}") from None
+        value = scalar.value
+        if dtype.is_floating_point:
+            value = float(value)
+        elif dtype == torch.bool:
+            if scalar.kind != "Bool":
+                raise StateError(f"{_where(path)}: scalar {name!r} is {scalar.kind}, not Bool")
+        elif not isinstance(value, int) or isinstance(value, bool):
+            raise StateError(f"{_where(path)}: scalar {name!r} is {scalar.kind}, not an integer")
+        try:
+            return torch.tensor(value, dtype=dtype)
+        except (RuntimeError, OverflowError):
+            raise StateError(f"{_where(path)}: {value!r} does not fit {dtype}") from None
+
+
+def _tensor_as(kind: str, tensor: torch.Tensor, path: tuple) -> Any:
+    """A stored tensor as the type it was encoded from: tensor, ndarray, bytes or bytearray."""
+    if kind == "t":
+        return tensor
+    if kind == "n":
+        try:
+            return tensor.numpy()
+        except TypeError:
+            raise StateError(f"{_where(path)}: {tensor.dtype} has no numpy equivalent") from None
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise StateError(f"{_where(path)}: bytes must be a 1-d U8 tensor, got {tensor.dtype}")
+    data = tensor.numpy().tobytes()
+    return data if kind == "y" else bytearray(data)
 
 
 def decode(source: burnpack.Pack | Content, *, verify: bool = True) -> Any:

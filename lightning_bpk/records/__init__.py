@@ -19,11 +19,13 @@ from lightning_bpk.records.module import (
     default_param_id,
     param_ids,
 )
+from lightning_bpk.records.optimizer import OptimizerRecord
 
 __all__ = [
     "RECORD_KIND_KEY",
     "Adapter",
     "ModuleRecord",
+    "OptimizerRecord",
     "Record",
     "RecordError",
     "StateRecord",
