@@ -1,0 +1,391 @@
+"""``BurnpackCheckpoint``: save every epoch, resume by itself, survive preemption.
+
+One line of setup::
+
+    trainer = L.Trainer(callbacks=[BurnpackCheckpoint()])
+    trainer.fit(model)            # a second run with the same directory continues where it was
+
+**Saving.** At the end of every training epoch N (Lightning's 0-based ``current_epoch``, after
+validation, when ``N % checkpoint_frequency == 0``) the dict Lightning itself builds
+(``dump_checkpoint``, so loops, callback states and hooks are exactly Lightning's) is split by
+:mod:`lightning_bpk.trainer_state` into ``model.bpk``, ``optim.bpk``..., ``scheduler.bpk``...
+and ``trainer.bpk`` (with the RNG states), and saved as checkpoint N by a
+:class:`~lightning_bpk.checkpointer.Checkpointer` in ``dirpath`` (default
+``{default_root_dir}/checkpoints``)::
+
+    checkpoints/
+    ├── ckpt.3/{model,optim,scheduler,trainer}.bpk
+    ├── sentinel_checkpoint_complete.3
+    └── ckpt.4/ ... sentinel_checkpoint_complete.4
+
+Only global rank 0 writes; all ranks then agree on the outcome, so a failed save (a full disk)
+raises :class:`CheckpointSaveError` on every rank and leaves every earlier checkpoint intact.
+
+**Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
+(:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
+falls back past damaged ones and honours gin's ``override_number``); the number is shared with
+every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the callback
+intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
+``ckpt_path`` it loads checkpoint N there, and Lightning restores everything in its own order
+(model, callbacks, precision, loops, optimizers, schedulers), continuing at epoch N+1. An
+explicit ``ckpt_path`` wins (a checkpoint directory of ours works there too, without the IO
+plugin); ``resume=False`` starts fresh. The RNG states are restored at ``on_fit_start``, the
+last hook before Lightning creates the training DataLoader iterator (sanity validation runs in
+``isolate_rng``), so the continued run is bit-identical to one that never stopped.
+
+**Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
+still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
+At the next ``on_train_batch_end`` all ranks agree on the flag (all-reduce MAX), save, and stop
+with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit``
+without code: exit status 0). A signal during validation is acted on at epoch end, after the
+regular save.
+
+**What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
+saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
+after those ``k`` batches, but Lightning's loop counters as they were at the start of epoch E
+(those of checkpoint E-1; none for E = 0). It is saved as number E (forced, whatever the
+frequency) and marked in ``trainer.bpk`` under ``lightning_bpk/preempted``. Resuming from it
+runs epoch E again from its first batch, with the next shuffle of the RNG stream: the ``k``
+batches' updates are kept and all of epoch E's data is seen once more; ``global_step`` goes back
+to its value at the start of epoch E (the optimizer's own step counts, e.g. Adam's, keep the
+``k`` steps), and a per-step scheduler keeps its ``k`` steps. The end-of-epoch save of E then
+replaces the marked checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+import gin
+from lightning_bpk import trainer_state
+from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+
+log = logging.getLogger("lightning_bpk")
+
+# Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
+# time limit; SIGUSR1: SLURM's --signal default for requeue).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
+
+
+def _agree(trainer: pl.Trainer, value: int) -> int:
+    """The maximum of ``value`` over all ranks (every rank must call this at the same point)."""
+    tensor = torch.tensor(value, dtype=torch.int64, device=trainer.strategy.root_device)
+    return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+
+
+def _is_lightning_handler(handler: object) -> bool:
+    """Lightning's own signal-connector handlers (bound methods), which we take over."""
+    owner = getattr(handler, "__self__", None)
+    return type(owner).__module__ == _LIGHTNING_SIGNAL_CONNECTOR
+
+
+def _others(handler: object) -> list[Callable[..., Any]]:
+    """The callables a previously installed handler runs, without Lightning's own ones."""
+    inner = getattr(handler, "signal_handlers", None)  # Lightning's _HandlersCompose
+    handlers = list(inner) if isinstance(inner, list) else [handler]
+    return [h for h in handlers if callable(h) and not _is_lightning_handler(h)]
+
+
+@gin.configurable(module="lightning_bpk")
+class BurnpackCheckpoint(Checkpoint):
+    """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
+
+    Args:
+        dirpath: where checkpoints go; ``None`` means ``{trainer.default_root_dir}/checkpoints``.
+        checkpoint_file_prefix, sentinel_file_identifier, checkpoint_frequency,
+            checkpoint_duration, keep_every: passed to the
+            :class:`~lightning_bpk.checkpointer.Checkpointer` (save epochs that are multiples of
+            the frequency, keep the last ``duration`` of them plus every ``keep_every``-th).
+        resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
+            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
+        verify: check every byte of the chosen checkpoint before resuming from it (falling
+            back to older ones); ``False`` checks sentinels and file sizes only.
+        preemption_signals: signals that trigger a save-and-stop (empty: none).
+
+    Example::
+
+        >>> cb = BurnpackCheckpoint(dirpath="/tmp/run/ckpt", keep_every=5)
+        >>> cb.checkpoint_frequency, cb.resume
+        (1, True)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        checkpoint_file_prefix: str = "ckpt",
+        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_frequency: int = 1,
+        checkpoint_duration: int = 4,
+        keep_every: int | None = None,
+        resume: bool = True,
+        verify: bool = True,
+        preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+    ) -> None:
+        super().__init__()
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.checkpoint_file_prefix = checkpoint_file_prefix
+        self.sentinel_file_identifier = sentinel_file_identifier
+        self.checkpoint_frequency = checkpoint_frequency
+        self.checkpoint_duration = checkpoint_duration
+        self.keep_every = keep_every
+        self.resume = resume
+        self.verify = verify
+        self.preemption_signals = tuple(preemption_signals)
+        self.checkpointer: Checkpointer | None = None
+        self.restored_number: int | None = None  # the checkpoint this fit resumed from
+        self.last_saved_number: int | None = None
+        self._resume_number = -1
+        self._rng: dict | None = None  # RNG states to restore at fit start
+        self._fit_started = False
+        self._boundary_loops: dict | None = None  # loop state at the start of this epoch
+        self._preempt_requested = False
+        self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            dirpath=None if self.dirpath is None else str(self.dirpath),
+            checkpoint_file_prefix=self.checkpoint_file_prefix,
+        )
+
+    # -- setup and resume ----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        dirpath = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+        dirpath = Path(trainer.strategy.broadcast(str(dirpath)))
+        if trainer.is_global_zero:
+            self.checkpointer = self._make_checkpointer(dirpath)
+        trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
+        if not trainer.is_global_zero:
+            self.checkpointer = self._make_checkpointer(dirpath)
+        self._fit_started = False
+        self._rng = None
+        self._boundary_loops = None
+        self.restored_number = None
+        number = -1
+        if self.resume and trainer.is_global_zero:
+            number = get_latest_checkpoint_number(
+                dirpath,
+                sentinel_file_identifier=self.sentinel_file_identifier,
+                checkpoint_file_prefix=self.checkpoint_file_prefix,
+                verify=self.verify,
+            )
+        self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._intercept_resume(trainer)
+
+    def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
+        settings = dict(
+            checkpoint_file_prefix=self.checkpoint_file_prefix,
+            sentinel_file_identifier=self.sentinel_file_identifier,
+            checkpoint_frequency=self.checkpoint_frequency,
+            checkpoint_duration=self.checkpoint_duration,
+            keep_every=self.keep_every,
+        )
+        settings.update(overrides)
+        return Checkpointer(dirpath, **settings)
+
+    def _intercept_resume(self, trainer: pl.Trainer) -> None:
+        """Make the next ``resume_start`` load our checkpoint when ``fit`` got no ckpt_path."""
+        connector = trainer._checkpoint_connector
+        original = type(connector).resume_start.__get__(connector)
+
+        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+            del connector.resume_start  # one shot: back to the class method
+            path = checkpoint_path
+            if path is None and self._resume_number >= 0:
+                assert self.checkpointer is not None
+                path = self.checkpointer.checkpoint_path(self._resume_number)
+            if path is None or not Path(path).is_dir():
+                original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
+                return
+            if checkpoint_path is None:
+                self.restored_number = self._resume_number
+                rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
+            loaded = trainer_state.load(path)
+            connector._ckpt_path = path
+            connector._loaded_checkpoint = _pl_migrate_checkpoint(loaded, path)
+
+        connector.resume_start = resume_start
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._rng = checkpoint.get(trainer_state.RNG_KEY)
+        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self._restore_rng()
+        loops = checkpoint.get("loops")
+        self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
+        preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
+        where = (
+            f"epoch {checkpoint.get('epoch')} (preempted after {preempted['batches']} batches; "
+            "replaying that epoch from its first batch)"
+            if preempted
+            else f"the end of epoch {checkpoint.get('epoch')}"
+        )
+        if trainer.is_global_zero:
+            log.info(
+                "restored %s from %s, global step %s",
+                trainer.ckpt_path,
+                where,
+                checkpoint.get("global_step"),
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = True
+        self._restore_rng()
+
+    def _restore_rng(self) -> None:
+        if self._rng is not None:
+            trainer_state.restore_rng(self._rng)
+            self._rng = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.restored_number is not None:
+            log.info(
+                "continuing training at epoch %d (global step %d) after checkpoint %d",
+                trainer.current_epoch,
+                trainer.global_step,
+                self.restored_number,
+            )
+        self._install_signal_handlers()
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._preemption_agreed(trainer):
+            return
+        epoch = trainer.current_epoch
+        self._save(trainer, epoch, preempted={"epoch": epoch, "batches": batch_idx + 1})
+        self._stop(trainer, f"after batch {batch_idx} of epoch {epoch}")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        preempted = self._preemption_agreed(trainer)
+        if preempted or epoch % self.checkpoint_frequency == 0:
+            self._save(trainer, epoch)
+        self._boundary_loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+        if preempted:
+            self._stop(trainer, f"at the end of epoch {epoch}")
+
+    def _save(self, trainer: pl.Trainer, number: int, preempted: dict | None = None) -> None:
+        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result)."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        error: BaseException | None = None
+        if trainer.is_global_zero:
+            try:
+                self._write(trainer, number, checkpoint, preempted)
+            except Exception as e:
+                error = e
+        if _agree(trainer, int(error is not None)):
+            if error is not None:
+                raise CheckpointSaveError(
+                    f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
+                    f"({error}); earlier checkpoints are untouched"
+                ) from error
+            raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
+        self.last_saved_number = number
+
+    def _write(
+        self, trainer: pl.Trainer, number: int, checkpoint: dict, preempted: dict | None
+    ) -> None:
+        assert self.checkpointer is not None
+        checkpointer = self.checkpointer
+        if preempted is not None:
+            checkpoint = dict(checkpoint, **{trainer_state.PREEMPTED_KEY: preempted})
+            checkpoint.pop("loops")
+            if self._boundary_loops is not None:
+                checkpoint["loops"] = self._boundary_loops
+            # Saved whatever the frequency; garbage collection as the regular checkpointer's.
+            f, k = self.checkpoint_frequency, self.keep_every
+            checkpointer = self._make_checkpointer(
+                checkpointer.base_directory,
+                checkpoint_frequency=1,
+                checkpoint_duration=f * self.checkpoint_duration,
+                keep_every=None if k is None else k * f,
+            )
+        data = trainer_state.to_records(
+            checkpoint,
+            trainer.lightning_module,
+            trainer.optimizers,
+            [config.scheduler for config in trainer.lr_scheduler_configs],
+        )
+        path = checkpointer.save_checkpoint(number, data)
+        if path is not None:
+            log.info("saved checkpoint %d at %s", number, path)
+
+    # -- preemption ----------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Never save here: the main thread may be anywhere (inside a collective, a write).
+        self._preempt_requested = True
+        for handler in _others(self._previous_handlers.get(signum)):
+            handler(signum, frame)
+
+    def _install_signal_handlers(self) -> None:
+        self._preempt_requested = False
+        if self._previous_handlers:
+            return
+        for signum in self.preemption_signals:
+            try:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+            except ValueError:  # not the main thread: signals cannot be handled here
+                break
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers = {}
+
+    def _preemption_agreed(self, trainer: pl.Trainer) -> bool:
+        if trainer.world_size == 1:
+            return self._preempt_requested
+        return bool(_agree(trainer, int(self._preempt_requested)))
+
+    def _stop(self, trainer: pl.Trainer, where: str) -> None:
+        if trainer.is_global_zero:
+            log.info(
+                "preemption signal: saved checkpoint %s %s; stopping (exit status 0)",
+                self.last_saved_number,
+                where,
+            )
+        raise SIGTERMException()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore_signal_handlers()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_signal_handlers()
+        connector = trainer._checkpoint_connector
+        if "resume_start" in vars(connector):  # fit failed before Lightning restored anything
+            del connector.resume_start

@@ -1,0 +1,76 @@
+"""``BurnpackCheckpointIO``: Lightning's byte layer, in burnpack instead of ``torch.save``.
+
+::
+
+    trainer = L.Trainer(plugins=[BurnpackCheckpointIO()])
+    trainer.save_checkpoint("run/manual.ckpt")       # a burnpack file, no pickle
+    trainer.fit(model, ckpt_path="run/manual.ckpt")  # loads it back
+
+Every path Lightning hands over (``trainer.save_checkpoint``, ``ModelCheckpoint``'s
+``epoch=3-step=16.ckpt`` and ``last.ckpt``, ``OnExceptionCheckpoint``) becomes **one file** at
+exactly that path, so ModelCheckpoint's naming, top-k deletion and ``ckpt_path="last"`` work
+unchanged. It holds Lightning's whole dict as a StateRecord (see
+:mod:`lightning_bpk.trainer_state`): optimizer state keeps its int keys, tuples stay tuples,
+0-d tensors stay tensors, and the RNG states are added. The write is atomic (scratch file beside
+the target, fsync, rename), so a crash or a full disk leaves the previous file intact.
+
+``load_checkpoint`` also accepts a checkpoint directory written by
+:class:`~lightning_bpk.callback.BurnpackCheckpoint` (``checkpoints/ckpt.7``), so one plugin
+loads both. Loading is read-only and deterministic: every rank reads the same bytes and gets the
+same dict. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+
+from lightning_bpk import trainer_state
+
+
+class BurnpackCheckpointIO(CheckpointIO):
+    """A :class:`~lightning.fabric.plugins.CheckpointIO` writing burnpack files (no pickle).
+
+    >>> import tempfile, torch
+    >>> io = BurnpackCheckpointIO()
+    >>> path = tempfile.mkdtemp() + "/x.ckpt"
+    >>> io.save_checkpoint({"epoch": 1, "optimizer_states": [{"state": {0: {}}}]}, path)
+    >>> io.load_checkpoint(path)["optimizer_states"]
+    [{'state': {0: {}}}]
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        """Write ``checkpoint`` atomically as one burnpack file at ``path``."""
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                f"{type(self).__name__}; it writes local burnpack files"
+            )
+        trainer_state.save_file(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Read a file this IO wrote, or a BurnpackCheckpoint directory, into Lightning's dict.
+
+        Tensors come back on the CPU (``map_location`` is accepted for the interface; Lightning
+        moves state to the device itself). ``weights_only`` is moot: nothing is unpickled.
+        """
+        return trainer_state.load(path)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
+        target = Path(path)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink(missing_ok=True)

@@ -1,0 +1,146 @@
+"""A tiny, deterministic Lightning run for the integration tests, usable in-process or as a script.
+
+Shuffled DataLoader, dropout, Adam and StepLR: every source of state a resume must restore.
+As a script (run by the end-to-end, preemption and DDP tests)::
+
+    python lightning_tiny.py --root DIR --epochs 4 [--kill-at-step K] [--term-at-step K]
+        [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES]
+
+``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
+``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
+multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank ``--term-rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import signal
+import sys
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+SAMPLES = 48  # 6 batches of 8 per epoch: small enough for seconds, enough for mid-epoch kills
+BATCH_SIZE = 8
+FEATURES = 6
+SEED = 1234
+
+
+class TinyModel(L.LightningModule):
+    """Linear -> ReLU -> Dropout -> Linear classifier with Adam and a per-epoch StepLR."""
+
+    def __init__(self, hidden: int = 16, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3)
+        )
+        self.on_step = None  # optional callable(global_step), used to kill/signal mid-epoch
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        if self.on_step is not None:
+            self.on_step(self.trainer.global_step)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    def _data(self, seed: int, n: int) -> TensorDataset:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, FEATURES, generator=g)
+        return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._data(0, SAMPLES), batch_size=BATCH_SIZE, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._data(1, 16), batch_size=BATCH_SIZE)
+
+
+def make_trainer(root: str, epochs: int, callbacks: list, **kwargs: object) -> L.Trainer:
+    """A quiet CPU Trainer: deterministic, no logger, no progress bar, no summary."""
+    options = dict(
+        default_root_dir=root,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+    )
+    options.update(kwargs)
+    return L.Trainer(callbacks=callbacks, **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lightning_bpk import BurnpackCheckpoint, ModuleRecord
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--term-at-step", type=int)
+    parser.add_argument("--term-rank", type=int, default=0)
+    parser.add_argument("--term-signal", default="SIGTERM")
+    parser.add_argument("--fsize-limit", type=int)
+    parser.add_argument("--frequency", type=int, default=1)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    if args.fsize_limit is not None:
+        # A full disk, portably: writes past the limit fail with EFBIG instead of killing us.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
+
+    L.seed_everything(SEED, workers=True)
+    model = TinyModel()
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def on_step(step: int) -> None:
+        if step == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.term_at_step and rank == args.term_rank:
+            os.kill(os.getpid(), getattr(signal, args.term_signal))
+
+    model.on_step = on_step
+    extra = {}
+    if args.devices > 1:
+        extra = dict(strategy="ddp", devices=args.devices, use_distributed_sampler=True)
+    trainer = make_trainer(
+        args.root,
+        args.epochs,
+        [BurnpackCheckpoint(checkpoint_frequency=args.frequency)],
+        **extra,
+    )
+    trainer.fit(model)
+    if args.out and trainer.is_global_zero:
+        ModuleRecord.from_module(model).save(args.out)
+    print(
+        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
+        f"step={trainer.global_step}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
