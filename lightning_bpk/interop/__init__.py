@@ -1,0 +1,58 @@
+"""Interop with Burn and other tools: adapters, key remapping and file formats.
+
+- :mod:`~lightning_bpk.interop.adapters`: :class:`BurnToPyTorchAdapter`,
+  :class:`PyTorchToBurnAdapter` for ``ModuleRecord.apply``/``from_module``;
+- :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
+  :class:`Split`, :class:`Unstack`, :class:`Transpose` rules, inverted on save;
+- :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
+  import (``weights_only=True``), checkpoint export.
+"""
+
+from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
+from lightning_bpk.interop.formats import (
+    SAFETENSORS_INFO_KEY,
+    Content,
+    convert,
+    export_checkpoint,
+    load_module_record,
+    read_content,
+    save_module_record,
+    write_content,
+)
+from lightning_bpk.interop.remap import (
+    KeyRemapper,
+    RemapError,
+    RemapResult,
+    Rename,
+    Rule,
+    Split,
+    Transpose,
+    Unstack,
+    apply_remapped,
+    derive_inverse,
+    record_remapped,
+)
+
+__all__ = [
+    "SAFETENSORS_INFO_KEY",
+    "BurnToPyTorchAdapter",
+    "Content",
+    "KeyRemapper",
+    "PyTorchToBurnAdapter",
+    "RemapError",
+    "RemapResult",
+    "Rename",
+    "Rule",
+    "Split",
+    "Transpose",
+    "Unstack",
+    "apply_remapped",
+    "convert",
+    "derive_inverse",
+    "export_checkpoint",
+    "load_module_record",
+    "read_content",
+    "record_remapped",
+    "save_module_record",
+    "write_content",
+]

@@ -1,0 +1,368 @@
+"""Files from and for other tools: ``.safetensors`` <-> ``.bpk``, PyTorch/Lightning imports, export.
+
+- ``.bpk`` <-> ``.safetensors``: tensors, dtypes (bf16, f16, bool, every int width) and string
+  metadata carry over both ways. What safetensors cannot express (param ids, the burnpack data
+  order, Burn-only dtypes such as ``Flex32`` or ``Bool(U32)``, typed scalars) travels in one
+  safetensors metadata entry, :data:`SAFETENSORS_INFO_KEY` (JSON), so ``.bpk -> .safetensors ->
+  .bpk`` gives back the same file. Quantized (QFloat) tensors have no safetensors form: refused.
+- ``.pt``/``.pth`` (a ``state_dict``) and Lightning ``.ckpt`` files (their ``state_dict``) are
+  read with ``torch.load(weights_only=True)`` only: never an arbitrary unpickler.
+- :func:`export_checkpoint` writes a checkpointer checkpoint's ``model.bpk`` as safetensors,
+  the format inference servers load.
+
+Safetensors files are written here (not by the ``safetensors`` package) so they stream tensor by
+tensor through :func:`lightning_bpk._fs.atomic_file`: durable, atomic, no second copy in memory.
+Tensors are ordered as the ``safetensors`` package orders them (widest dtype first, then name),
+so every tensor stays aligned to its element size; the official reader loads them.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from lightning_bpk.records import ModuleRecord
+    >>> d = tempfile.mkdtemp()
+    >>> _ = ModuleRecord.from_module(torch.nn.Linear(2, 2)).save(d + "/m.bpk")
+    >>> convert(d + "/m.bpk", d + "/m.safetensors").name
+    'm.safetensors'
+    >>> sorted(load_module_record(d + "/m.safetensors").tensors)
+    ['bias', 'weight']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import torch
+
+from lightning_bpk import _fs, burnpack
+from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
+from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+
+# Safetensors metadata entry (JSON) with what safetensors cannot hold; see the module docstring.
+SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
+BPK_SUFFIXES = (".bpk",)
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
+_ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+# Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
+_BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
+
+Progress = Callable[[int, int, str], None]
+"""Called as ``progress(done, total, name)`` after each tensor of a long write."""
+
+
+@dataclass
+class Content:
+    """A file's content in a format-neutral form: tensors in data order and what goes with them."""
+
+    tensors: dict[str, torch.Tensor]
+    param_ids: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, burnpack.DType] = field(default_factory=dict)  # only non-default Burn dtypes
+    metadata: dict[str, str] = field(default_factory=dict)
+    scalars: dict[str, burnpack.Scalar] = field(default_factory=dict)
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    for kind, suffixes in (
+        ("bpk", BPK_SUFFIXES),
+        ("safetensors", SAFETENSORS_SUFFIXES),
+        ("torch", TORCH_SUFFIXES),
+    ):
+        if suffix in suffixes:
+            return kind
+    known = BPK_SUFFIXES + SAFETENSORS_SUFFIXES + TORCH_SUFFIXES
+    raise RecordError("io", f"{path}: unknown suffix {suffix!r} (expected one of {known})")
+
+
+# --- burnpack ------------------------------------------------------------------------------------
+
+
+def read_bpk(path: str | os.PathLike[str]) -> Content:
+    """A burnpack's content (tensors are zero-copy, checksum-verified views of the file)."""
+    try:
+        with burnpack.read(path) as pack:
+            quantized = [n for n, i in pack.entries.items() if _is_quantized(i.dtype)]
+            if quantized:
+                raise RecordError(
+                    "validation",
+                    [f"{pack.source}: tensor '{n}' is quantized (QFloat)" for n in quantized],
+                )
+            order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+            tensors = {n: pack.tensor(n) for n in order}
+            entries = pack.entries
+            return Content(
+                tensors,
+                param_ids={n: e.param_id for n, e in entries.items() if e.param_id is not None},
+                dtypes={
+                    n: entries[n].dtype
+                    for n, t in tensors.items()
+                    if burnpack.burn_dtype(t.dtype) != entries[n].dtype
+                },
+                metadata=dict(pack.metadata),
+                scalars=dict(pack.scalars),
+            )
+    except burnpack.BurnpackError as e:
+        raise RecordError("io", str(e)) from e
+
+
+def _is_quantized(dtype: burnpack.DType) -> bool:
+    return isinstance(dtype, dict) and "QFloat" in dtype
+
+
+def write_bpk(
+    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
+) -> Path:
+    """Write ``content`` as a burnpack file, atomically."""
+    total = len(content.tensors)
+    entries = []
+    for k, (name, tensor) in enumerate(content.tensors.items()):
+        dtype = content.dtypes.get(name)
+        data = tensor
+        if isinstance(dtype, dict) and "Bool" in dtype:
+            data = tensor.to(_BOOL_STORAGE[dtype["Bool"]])
+        entry = burnpack.TensorEntry(
+            dtype if dtype is not None else burnpack.burn_dtype(tensor.dtype),
+            tensor.shape,
+            _reporting(data, k + 1, total, name, progress),
+            param_id=content.param_ids.get(name),
+            nbytes=data.numel() * data.element_size(),
+        )
+        entries.append((name, entry))
+    try:
+        return burnpack.write(path, entries, metadata=content.metadata, scalars=content.scalars)
+    except burnpack.BurnpackError as e:
+        raise RecordError("io", str(e)) from e
+
+
+def _reporting(
+    tensor: torch.Tensor, done: int, total: int, name: str, progress: Progress | None
+) -> Callable[[], torch.Tensor]:
+    """A deferred provider returning ``tensor``, reporting progress as the write reaches it."""
+
+    def provide() -> torch.Tensor:
+        if progress is not None:
+            progress(done, total, name)
+        return tensor
+
+    return provide
+
+
+# --- safetensors ---------------------------------------------------------------------------------
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> Content:
+    """A safetensors file's content; param ids, order, Burn dtypes and scalars come back from
+    :data:`SAFETENSORS_INFO_KEY` when the file was written from a burnpack."""
+    path = Path(path)
+    try:
+        with safetensors.safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except (OSError, safetensors.SafetensorError) as e:
+        raise RecordError("io", f"{path}: not a readable safetensors file: {e}") from e
+    raw_info = metadata.pop(SAFETENSORS_INFO_KEY, None)
+    if raw_info is None:  # a foreign file: a module's weights, names sorted
+        metadata.setdefault(RECORD_KIND_KEY, ModuleRecord.kind)
+        return Content(tensors, metadata=metadata)
+    try:
+        info = json.loads(raw_info)
+        order = info["order"]
+        if sorted(order) != sorted(tensors):
+            raise ValueError("its tensor list does not match the file's tensors")
+        return Content(
+            {n: tensors[n] for n in order},
+            param_ids={n: int(v) for n, v in info.get("param_ids", {}).items()},
+            dtypes=dict(info.get("dtypes", {})),
+            metadata=metadata,
+            scalars={
+                n: burnpack.Scalar(kind, float.fromhex(v) if kind == "Float" else v)
+                for n, (kind, v) in info.get("scalars", {}).items()
+            },
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise RecordError("validation", f"{path}: bad {SAFETENSORS_INFO_KEY} entry: {e}") from e
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
+) -> Path:
+    """Write ``content`` as a safetensors file, atomically, streaming one tensor at a time."""
+    path = Path(path)
+    problems = [
+        f"tensor '{n}': dtype {t.dtype} has no safetensors equivalent"
+        for n, t in content.tensors.items()
+        if t.dtype not in _ST_DTYPES
+    ]
+    if problems:
+        raise RecordError("validation", problems)
+    info: dict[str, Any] = {
+        "order": list(content.tensors),
+        "param_ids": {n: str(v) for n, v in content.param_ids.items()},
+        "dtypes": content.dtypes,
+        "scalars": {
+            n: [s.kind, s.value.hex() if s.kind == "Float" else s.value]
+            for n, s in content.scalars.items()
+        },
+    }
+    header: dict[str, Any] = {
+        "__metadata__": {**content.metadata, SAFETENSORS_INFO_KEY: json.dumps(info)}
+    }
+    order = sorted(content.tensors, key=lambda n: (-content.tensors[n].element_size(), n))
+    offset = 0
+    for name in order:
+        t = content.tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    blob += b" " * (-len(blob) % _ST_HEADER_ALIGN)
+    try:
+        with _fs.atomic_file(path) as f:
+            _fs.write_all(f, struct.pack("<Q", len(blob)) + blob)
+            for k, name in enumerate(order):
+                _fs.write_all(f, burnpack.tensor_bytes(content.tensors[name]))
+                if progress is not None:
+                    progress(k + 1, len(order), name)
+    except OSError as e:
+        raise RecordError("io", f"cannot write {path}: {e.strerror or e}") from e
+    return path
+
+
+# --- torch.save files ----------------------------------------------------------------------------
+
+
+def read_torch(path: str | os.PathLike[str]) -> Content:
+    """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
+    ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused."""
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, OSError...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RecordError("io", f"{path}: torch.load(weights_only=True) failed: {first}") from e
+    state = obj.get("state_dict") if isinstance(obj, Mapping) else None
+    if not isinstance(state, Mapping):
+        state = obj
+    if not isinstance(state, Mapping):
+        raise RecordError("validation", f"{path}: holds a {type(obj).__name__}, not a state_dict")
+    problems = [
+        f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor"
+        for k, v in state.items()
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor)
+    ]
+    if problems:
+        raise RecordError("validation", problems)
+    return Content(dict(state), metadata={RECORD_KIND_KEY: ModuleRecord.kind})
+
+
+# --- records and conversion ----------------------------------------------------------------------
+
+_READERS = {"bpk": read_bpk, "safetensors": read_safetensors, "torch": read_torch}
+_WRITERS = {"bpk": write_bpk, "safetensors": write_safetensors}
+
+
+def read_content(path: str | os.PathLike[str]) -> Content:
+    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix)."""
+    path = Path(path)
+    return _READERS[_kind(path)](path)
+
+
+def write_content(
+    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
+) -> Path:
+    """Write ``.bpk`` or ``.safetensors`` (by suffix); torch files are never written."""
+    path = Path(path)
+    kind = _kind(path)
+    if kind not in _WRITERS:
+        raise RecordError(
+            "io", f"{path}: {path.suffix} is an import format only; write .bpk or .safetensors"
+        )
+    return _WRITERS[kind](path, content, progress)
+
+
+def convert(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
+) -> Path:
+    """Convert between formats by suffix: ``.bpk``/``.safetensors``/``.pt``/``.ckpt`` to
+    ``.bpk``/``.safetensors``. Returns the written path."""
+    content = read_content(src)
+    return write_content(dst, content, progress)
+
+
+def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
+    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader)."""
+    path = Path(path)
+    if _kind(path) == "bpk":
+        return ModuleRecord.load(path)
+    content = read_content(path)
+    kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
+    if kind != ModuleRecord.kind:
+        raise RecordError("validation", f"{path} holds a {kind!r} record, not 'module'")
+    aliases = {
+        k[len(ALIAS_PREFIX) :]: v for k, v in content.metadata.items() if k.startswith(ALIAS_PREFIX)
+    }
+    metadata = {k: v for k, v in content.metadata.items() if not k.startswith(ALIAS_PREFIX)}
+    return ModuleRecord(
+        content.tensors, param_ids=content.param_ids, aliases=aliases, metadata=metadata
+    )
+
+
+def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Path:
+    """Save a :class:`ModuleRecord` as ``.bpk`` or ``.safetensors`` (by suffix)."""
+    path = Path(path)
+    if _kind(path) == "bpk":
+        return record.save(path)
+    tensors, _, metadata = record._content()
+    content = Content(
+        {n: e.data for n, e in tensors.items()},
+        param_ids={n: e.param_id for n, e in tensors.items() if e.param_id is not None},
+        metadata=dict(metadata),
+    )
+    return write_content(path, content)
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    model_file: str = "model.bpk",
+    progress: Progress | None = None,
+) -> Path:
+    """Write a checkpoint's model as safetensors for serving.
+
+    ``checkpoint`` is a checkpoint directory (``{base}/{prefix}.{N}/``) holding ``model_file``,
+    or that ``.bpk`` file itself.
+    """
+    src = Path(checkpoint)
+    if src.is_dir():
+        src = src / model_file
+    if not src.is_file():
+        raise RecordError("io", f"{src}: no such model file")
+    return write_safetensors(dst, read_bpk(src), progress)

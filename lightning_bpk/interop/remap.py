@@ -1,0 +1,590 @@
+"""Key remapping between a file's tensor names and a module's: ordered, reversible rules.
+
+A :class:`KeyRemapper` holds an ordered list of rules. Loading applies them in order to the
+file's tensors (file names -> module names); saving applies their inverses in reverse order
+(module names -> file names), so what was loaded saves back to the same names, shapes, bytes
+and param ids. Four kinds of rule:
+
+- :class:`Rename` ``(pattern, replacement)``: ``re.sub`` on every name, capture groups allowed
+  (``Rename(r"^model\\.", "")``, ``Rename(r"(.+)\\.gamma", r"\\1.weight")``);
+- :class:`Split` a fused tensor into parts along a dim on load, concatenated on save (``qkv`` ->
+  ``q``, ``k``, ``v``);
+- :class:`Unstack` one tensor into a numbered list of tensors on load, stacked on save;
+- :class:`Transpose` two dims of matching tensors on load, and back on save.
+
+**How a rule is inverted.** A rename's inverse is given explicitly (``inverse=(pattern,
+replacement)``) or derived when the pattern is *simple*: optional ``^``, then literal text
+(``\\.``-style escapes allowed) and capture groups, then optional ``$``, with every group used
+exactly once in the replacement. The derived inverse matches the replacement's literal text
+with each group reference turned back into that group's regex, and rebuilds the pattern's
+literal text: ``(.+)\\.gamma -> \\1.weight`` inverts to ``(.+)\\.weight -> \\1.gamma``. Anything
+else (``\\d``, ``*``, alternation outside a group) needs an explicit inverse. Saving checks each
+step: the forward rule applied to the inverted name must give the name back, else a
+:class:`RemapError` names the rule and the key. A forward rule that maps two different names
+to one (``gamma -> weight`` where plain ``weight`` keys exist too) cannot be inverted by any
+rule: narrow its pattern (``(.+norm)\\.gamma``) or use the layer-aware adapters in
+:mod:`lightning_bpk.interop.adapters`.
+
+Rules describe the *file* format, so saving inverts every rule: ``Rename(r"^model\\.", "")``
+strips ``model.`` where present on load and puts it on every name on save. A rule that matched
+nothing on load (reported in :attr:`RemapResult.unmatched`) usually means the rules do not
+describe that file.
+
+Split/Unstack patterns are matched against whole names (``re.fullmatch``) and must be simple
+too, because saving rebuilds the fused name from the parts' names.
+
+**Param ids.** A split's first part takes the fused tensor's id and the other parts get ids
+derived from it; concatenating on save takes the first part's id back, so a load/save round
+trip keeps every id.
+
+Example::
+
+    >>> import torch
+    >>> qkv = Split(r"(.+)\\.qkv", [r"\\1.q", r"\\1.k", r"\\1.v"])
+    >>> remap = KeyRemapper([Rename(r"^model\\.", ""), qkv])
+    >>> loaded = remap.load({"model.attn.qkv": (torch.arange(6.0), 7)})
+    >>> list(loaded.tensors), loaded.unmatched
+    (['attn.q', 'attn.k', 'attn.v'], [])
+    >>> saved = remap.save(loaded.tensors)
+    >>> list(saved.tensors), saved.tensors["model.attn.qkv"][0].tolist()
+    (['model.attn.qkv'], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+from torch import nn
+
+from lightning_bpk.records.module import Adapter, ModuleRecord
+
+# One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
+Item = tuple[torch.Tensor, int | None]
+Items = dict[str, Item]
+
+# Characters a simple pattern may escape as literal text (``\.``, ``\-``, ...).
+_LITERAL_ESCAPES = frozenset(string.punctuation + " ")
+_META = frozenset(".^$*+?{}[]|()\\")
+INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
+
+
+class RemapError(ValueError):
+    """A rule cannot be applied or inverted; the message names the rule and the key."""
+
+
+# --- simple-pattern analysis -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Group:
+    number: int  # 1-based, as in the pattern
+    regex: str  # the group's body
+
+
+@dataclass(frozen=True)
+class _Ref:
+    number: int  # a back-reference in a replacement template
+
+
+@dataclass(frozen=True)
+class _SimplePattern:
+    start: bool  # anchored with ^
+    pieces: tuple[str | _Group, ...]
+    end: bool  # anchored with $
+
+
+def _group_end(pattern: str, i: int) -> int:
+    """Index of the ``)`` closing the group opened at ``pattern[i]``."""
+    depth, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise RemapError(f"pattern {pattern!r}: unbalanced parenthesis")
+
+
+def _parse_simple(pattern: str) -> _SimplePattern:
+    """Split a simple pattern into literal text and capture groups; RemapError otherwise."""
+    i, n = 0, len(pattern)
+    start = pattern.startswith("^")
+    i += start
+    end = pattern.endswith("$") and not pattern.endswith("\\$") and n > i
+    n -= end
+    pieces: list[str | _Group] = []
+    literal: list[str] = []
+    number = 0
+
+    def flush() -> None:
+        if literal:
+            pieces.append("".join(literal))
+            literal.clear()
+
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 >= n or pattern[i + 1] not in _LITERAL_ESCAPES:
+                raise RemapError(
+                    f"pattern {pattern!r} is not simple (escape {pattern[i : i + 2]!r})"
+                )
+            literal.append(pattern[i + 1])
+            i += 2
+        elif c == "(":
+            close = _group_end(pattern, i)
+            body = pattern[i + 1 : close]
+            if body.startswith("?") or re.compile(body).groups:
+                raise RemapError(f"pattern {pattern!r} is not simple (group {body!r})")
+            flush()
+            number += 1
+            pieces.append(_Group(number, body))
+            i = close + 1
+        elif c in _META:
+            raise RemapError(f"pattern {pattern!r} is not simple ({c!r} outside a group)")
+        else:
+            literal.append(c)
+            i += 1
+    flush()
+    return _SimplePattern(start, tuple(pieces), end)
+
+
+_REF = re.compile(r"\\(?:g<(\d+)>|(\d+))|\\(.)|([^\\]+)", re.S)
+
+
+def _parse_template(template: str) -> list[str | _Ref]:
+    """Split a replacement template into literal text and group references."""
+    out: list[str | _Ref] = []
+    for m in _REF.finditer(template):
+        number = m.group(1) or m.group(2)
+        if number:
+            out.append(_Ref(int(number)))
+        else:
+            text = m.group(4) if m.group(4) is not None else m.group(3)
+            if out and isinstance(out[-1], str):
+                out[-1] += text
+            else:
+                out.append(text)
+    return out
+
+
+def _template_regex(template: str, groups: Mapping[int, str], where: str) -> str:
+    """A regex matching what ``template`` expands to: each ``\\N`` becomes group N's regex as a
+    named group ``gN`` (repeats become back-references); ``{i}`` becomes the group ``i``."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    for piece in _parse_template(template):
+        if isinstance(piece, _Ref):
+            if piece.number not in groups:
+                raise RemapError(
+                    f"{where}: template {template!r} refers to missing group {piece.number}"
+                )
+            name = f"g{piece.number}"
+            parts.append(
+                f"(?P={name})" if piece.number in seen else f"(?P<{name}>{groups[piece.number]})"
+            )
+            seen.add(piece.number)
+        else:
+            for k, chunk in enumerate(piece.split(INDEX_FIELD)):
+                if k:
+                    parts.append(r"(?P<i>\d+)")
+                parts.append(re.escape(chunk))
+    return "".join(parts)
+
+
+def derive_inverse(pattern: str, replacement: str) -> tuple[str, str]:
+    """The inverse ``(pattern, replacement)`` of a simple rename rule (see the module docs).
+
+    >>> derive_inverse(r"(.+)\\.gamma", r"\\1.weight")
+    ('(.+)\\\\.weight', '\\\\g<1>.gamma')
+    >>> derive_inverse(r"^model\\.", "")
+    ('^', 'model.')
+    """
+    where = f"rename {pattern!r} -> {replacement!r}"
+    simple = _parse_simple(pattern)
+    groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
+    refs = [p.number for p in _parse_template(replacement) if isinstance(p, _Ref)]
+    if sorted(refs) != sorted(groups):
+        raise RemapError(f"{where}: every group must appear exactly once in the replacement")
+    order = {number: k + 1 for k, number in enumerate(refs)}  # group N -> its number inverted
+    body = "".join(
+        f"({groups[p.number]})" if isinstance(p, _Ref) else re.escape(p)
+        for p in _parse_template(replacement)
+    )
+    if not body and not (simple.start or simple.end):
+        raise RemapError(f"{where}: the inverse would match everywhere; give inverse=")
+    inv_pattern = ("^" if simple.start else "") + body + ("$" if simple.end else "")
+    inv_replacement = "".join(
+        f"\\g<{order[p.number]}>" if isinstance(p, _Group) else p.replace("\\", "\\\\")
+        for p in simple.pieces
+    )
+    return inv_pattern, inv_replacement
+
+
+def derived_param_id(param_id: int | None, index: int) -> int | None:
+    """A stable id for part ``index`` (> 0) of a tensor whose id is ``param_id``."""
+    if param_id is None:
+        return None
+    return xxhash.xxh3_64_intdigest(f"{param_id}/{index}".encode())
+
+
+def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
+    """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
+    old = list(old)
+    first = old[0]
+    dropped = set(old)
+    out: Items = {}
+    for name, item in items.items():
+        if name == first:
+            for new_name, new_item in new.items():
+                if new_name in out or (new_name in items and new_name not in dropped):
+                    raise RemapError(f"{where}: produces {new_name!r}, which already exists")
+                out[new_name] = new_item
+        elif name not in dropped:
+            if name in out:
+                raise RemapError(f"{where}: produces {name!r}, which already exists")
+            out[name] = item
+    return out
+
+
+# --- rules ---------------------------------------------------------------------------------------
+
+
+class Rule:
+    """A reversible step. ``forward`` maps file names to module names, ``backward`` inverts it;
+    each returns the new items and how many names the step touched."""
+
+    def forward(self, items: Items) -> tuple[Items, int]:
+        raise NotImplementedError
+
+    def backward(self, items: Items) -> tuple[Items, int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Rename(Rule):
+    """``re.sub(pattern, replacement, name)`` on load; the inverse rule on save.
+
+    >>> Rename(r"(.+)\\.gamma", r"\\1.weight").inverse
+    ('(.+)\\\\.weight', '\\\\g<1>.gamma')
+    """
+
+    pattern: str
+    replacement: str
+    inverse: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        re.compile(self.pattern)
+        if self.inverse is None:
+            object.__setattr__(self, "inverse", derive_inverse(self.pattern, self.replacement))
+        re.compile(self.inverse[0])
+
+    def __str__(self) -> str:
+        return f"Rename({self.pattern!r} -> {self.replacement!r})"
+
+    def _map(self, items: Items, pattern: str, replacement: str, check: tuple[str, str] | None):
+        out: Items = {}
+        touched = 0
+        for name, item in items.items():
+            new = re.sub(pattern, replacement, name)
+            if new != name:
+                touched += 1
+                if check is not None and re.sub(check[0], check[1], new) != name:
+                    raise RemapError(
+                        f"{self}: cannot invert for {name!r} (saved as {new!r}, which loads "
+                        f"back as {re.sub(check[0], check[1], new)!r}); give inverse="
+                    )
+            if new in out:
+                raise RemapError(f"{self}: two tensors map to {new!r}")
+            out[new] = item
+        return out, touched
+
+    def forward(self, items: Items) -> tuple[Items, int]:
+        return self._map(items, self.pattern, self.replacement, None)
+
+    def backward(self, items: Items) -> tuple[Items, int]:
+        return self._map(items, *self.inverse, (self.pattern, self.replacement))
+
+
+@dataclass(frozen=True)
+class Transpose(Rule):
+    """Swap dims ``dim0`` and ``dim1`` of tensors whose name fully matches ``pattern``, on load
+    and again on save (the names do not change)."""
+
+    pattern: str
+    dim0: int = 0
+    dim1: int = 1
+
+    def __str__(self) -> str:
+        return f"Transpose({self.pattern!r}, {self.dim0}, {self.dim1})"
+
+    def forward(self, items: Items) -> tuple[Items, int]:
+        out: Items = {}
+        touched = 0
+        for name, (tensor, pid) in items.items():
+            if re.fullmatch(self.pattern, name):
+                if tensor.dim() <= max(self.dim0, self.dim1, -1 - min(self.dim0, self.dim1)):
+                    raise RemapError(f"{self}: {name!r} has shape {list(tensor.shape)}")
+                tensor = tensor.transpose(self.dim0, self.dim1).contiguous()
+                touched += 1
+            out[name] = (tensor, pid)
+        return out, touched
+
+    backward = forward
+
+
+@dataclass(frozen=True)
+class Split(Rule):
+    """A fused tensor split into ``targets`` along ``dim`` on load, concatenated on save.
+
+    ``sizes`` gives each part's extent along ``dim`` (default: equal parts).
+
+    >>> rule = Split(r"(.+)\\.qkv\\.(weight|bias)", [r"\\1.q.\\2", r"\\1.k.\\2", r"\\1.v.\\2"])
+    >>> items, _ = rule.forward({"attn.qkv.bias": (torch.arange(3.0), None)})
+    >>> list(items)
+    ['attn.q.bias', 'attn.k.bias', 'attn.v.bias']
+    """
+
+    pattern: str
+    targets: Sequence[str]
+    dim: int = 0
+    sizes: Sequence[int] | None = None
+    _simple: _SimplePattern = field(init=False, repr=False, compare=False)
+    _first: re.Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if len(self.targets) < 1:
+            raise RemapError(f"{self}: needs at least one target")
+        if self.sizes is not None and len(self.sizes) != len(self.targets):
+            raise RemapError(f"{self}: {len(self.sizes)} sizes for {len(self.targets)} targets")
+        simple = _parse_simple(self.pattern)
+        groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
+        object.__setattr__(self, "_simple", simple)
+        regex = _template_regex(self.targets[0], groups, str(self))
+        object.__setattr__(self, "_first", re.compile(regex))
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.pattern!r} -> {list(self.targets)!r})"
+
+    def _source_name(self, m: re.Match) -> str:
+        """Rebuild the fused name from a match of the first target's regex."""
+        return "".join(
+            m.group(f"g{p.number}") if isinstance(p, _Group) else p for p in self._simple.pieces
+        )
+
+    def _names(self, m: re.Match, count: int) -> list[str]:
+        """The part names for a match of ``pattern`` (``count`` matters to Unstack only)."""
+        return [m.expand(t) for t in self.targets]
+
+    def _check_dim(self, name: str, tensor: torch.Tensor) -> int:
+        if tensor.dim() == 0 or not -tensor.dim() <= self.dim < tensor.dim():
+            raise RemapError(
+                f"{self}: {name!r} of shape {list(tensor.shape)} has no dim {self.dim}"
+            )
+        return tensor.shape[self.dim]
+
+    def _parts(self, name: str, tensor: torch.Tensor) -> Sequence[torch.Tensor]:
+        extent = self._check_dim(name, tensor)
+        count = len(self.targets)
+        if self.sizes is not None:
+            sizes = list(self.sizes)
+        elif extent % count:
+            raise RemapError(
+                f"{self}: {name!r} has {extent} along dim {self.dim}, "
+                f"not divisible into {count} parts"
+            )
+        else:
+            sizes = [extent // count] * count
+        if sum(sizes) != extent:
+            raise RemapError(
+                f"{self}: {name!r} has {extent} along dim {self.dim}, sizes sum to {sum(sizes)}"
+            )
+        return [p.contiguous() for p in torch.split(tensor, sizes, self.dim)]
+
+    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, self.dim)
+
+    def _group_names(self, m: re.Match, items: Items) -> list[str]:
+        """The part names to join for a match of ``pattern`` on save."""
+        return self._names(m, len(self.targets))
+
+    def forward(self, items: Items) -> tuple[Items, int]:
+        touched = 0
+        for name in list(items):
+            m = re.fullmatch(self.pattern, name)
+            if m is None:
+                continue
+            tensor, pid = items[name]
+            parts = self._parts(name, tensor)
+            names = self._names(m, len(parts))
+            new = {
+                n: (p, pid if k == 0 else derived_param_id(pid, k))
+                for k, (n, p) in enumerate(zip(names, parts, strict=True))
+            }
+            items = _replace(items, [name], new, str(self))
+            touched += 1
+        return items, touched
+
+    def backward(self, items: Items) -> tuple[Items, int]:
+        touched = 0
+        for name in list(items):
+            if name not in items:
+                continue  # consumed as a later part of an earlier group
+            m = self._first.fullmatch(name)
+            if m is None:
+                continue
+            source = self._source_name(m)
+            sm = re.fullmatch(self.pattern, source)
+            if sm is None:
+                raise RemapError(f"{self}: {name!r} saves as {source!r}, which the pattern rejects")
+            names = self._group_names(sm, items)
+            missing = [n for n in names if n not in items]
+            if missing:
+                raise RemapError(f"{self}: cannot rebuild {source!r}, missing {missing}")
+            joined = self._join([items[n][0] for n in names])
+            items = _replace(items, names, {source: (joined, items[names[0]][1])}, str(self))
+            touched += 1
+        return items, touched
+
+
+@dataclass(frozen=True)
+class Unstack(Split):
+    """One tensor unbound along ``dim`` into the numbered tensors ``target`` (a template with
+    ``{i}``) on load, stacked back on save: ``Unstack(r"experts\\.w", "experts.{i}.w")``."""
+
+    targets: Sequence[str] = ()
+
+    def __init__(self, pattern: str, target: str, dim: int = 0) -> None:
+        if INDEX_FIELD not in target:
+            raise RemapError(f"Unstack({pattern!r}): target {target!r} needs {INDEX_FIELD}")
+        object.__setattr__(self, "pattern", pattern)
+        object.__setattr__(self, "targets", (target,))
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "sizes", None)
+        self.__post_init__()
+
+    def _names(self, m: re.Match, count: int) -> list[str]:
+        return [m.expand(self.targets[0].replace(INDEX_FIELD, str(i))) for i in range(count)]
+
+    def _parts(self, name: str, tensor: torch.Tensor) -> Sequence[torch.Tensor]:
+        self._check_dim(name, tensor)
+        return [p.contiguous() for p in torch.unbind(tensor, self.dim)]
+
+    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts, self.dim)
+
+    def _group_names(self, m: re.Match, items: Items) -> list[str]:
+        count = 0
+        while m.expand(self.targets[0].replace(INDEX_FIELD, str(count))) in items:
+            count += 1
+        return self._names(m, count)
+
+
+# --- the remapper -------------------------------------------------------------------------------
+
+
+@dataclass
+class RemapResult:
+    """Remapped tensors (name -> (tensor, param_id), in order) and rules that matched nothing."""
+
+    tensors: Items
+    unmatched: list[str]
+
+
+class KeyRemapper:
+    """An ordered list of :class:`Rule`; :meth:`load` applies them, :meth:`save` inverts them."""
+
+    def __init__(self, rules: Iterable[Rule]) -> None:
+        self.rules = list(rules)
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise TypeError(f"{rule!r} is not a Rule (Rename, Split, Unstack, Transpose)")
+
+    def __repr__(self) -> str:
+        return f"KeyRemapper([{', '.join(map(str, self.rules))}])"
+
+    def load(self, tensors: Mapping[str, Item]) -> RemapResult:
+        """File names -> module names."""
+        return self._run(tensors, self.rules, "forward")
+
+    def save(self, tensors: Mapping[str, Item]) -> RemapResult:
+        """Module names -> file names (every rule inverted, last rule first)."""
+        return self._run(tensors, list(reversed(self.rules)), "backward")
+
+    @staticmethod
+    def _run(tensors: Mapping[str, Item], rules: list[Rule], direction: str) -> RemapResult:
+        items: Items = dict(tensors)
+        unmatched = []
+        for rule in rules:
+            items, touched = getattr(rule, direction)(items)
+            if not touched:
+                unmatched.append(str(rule))
+        return RemapResult(items, unmatched)
+
+
+def apply_remapped(
+    record: ModuleRecord,
+    module: nn.Module,
+    remapper: KeyRemapper,
+    *,
+    adapter: Adapter | None = None,
+    **apply_options: bool | str,
+) -> list[str]:
+    """Load ``record`` into ``module`` through ``remapper`` (then ``adapter``), with
+    :meth:`ModuleRecord.apply`'s checks and options; returns the rules that matched nothing.
+
+    Missing, unused and mismatched keys are reported together in one ``RecordError``, named as
+    the module names them.
+    """
+    items = {n: (t, record.param_ids.get(n)) for n, t in record.tensors.items()}
+    items.update(
+        {a: (record.tensors[t], record.param_ids.get(t)) for a, t in record.aliases.items()}
+    )
+    result = remapper.load(items)
+    remapped = ModuleRecord(
+        {n: t for n, (t, _) in result.tensors.items()},
+        param_ids={n: p for n, (_, p) in result.tensors.items() if p is not None},
+        metadata=record.metadata,
+    )
+    remapped.apply(module, adapter=adapter, **apply_options)
+    return result.unmatched
+
+
+def record_remapped(
+    module: nn.Module, remapper: KeyRemapper, *, adapter: Adapter | None = None
+) -> tuple[ModuleRecord, list[str]]:
+    """Record ``module`` (through ``adapter``), then invert ``remapper``: the file's names and
+    layouts. Returns the record and the rules that matched nothing."""
+    record = ModuleRecord.from_module(module, adapter=adapter)
+    result = remapper.save({n: (t, record.param_ids.get(n)) for n, t in record.tensors.items()})
+    aliases = {}
+    for alias, target in record.aliases.items():
+        names = [
+            list(remapper.save({n: (record.tensors[target], None)}).tensors)
+            for n in (alias, target)
+        ]
+        if any(len(n) != 1 for n in names):
+            raise RemapError(f"tied tensor {alias!r} -> {target!r} cannot be split or fused")
+        aliases[names[0][0]] = names[1][0]
+    remapped = ModuleRecord(
+        {n: t for n, (t, _) in result.tensors.items()},
+        param_ids={n: p for n, (_, p) in result.tensors.items() if p is not None},
+        aliases=aliases,
+        metadata=record.metadata,
+    )
+    return remapped, result.unmatched
