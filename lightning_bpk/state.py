@@ -15,6 +15,7 @@ Python value                stored as
 ``str``                     a ``metadata`` entry
 ``None``                    only in the structure
 dict/list/tuple             only in the structure; dict keys may be str, int, float, bool, None
+                            (``OrderedDict`` and ``Counter`` keep their type)
 ==========================  ===================================================================
 
 Leaf names are the dotted path to the leaf (``optimizer_states.0.param_groups.0.lr``); a ``.``
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -86,6 +87,10 @@ def _segment(key: object) -> str:
 def _where(path: tuple) -> str:
     return "$" + "".join(f"[{k!r}]" for k in path)
 
+
+# Dict types that decode as themselves (MultiStepLR's milestones are a Counter).
+_DICT_TYPES: dict[str, type[dict]] = {"D": dict, "O": OrderedDict, "C": Counter}
+_DICT_KINDS = {t: k for k, t in _DICT_TYPES.items()}
 
 PathHook = Callable[[tuple], tuple]
 ScalarHook = Callable[[tuple], bool]
@@ -156,8 +161,8 @@ class _Encoder:
             data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else None
             tensor = torch.zeros(0, dtype=torch.uint8) if data is None else data
             return ["y" if isinstance(value, bytes) else "Y", self.tensor(tensor, path)]
-        if isinstance(value, (dict, OrderedDict)):
-            kind = "O" if isinstance(value, OrderedDict) else "D"
+        if isinstance(value, dict):
+            kind = _DICT_KINDS.get(type(value), "D")  # other dict subclasses decode as dict
             items = []
             for k, v in value.items():
                 if not (k is None or isinstance(k, (str, int, float))):
@@ -284,8 +289,8 @@ class _Decoder:
         if kind in ("L", "U") and isinstance(arg, list):
             items = [self.node(v, (*path, i)) for i, v in enumerate(arg)]
             return items if kind == "L" else tuple(items)
-        if kind in ("D", "O") and isinstance(arg, list):
-            out: dict = {} if kind == "D" else OrderedDict()
+        if kind in _DICT_TYPES and isinstance(arg, list):
+            out: dict = _DICT_TYPES[kind]()
             for item in arg:
                 if not isinstance(item, list) or len(item) != 2:
                     raise StateError(f"{_where(path)}: malformed dict item {str(item)[:80]}")

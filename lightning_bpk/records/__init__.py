@@ -20,10 +20,12 @@ from lightning_bpk.records.module import (
     param_ids,
 )
 from lightning_bpk.records.optimizer import OptimizerRecord
+from lightning_bpk.records.scheduler import LrSchedulerRecord
 
 __all__ = [
     "RECORD_KIND_KEY",
     "Adapter",
+    "LrSchedulerRecord",
     "ModuleRecord",
     "OptimizerRecord",
     "Record",
