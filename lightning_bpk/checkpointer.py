@@ -303,10 +303,14 @@ class _Checkpoint:
     def read_manifest(self) -> _Manifest | None:
         """Parse the sentinel. Raises FileNotFoundError (absent) or ValueError (damaged)."""
         # O_NONBLOCK: a FIFO planted under a sentinel name must not hang the reader.
-        with open(os.open(self.sentinel, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        fd = os.open(self.sentinel, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("sentinel is not a regular file")
-            raw = f.read(MAX_SENTINEL_SIZE + 1)
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_SENTINEL_SIZE + 1)
+        finally:
+            os.close(fd)
         if len(raw) > MAX_SENTINEL_SIZE:
             raise ValueError(f"sentinel is larger than {MAX_SENTINEL_SIZE} bytes")
         manifest = _parse_manifest(raw, self.iteration)
@@ -659,11 +663,13 @@ class Checkpointer:
                 # N becomes incomplete before its old data is touched: a crash from here on
                 # falls back to an older checkpoint, never to a half-replaced N.
                 if os.path.lexists(sentinel):
-                    old_sentinel = _fs.scratch_path(sentinel)
-                    os.rename(sentinel, old_sentinel)
+                    moved = _fs.scratch_path(sentinel)
+                    os.rename(sentinel, moved)
+                    old_sentinel = moved
                     _fs.fsync_dir(self.base_directory)
-                old_data = _fs.scratch_path(target)
-                os.rename(target, old_data)
+                moved = _fs.scratch_path(target)
+                os.rename(target, moved)
+                old_data = moved
             os.rename(staging, target)
             swapped = True
             _fs.fsync_dir(self.base_directory)
