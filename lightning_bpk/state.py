@@ -261,7 +261,7 @@ class _Decoder:
             return None
         if len(path) > MAX_DEPTH or not isinstance(node, list) or len(node) not in (2, 3):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
-        if (len(node) == 3) != (node[0] == "z"):
+        if not isinstance(node[0], str) or (len(node) == 3) != (node[0] == "z"):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
         kind, arg = node[0], node[1]
         if kind in ("b", "i", "f"):
