@@ -1,0 +1,135 @@
+"""Record base: RecordError, the kind tag, StateRecord, load_record, failed saves lose nothing."""
+
+from __future__ import annotations
+
+import doctest
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bpk import _fs, burnpack
+from lightning_bpk.records import (
+    RECORD_KIND_KEY,
+    LrSchedulerRecord,
+    ModuleRecord,
+    OptimizerRecord,
+    Record,
+    RecordError,
+    StateRecord,
+    load_record,
+)
+from lightning_bpk.records import base as base_mod
+
+MNIST = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(base_mod).failed == 0
+
+
+def test_record_error_sorts_and_lists_every_problem() -> None:
+    err = RecordError("validation", ["b problem", "a problem", "c problem"])
+    assert err.kind == "validation"
+    assert err.problems == ["a problem", "b problem", "c problem"]
+    assert str(err) == "Record validation error: a problem; b problem; c problem"
+    assert str(RecordError("io", "disk")) == "Record I/O error: disk"
+    with pytest.raises(ValueError, match="'io' or 'validation'"):
+        RecordError("other", "x")
+
+
+def test_every_kind_is_registered() -> None:
+    assert Record._registry == {
+        "state": StateRecord,
+        "module": ModuleRecord,
+        "optimizer": OptimizerRecord,
+        "lr_scheduler": LrSchedulerRecord,
+    }
+
+
+def test_state_record_bytes_and_file_round_trip(tmp_path: Path) -> None:
+    value = {"epoch": 2, "rng": torch.arange(5, dtype=torch.uint8), "name": "run", "t": (1, None)}
+    again = StateRecord.from_bytes(StateRecord(value).to_bytes()).value
+    assert again["t"] == (1, None) and torch.equal(again["rng"], value["rng"])
+    path = StateRecord(value).save(tmp_path / "loops")
+    assert path == tmp_path / "loops.bpk"
+    assert StateRecord.load(tmp_path / "loops").value["epoch"] == 2  # .bpk found without suffix
+    explicit = StateRecord(value).save(tmp_path / "loops.state")
+    assert explicit.name == "loops.state"  # a suffix is kept as given
+    assert isinstance(load_record(explicit), StateRecord)
+    with burnpack.read(path) as pack:
+        assert pack.metadata[RECORD_KIND_KEY] == "state"
+
+
+def test_unencodable_state_is_a_validation_error_and_writes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(RecordError, match=r"\$\['f'\]: cannot store") as info:
+        StateRecord({"f": {1, 2}}).save(tmp_path / "x")
+    assert info.value.kind == "validation"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_load_record_needs_a_known_kind(tmp_path: Path) -> None:
+    with pytest.raises(RecordError, match="no known record kind") as info:
+        load_record(MNIST)  # Burn writes no kind tag: name the class instead
+    assert info.value.kind == "validation"
+    odd = tmp_path / "odd.bpk"
+    burnpack.write(odd, {}, metadata={RECORD_KIND_KEY: "weird"})
+    with pytest.raises(RecordError, match="'weird'"):
+        load_record(odd)
+
+
+@pytest.mark.parametrize("cls", [ModuleRecord, OptimizerRecord, LrSchedulerRecord])
+def test_wrong_kind_is_a_validation_error(cls: type[Record], tmp_path: Path) -> None:
+    path = StateRecord({"a": 1}).save(tmp_path / "state")
+    with pytest.raises(RecordError, match=rf"'state' record, not '{cls.kind}'") as info:
+        cls.load(path)
+    assert info.value.kind == "validation"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d[:5],
+        lambda d: b"XXXX" + d[4:],
+        lambda d: d[:-1],
+        lambda d: d + b"\x00",
+        lambda d: d[:-1] + bytes([d[-1] ^ 1]),
+    ],
+    ids=["short", "magic", "truncated", "trailing", "bitflip"],
+)
+def test_damaged_bytes_and_files_are_io_errors(damage, tmp_path: Path) -> None:
+    data = damage(StateRecord({"w": torch.arange(8.0)}).to_bytes())
+    with pytest.raises(RecordError) as info:
+        StateRecord.from_bytes(data)
+    assert info.value.kind == "io"
+    path = tmp_path / "bad.bpk"
+    path.write_bytes(data)
+    with pytest.raises(RecordError) as info:
+        load_record(path)
+    assert info.value.kind == "io" and str(path) in str(info.value)
+
+
+def test_missing_file_is_an_io_error(tmp_path: Path) -> None:
+    with pytest.raises(RecordError) as info:
+        StateRecord.load(tmp_path / "absent")
+    assert info.value.kind == "io" and "absent" in str(info.value)
+
+
+def test_failed_save_keeps_the_previous_file(tmp_path: Path, monkeypatch) -> None:
+    path = StateRecord({"v": 1, "w": torch.zeros(4)}).save(tmp_path / "keep.bpk")
+    before = path.read_bytes()
+    calls = []
+
+    def full_disk(f, data) -> None:
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_fs, "write_all", full_disk)
+    with pytest.raises(RecordError) as info:
+        StateRecord({"v": 2, "w": torch.ones(4)}).save(path)
+    monkeypatch.undo()
+    assert calls and info.value.kind == "io" and "No space left" in str(info.value)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.bpk"]  # no scratch left behind
+    assert StateRecord.load(path).value["v"] == 1
