@@ -133,7 +133,9 @@ def run_kill(
 
     Resumes like a trainer: from the latest checkpoint + 1, or (one run in four) by re-saving
     the latest, which exercises replacing a complete checkpoint. ``kill_at`` None: killed from
-    outside after a random delay once the saver is ready. Returns what happened.
+    outside after a random delay once the saver is ready. Returns what happened: the kill point
+    (``"timed"`` or the operation it preceded), whether it re-saved, saves completed, latest
+    before and after.
     """
     before = get_latest_checkpoint_number(base)
     start = before if before >= 0 and rng.random() < 0.25 else before + 1
@@ -143,7 +145,9 @@ def run_kill(
     if kill_at is None:
         time.sleep(rng.uniform(0, max_delay))
         proc.send_signal(signal.SIGKILL)
-    saved = [int(line) for line in proc.stdout.read().split()]
+    lines = proc.stdout.read().splitlines()
+    saved = [int(line) for line in lines if line.isdigit()]
+    point = next((line.split()[1] for line in lines if line.startswith("kill-before")), "timed")
     returncode = proc.wait()
     assert returncode == -signal.SIGKILL, f"saver exited with {returncode}, not by SIGKILL"
     latest = check_after_kill(base)
@@ -154,7 +158,13 @@ def run_kill(
         assert latest in (before, start), (before, start, latest)
     else:  # killed while re-saving the latest: it or an older kept one survives
         assert 0 <= latest <= before, (before, latest)
-    return {"start": start, "saved": len(saved), "latest": latest}
+    return {
+        "point": point,
+        "resave": start <= before,
+        "saved": len(saved),
+        "before": before,
+        "latest": latest,
+    }
 
 
 def finish_and_check(base: Path, saves: int = 6) -> int:
@@ -180,19 +190,20 @@ def _arm_self_kill(kill_at: int) -> None:
     """Replace the counted operations with versions that SIGKILL this process at call K."""
     calls = 0
 
-    def counted(fn: Any) -> Any:
+    def counted(fn: Any, name: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls == kill_at:
+                print(f"kill-before {name}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return fn(*args, **kwargs)
 
         return wrapper
 
     for name in _KILL_POINTS:
-        setattr(os, name, counted(getattr(os, name)))
-    _fs.write_all = counted(_fs.write_all)
+        setattr(os, name, counted(getattr(os, name), name))
+    _fs.write_all = counted(_fs.write_all, "write")
 
 
 def main() -> None:
