@@ -44,7 +44,7 @@ regular save.
 saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
 after those ``k`` batches, but Lightning's loop counters as they were at the start of epoch E
 (those of checkpoint E-1; none for E = 0). It is saved as number E (forced, whatever the
-frequency) and marked in ``trainer.bpk`` under ``lightning_bpk/preempted``. Resuming from it
+frequency) and marked in ``trainer.bpk`` under ``lightning_bpk_preempted``. Resuming from it
 runs epoch E again from its first batch, with the next shuffle of the RNG stream: the ``k``
 batches' updates are kept and all of epoch E's data is seen once more; ``global_step`` goes back
 to its value at the start of epoch E (the optimizer's own step counts, e.g. Adam's, keep the

@@ -47,21 +47,23 @@ import torch
 from lightning_bpk import _fs, state
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import (
+    LrSchedulerRecord,
     ModuleRecord,
     OptimizerRecord,
     RecordError,
     StateRecord,
     load_record,
 )
+from lightning_bpk.records.scheduler import _torch_form as scheduler_state_dict
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optim"
 SCHEDULER_KEY = "scheduler"
 TRAINER_KEY = "trainer"
-# Top-level keys this package adds to Lightning's dict; the "/" keeps them apart from Lightning's.
-RNG_KEY = "lightning_bpk/rng"
-DROPPED_KEY = "lightning_bpk/dropped_hyperparameters"
-PREEMPTED_KEY = "lightning_bpk/preempted"
+# Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
+RNG_KEY = "lightning_bpk_rng"
+DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
+PREEMPTED_KEY = "lightning_bpk_preempted"
 # Lightning keys holding hyper-parameters (values may be arbitrary user objects) ...
 HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 # ... and the OmegaConf container *type* it stores beside them (a class: never storable).
@@ -185,7 +187,7 @@ def to_records(
     for i, optimizer in enumerate(optimizers):
         data[numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
     for i, scheduler in enumerate(schedulers):
-        data[numbered_key(SCHEDULER_KEY, i)] = StateRecord(scheduler.state_dict())  # TODO-LRS
+        data[numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
     rest = {k: v for k, v in storable(checkpoint).items() if k not in _RECORD_KEYS}
     rest[RNG_KEY] = capture_rng()
     data[TRAINER_KEY] = StateRecord(rest)
@@ -234,7 +236,9 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
         state_dict[alias] = model.tensors[target]
     checkpoint["state_dict"] = state_dict
     checkpoint["optimizer_states"] = [positional_state(r) for r in _numbered(data, OPTIMIZER_KEY)]
-    checkpoint["lr_schedulers"] = _numbered(data, SCHEDULER_KEY)  # TODO-LRS
+    checkpoint["lr_schedulers"] = [
+        scheduler_state_dict(r.state) for r in _numbered(data, SCHEDULER_KEY)
+    ]
     return checkpoint
 
 

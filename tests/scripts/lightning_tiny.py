@@ -4,11 +4,12 @@ Shuffled DataLoader, dropout, Adam and StepLR: every source of state a resume mu
 As a script (run by the end-to-end, preemption and DDP tests)::
 
     python lightning_tiny.py --root DIR --epochs 4 [--kill-at-step K] [--term-at-step K]
-        [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES]
+        [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES --fsize-at-step K]
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
-multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank ``--term-rank``.
+multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank ``--term-rank``;
+``--fsize-limit`` caps file sizes (RLIMIT_FSIZE, SIGXFSZ ignored) from step ``--fsize-at-step``.
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--term-rank", type=int, default=0)
     parser.add_argument("--term-signal", default="SIGTERM")
     parser.add_argument("--fsize-limit", type=int)
+    parser.add_argument("--fsize-at-step", type=int, default=0)
     parser.add_argument("--frequency", type=int, default=1)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    if args.fsize_limit is not None:
+
+    def limit_file_size() -> None:
         # A full disk, portably: writes past the limit fail with EFBIG instead of killing us.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
 
     def on_step(step: int) -> None:
+        if args.fsize_limit is not None and step == args.fsize_at_step:
+            limit_file_size()
         if step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.term_at_step and rank == args.term_rank:
@@ -126,18 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     extra = {}
     if args.devices > 1:
         extra = dict(strategy="ddp", devices=args.devices, use_distributed_sampler=True)
-    trainer = make_trainer(
-        args.root,
-        args.epochs,
-        [BurnpackCheckpoint(checkpoint_frequency=args.frequency)],
-        **extra,
-    )
+    callback = BurnpackCheckpoint(checkpoint_frequency=args.frequency)
+    trainer = make_trainer(args.root, args.epochs, [callback], **extra)
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
     print(
         f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
-        f"step={trainer.global_step}",
+        f"step={trainer.global_step} restored={callback.restored_number}",
         flush=True,
     )
 

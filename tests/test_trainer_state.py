@@ -1,0 +1,153 @@
+"""Lightning dict <-> records and files: exact types, positional optimizer state, RNG, errors."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_bpk import trainer_state
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
+from lightning_bpk.trainer_state import DROPPED_KEY, RNG_KEY
+
+
+def _draws() -> tuple:
+    return torch.rand(3), np.random.rand(3), random.random()
+
+
+def test_rng_states_round_trip_through_a_file(tmp_path):
+    path = trainer_state.save_file({"x": 1}, tmp_path / "c.ckpt")  # captures the RNG states
+    expected = _draws()
+    saved = trainer_state.load(path)[RNG_KEY]
+    _draws()  # move every generator on
+    trainer_state.restore_rng(saved)
+    again = _draws()
+    assert torch.equal(expected[0], again[0])
+    assert np.array_equal(expected[1], again[1])
+    assert expected[2] == again[2]
+    assert set(saved) >= {"torch", "numpy", "python"}
+
+
+def test_unencodable_hyperparameters_are_dropped_by_name_with_a_warning():
+    checkpoint = {
+        "hyper_parameters": {"lr": 0.1, "loss": torch.nn.MSELoss(), "betas": (0.9, 0.99)},
+        "hparams_type": dict,
+        "epoch": 3,
+    }
+    with pytest.warns(UserWarning, match="'loss'"):
+        out = trainer_state.storable(checkpoint)
+    assert out["hyper_parameters"] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert out[DROPPED_KEY] == ["hparams_type", "hyper_parameters.loss"]
+    assert "hparams_type" not in out and checkpoint["hparams_type"] is dict  # input untouched
+
+
+def test_other_unencodable_state_raises_naming_its_path(tmp_path):
+    with pytest.raises(RecordError, match=r"\['extra'\]\['obj'\]"):
+        trainer_state.save_file({"extra": {"obj": object()}}, tmp_path / "c.ckpt")
+    assert not (tmp_path / "c.ckpt").exists()
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": net[2].parameters(), "lr": 0.01},
+            {"params": list(net[0].parameters()) + list(net[1].parameters())},
+        ],
+        lr=0.1,
+        betas=(0.8, 0.9),
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for _ in range(2):
+        net(torch.randn(5, 3)).pow(2).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return net, optimizer, scheduler
+
+
+def test_records_round_trip_to_lightnings_dict_exactly(tmp_path):
+    net, optimizer, scheduler = _trained()
+    checkpoint = {
+        "epoch": 2,
+        "global_step": 2,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": net.state_dict(),
+        "optimizer_states": [optimizer.state_dict()],
+        "lr_schedulers": [scheduler.state_dict()],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3}}}},
+        "callbacks": {"X{'a': 1}": {"best": torch.tensor(0.5), "k": {0: None}}},
+    }
+    data = trainer_state.to_records(checkpoint, net, [optimizer], [scheduler])
+    assert sorted(data) == ["model", "optim", "scheduler", "trainer"]
+    assert isinstance(data["optim"], OptimizerRecord)
+    assert "state_dict" not in data["trainer"].value and RNG_KEY in data["trainer"].value
+    Checkpointer(tmp_path).save_checkpoint(2, data)
+
+    loaded = trainer_state.load(tmp_path / "ckpt.2")
+    assert list(loaded["state_dict"]) == list(net.state_dict())
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(loaded["state_dict"][name], tensor)
+        assert loaded["state_dict"][name].dtype == tensor.dtype  # num_batches_tracked stays int64
+    got, want = loaded["optimizer_states"][0], optimizer.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert type(got["param_groups"][0]["betas"]) is tuple
+    assert sorted(got["state"]) == sorted(want["state"])  # int keys, not strings
+    for i, s in want["state"].items():
+        for key, value in s.items():
+            assert torch.equal(got["state"][i][key], value)
+            assert got["state"][i][key].dtype == value.dtype
+    assert loaded["lr_schedulers"] == [scheduler.state_dict()]
+    assert loaded["callbacks"]["X{'a': 1}"]["k"] == {0: None}
+    assert loaded["callbacks"]["X{'a': 1}"]["best"].shape == ()
+    assert loaded["loops"] == checkpoint["loops"]
+
+    _, fresh_optimizer, _ = _trained()
+    fresh_optimizer.load_state_dict(loaded["optimizer_states"][0])  # what Lightning does
+    assert fresh_optimizer.state_dict()["param_groups"] == want["param_groups"]
+
+
+def test_positional_state_numbers_groups_in_order():
+    net, optimizer, _ = _trained()
+    positional = trainer_state.positional_state(OptimizerRecord.from_optimizer(optimizer, net))
+    assert [g["params"] for g in positional["param_groups"]] == [
+        g["params"] for g in optimizer.state_dict()["param_groups"]
+    ]
+
+
+def test_single_file_keeps_exact_types(tmp_path):
+    checkpoint = {
+        "state_dict": OrderedDict(w=torch.arange(3.0)),
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": []}],
+        "betas": (0.9, 0.999),
+        "none": None,
+        "flag": True,
+        "big": 2**70,
+    }
+    path = trainer_state.save_file(checkpoint, tmp_path / "sub" / "manual")
+    assert path == tmp_path / "sub" / "manual"  # exactly the path Lightning asked for
+    assert path.read_bytes()[:4] == b"NRUB"
+    loaded = trainer_state.load(path)
+    assert type(loaded["state_dict"]) is OrderedDict
+    assert list(loaded["optimizer_states"][0]["state"]) == [0]
+    assert loaded["optimizer_states"][0]["state"][0]["step"].shape == ()
+    assert loaded["betas"] == (0.9, 0.999) and type(loaded["betas"]) is tuple
+    assert (loaded["none"], loaded["flag"], loaded["big"]) == (None, True, 2**70)
+
+
+def test_load_errors_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        trainer_state.load(tmp_path / "nope.ckpt")
+    (tmp_path / "ckpt.3").mkdir()
+    with pytest.raises(RecordError, match="no sentinel for checkpoint 3"):
+        trainer_state.load(tmp_path / "ckpt.3")
+    (tmp_path / "weird").mkdir()
+    with pytest.raises(RecordError, match="not a checkpoint directory"):
+        trainer_state.load(tmp_path / "weird")
+    ModuleRecord.from_module(torch.nn.Linear(1, 1)).save(tmp_path / "m.bpk")
+    with pytest.raises(RecordError, match="'module' record, not a checkpoint"):
+        trainer_state.load(tmp_path / "m.bpk")
