@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_state import assert_exact  # exact nested equality, shared with the codec tests
 from torch import nn
 
 from lightning_bpk import burnpack
@@ -107,22 +108,6 @@ def by_name(model: nn.Module, opt: optim.Optimizer) -> dict[str, dict]:
     return dict(sorted((names[id(p)], s) for p, s in opt.state.items()))
 
 
-def assert_exact(a: object, b: object, where: str) -> None:
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            assert_exact(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_exact(x, y, f"{where}.{i}")
-    else:
-        assert a == b, (where, a, b)
-
-
 def test_doctests() -> None:
     assert doctest.testmod(optimizer_mod).failed == 0
 
@@ -148,15 +133,14 @@ def test_resume_is_bit_identical(case: Case) -> None:
         assert_exact(
             {k: v for k, v in a.items() if k != "params"},
             {k: v for k, v in b.items() if k != "params"},
-            "group",
         )
-    assert_exact(by_name(model, opt), by_name(clone, opt2), "state")
+    assert_exact(by_name(model, opt), by_name(clone, opt2))
 
     train(model, opt, range(3, 6))
     train(clone, opt2, range(3, 6))
     for (name, p), (_, q) in zip(model.named_parameters(), clone.named_parameters(), strict=True):
         assert torch.equal(p, q), name
-    assert_exact(by_name(model, opt), by_name(clone, opt2), "state after steps")
+    assert_exact(by_name(model, opt), by_name(clone, opt2))
 
 
 def adam_after_steps() -> tuple[MLP, optim.Adam]:
@@ -302,7 +286,7 @@ def test_file_round_trip_and_load_record(tmp_path: Path) -> None:
     assert isinstance(loaded, OptimizerRecord)
     target = optim.Adam(model.parameters())
     loaded.apply(target, model)
-    assert_exact(by_name(model, opt), by_name(model, target), "state")
+    assert_exact(by_name(model, opt), by_name(model, target))
     with pytest.raises(RecordError, match="'optimizer' record, not 'module'"):
         ModuleRecord.load(path)
 
