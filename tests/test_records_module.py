@@ -371,3 +371,13 @@ def test_burn_mnist_file_loads_applies_and_rewrites() -> None:
     assert {n: again.param_ids[n] for n in net.state_dict() if n in again.param_ids} == {
         n: record.param_ids[n] for n in again.param_ids
     }
+
+
+def test_state_dict_expands_aliases_for_torch() -> None:
+    src = randomize(Tied(), 9)
+    record = ModuleRecord.from_bytes(ModuleRecord.from_module(src).to_bytes())
+    sd = record.state_dict()
+    assert list(sd) == ["embed.weight", "head.weight"] and sd["head.weight"] is sd["embed.weight"]
+    dst = Tied()
+    dst.load_state_dict(sd)
+    assert torch.equal(dst.head.weight, src.head.weight)

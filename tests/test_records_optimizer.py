@@ -308,3 +308,12 @@ def test_pack_without_optimizer_structure_is_a_validation_error() -> None:
     with pytest.raises(RecordError) as info:
         OptimizerRecord.from_bytes(burnpack.dumps({"1.momentum.moment_1": torch.zeros(2)}))
     assert info.value.kind == "validation" and "lightning_bpk/state" in str(info.value)
+
+
+def test_positional_state_dict_loads_into_a_same_order_optimizer() -> None:
+    model, opt = adam_after_steps()
+    record = OptimizerRecord.from_bytes(OptimizerRecord.from_optimizer(opt, model).to_bytes())
+    target = optim.Adam(model.parameters(), amsgrad=True)
+    target.load_state_dict(record.state_dict())
+    assert_exact(by_name(model, opt), by_name(model, target))
+    assert record.state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]

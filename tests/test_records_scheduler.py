@@ -205,3 +205,12 @@ def test_file_round_trip_and_burn_empty_pack(tmp_path: Path) -> None:
     with pytest.raises(RecordError) as info:
         LrSchedulerRecord.from_bytes(burnpack.dumps({}, scalars={"0.current_iter": 3}))
     assert info.value.kind == "validation"
+
+
+def test_state_dict_is_torchs_form() -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = CASES["nested"](opt)
+    record = LrSchedulerRecord.from_bytes(LrSchedulerRecord.from_scheduler(sched).to_bytes())
+    expected = sched.state_dict()
+    assert record.state_dict() == expected
+    assert len(record.state_dict()["_schedulers"][0]["_schedulers"]) == 2

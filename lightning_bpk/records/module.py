@@ -50,6 +50,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -269,15 +270,25 @@ class ModuleRecord(Record):
                     setattr(target, PARAM_ID_ATTR, pid)
         return module
 
+    def _entries(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """``(name, tensor, param id)`` for every stored name, then every alias."""
+        entries = [(n, t, self.param_ids.get(n)) for n, t in self.tensors.items()]
+        return entries + [
+            (a, self.tensors[t], self.param_ids.get(t)) for a, t in self.aliases.items()
+        ]
+
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """The record as torch's ``state_dict``: every name, tied aliases included (they share
+        the stored tensor), for ``module.load_state_dict`` or inspection."""
+        return OrderedDict((name, tensor) for name, tensor, _ in self._entries())
+
     def _incoming(
         self, module: nn.Module, adapter: Adapter | None
     ) -> dict[str, tuple[torch.Tensor, int | None]]:
         """Record entries (aliases expanded) by module name, through the adapter if any."""
-        entries = [(n, t, self.param_ids.get(n)) for n, t in self.tensors.items()]
-        entries += [(a, self.tensors[t], self.param_ids.get(t)) for a, t in self.aliases.items()]
         incoming: dict[str, tuple[torch.Tensor, int | None]] = {}
         duplicates = []
-        for name, tensor, pid in entries:
+        for name, tensor, pid in self._entries():
             if adapter is not None:
                 name, tensor = adapter.to_module(name, tensor, _owner(module, name))
             if name in incoming:

@@ -180,6 +180,16 @@ class OptimizerRecord(Record):
             per_param, groups, paths=paths, ranks=ranks, optimizer_class=_class_name(optimizer)
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state as torch's positional ``optimizer.state_dict()``, numbering parameters
+        group after group in the recorded order (what a same-order optimizer loads).
+
+        Prefer :meth:`apply`, which matches by id; this is for code that needs torch's form.
+        """
+        index = {pid: i for i, pid in enumerate(p for g in self.param_groups for p in g["params"])}
+        groups = [dict(g, params=[index[pid] for pid in g["params"]]) for g in self.param_groups]
+        return {"state": {index[pid]: s for pid, s in self.state.items()}, "param_groups": groups}
+
     def apply(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
         """Restore the state into ``optimizer`` by parameter id and return it.
 

@@ -89,6 +89,10 @@ class LrSchedulerRecord(Record):
         record._encode()  # fail now, naming the key, rather than at save time
         return record
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state as torch's ``scheduler.state_dict()`` has it (children in ``_schedulers``)."""
+        return _torch_form(self.state)
+
     def apply(self, scheduler: SchedulerLike) -> SchedulerLike:
         """Load the state into ``scheduler`` (same class, built on the resumed optimizer with
         the same functions for lambda-based schedulers) and return it."""
@@ -98,7 +102,7 @@ class LrSchedulerRecord(Record):
                 f"record holds {self.scheduler_class} state, the scheduler is "
                 f"{_class_name(scheduler)}",
             )
-        scheduler.load_state_dict(_torch_form(self.state))
+        scheduler.load_state_dict(self.state_dict())
         return scheduler
 
     # -- burnpack content --
