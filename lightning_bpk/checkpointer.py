@@ -90,7 +90,7 @@ import re
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -170,20 +170,23 @@ def _sentinel_stem(identifier: str) -> str:
     return f"sentinel_{identifier}_complete"
 
 
-def _numbers(base: Path, stem: str, *, scratch: bool = False) -> dict[int, Path]:
-    """``{N: path}`` for entries named ``stem.N`` (or, with ``scratch``, ``stem.N.<pid>-<k>.tmp``,
-    keyed by position since several can share N). Missing or non-directory base: empty."""
-    pattern = re.compile(re.escape(stem) + r"\." + _NUMBER + (_SCRATCH if scratch else ""))
-    found: dict[int, Path] = {}
+def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
+    """Entries of ``base`` whose whole name matches ``pattern``; none if ``base`` is missing or
+    not a directory (Dopamine's "-1 for a missing directory")."""
+    compiled = re.compile(pattern)
     try:
         entries = list(os.scandir(base))
     except (FileNotFoundError, NotADirectoryError):
-        return found
+        return
     for entry in entries:
-        match = pattern.fullmatch(entry.name)
+        match = compiled.fullmatch(entry.name)
         if match:
-            found[len(found) if scratch else int(match.group(1))] = Path(entry.path)
-    return found
+            yield match, Path(entry.path)
+
+
+def _numbers(base: Path, stem: str) -> dict[int, Path]:
+    """``{N: path}`` for the entries of ``base`` named ``stem.N``."""
+    return {int(m.group(1)): p for m, p in _matching(base, re.escape(stem) + r"\." + _NUMBER)}
 
 
 def _remove(path: Path) -> None:
@@ -343,14 +346,7 @@ class _Checkpoint:
         if not data.exists():
             return [f"{data}: data is missing (sentinel without data)"]
         if manifest is None:
-            if full:
-                warnings.warn(
-                    f"checkpoint {self.iteration} in {self.base} has Dopamine's b'done' sentinel: "
-                    "no manifest, so its data cannot be verified",
-                    CheckpointWarning,
-                    stacklevel=3,
-                )
-            return []
+            return self._legacy_problems(data) if full else []
         if not data.is_dir():
             return [f"{data}: data is not a directory"]
         problems = []
@@ -366,6 +362,41 @@ class _Checkpoint:
                 problems.extend(_file_problems(path, entry, head=full, tensors=full))
         return problems
 
+    def _legacy_problems(self, data: Path) -> list[str]:
+        """Full check of a Dopamine-sentinel checkpoint: only what the files themselves carry."""
+        if not data.is_dir():
+            return [_not_a_data_directory(data)]
+        warnings.warn(
+            f"checkpoint {self.iteration} in {self.base} has Dopamine's b'done' sentinel: no "
+            "manifest, so only the tensor checksums inside its files can be verified",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+        return [p for key in _keys_on_disk(data) for p in _tensor_problems(_record_path(data, key))]
+
+
+def _not_a_data_directory(data: Path) -> str:
+    return f"{data} is not a lightning_bpk data directory (a Dopamine pickle?); not loadable"
+
+
+def _keys_on_disk(data: Path) -> list[str]:
+    """The data keys of a directory without a manifest (Dopamine sentinel): its ``.bpk`` files."""
+    return sorted(p.name[: -len(RECORD_SUFFIX)] for p in data.glob("*" + RECORD_SUFFIX))
+
+
+def _record_path(data: Path, key: str) -> Path:
+    return data / (key + RECORD_SUFFIX)
+
+
+def _tensor_problems(path: Path) -> list[str]:
+    """Every tensor of the record file against its checksum (reads all its bytes)."""
+    try:
+        with burnpack.read(path) as pack:
+            pack.verify()
+    except burnpack.BurnpackError as e:
+        return [str(e)]
+    return []
+
 
 def _file_problems(path: Path, entry: _FileEntry, *, head: bool, tensors: bool) -> list[str]:
     """Check one record file against its manifest entry: size always (a stat), then optionally
@@ -378,13 +409,7 @@ def _file_problems(path: Path, entry: _FileEntry, *, head: bool, tensors: bool) 
         return [f"{path}: {size} bytes, manifest records {entry.size}"]
     if head and _head_digest(path, entry.head_size) != entry.head_xxh3:
         return [f"{path}: header/metadata bytes differ from the manifest's xxh3 (damaged)"]
-    if tensors:
-        try:
-            with burnpack.read(path) as pack:
-                pack.verify()
-        except burnpack.BurnpackError as e:
-            return [str(e)]
-    return []
+    return _tensor_problems(path) if tensors else []
 
 
 def _sentinel_numbers(base: Path, identifier: str) -> list[int]:
@@ -571,13 +596,9 @@ class Checkpointer:
         if not data.exists():
             return None
         if not data.is_dir():
-            raise RecordError(
-                "io", f"{data} is not a lightning_bpk data directory (a Dopamine pickle?)"
-            )
-        if manifest is None:  # Dopamine sentinel: the directory listing is all there is
-            available = sorted(p.name[: -len(RECORD_SUFFIX)] for p in data.glob("*.bpk"))
-        else:
-            available = list(manifest.files)
+            raise RecordError("io", _not_a_data_directory(data))
+        # A Dopamine sentinel has no manifest: the directory listing is all there is.
+        available = _keys_on_disk(data) if manifest is None else list(manifest.files)
         wanted = available if keys is None else list(keys)
         missing = [k for k in wanted if k not in available]
         if missing:
@@ -587,7 +608,7 @@ class Checkpointer:
             )
         loaded = {}
         for key in wanted:
-            path = data / (key + RECORD_SUFFIX)
+            path = _record_path(data, key)
             if manifest is not None:
                 problems = _file_problems(path, manifest.files[key], head=True, tensors=False)
                 if problems:
@@ -646,9 +667,9 @@ class Checkpointer:
     def _remove_leftovers(self) -> None:
         """Delete what a crashed save of this checkpointer left: staging or displaced data
         directories and sentinel scratch files (``<name>.<pid>-<k>.tmp``)."""
-        stems = (self.checkpoint_file_prefix, _sentinel_stem(self.sentinel_file_identifier))
-        for stem in stems:
-            for path in _numbers(self.base_directory, stem, scratch=True).values():
+        for stem in (self.checkpoint_file_prefix, _sentinel_stem(self.sentinel_file_identifier)):
+            pattern = re.escape(stem) + r"\." + _NUMBER + _SCRATCH
+            for _, path in list(_matching(self.base_directory, pattern)):
                 _remove(path)
 
     def _publish(self, n: int, data: Mapping[str, Any]) -> Path:
@@ -724,7 +745,7 @@ class Checkpointer:
             for key, value in data.items():
                 record = value if isinstance(value, Record) else StateRecord(value)
                 try:
-                    path = record.save(staging / (key + RECORD_SUFFIX))
+                    path = record.save(_record_path(staging, key))
                 except RecordError as e:
                     raise RecordError(
                         e.kind, [f"checkpoint {n} key {key!r}: {p}" for p in e.problems]

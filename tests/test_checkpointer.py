@@ -397,13 +397,22 @@ def test_dopamine_done_sentinel_counts_but_is_unverifiable(tmp_path: Path) -> No
     assert get_latest_checkpoint_number(tmp_path) == 4
     with pytest.warns(CheckpointWarning, match="b'done' sentinel: no manifest"):
         assert get_latest_checkpoint_number(tmp_path, verify=True) == 4
-    with pytest.warns(CheckpointWarning, match="cannot be verified"):
+    with pytest.warns(CheckpointWarning, match="only the tensor checksums"):
         assert c.verify_checkpoint(4) == []
     assert_tensors_payload(c.load_checkpoint(4), 4)  # keys come from the directory listing
-    # A Dopamine pickle data file: counted (compatibility), never unpickled.
-    (tmp_path / "ckpt.5").write_bytes(b"\x80\x04K\x05.")
+    _damage_flip_payload(c, 4)  # what the files carry themselves is still checked
+    with pytest.warns(CheckpointWarning, match="b'done' sentinel"):
+        assert "failing their checksum: ['b']" in " ".join(c.verify_checkpoint(4))
+
+
+def test_dopamine_pickle_checkpoint_is_counted_but_never_unpickled(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.save_checkpoint(4, {"n": 4})
+    (tmp_path / "ckpt.5").write_bytes(b"\x80\x04K\x05.")  # pickle.dumps(5)
     (tmp_path / f"{SENTINEL}.5").write_bytes(b"done")
-    assert get_latest_checkpoint_number(tmp_path) == 5
+    assert get_latest_checkpoint_number(tmp_path) == 5  # Dopamine's answer
+    with pytest.warns(CheckpointWarning, match=r"checkpoint 5 .* skipped: .*Dopamine pickle"):
+        assert get_latest_checkpoint_number(tmp_path, verify=True) == 4
     with pytest.raises(RecordError, match=r"ckpt\.5 is not a lightning_bpk data directory"):
         c.load_checkpoint(5)
 
