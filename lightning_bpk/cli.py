@@ -4,25 +4,41 @@ Each subcommand is one ``_cmd_<name>(args) -> int`` function registered in :func
 so ``ls``, ``verify``, ``convert`` or ``diff`` can be added beside ``inspect`` without touching
 the others. A bad file is reported on stderr with its path and exit status :data:`EXIT_BAD_FILE`.
 
+Commands: ``inspect FILE``, ``ls DIR`` (checkpoints), ``verify FILE|DIR``, ``convert SRC DST``
+(``.bpk``, ``.safetensors``; ``.pt``/``.ckpt`` as source only), ``diff A B``. Every command takes
+``--json``. Exit status: 0 ok, 1 differences or damage found (:data:`EXIT_FOUND`), 2 usage error
+or unreadable input (:data:`EXIT_BAD_FILE`). Long work shows progress on stderr when it is a
+terminal.
+
 Example::
 
     $ lightning-bpk inspect model.bpk
     $ lightning-bpk inspect model.bpk --json | jq .tensors
+    $ lightning-bpk ls runs/exp1
+    $ lightning-bpk convert runs/exp1/ckpt.9/model.bpk model.safetensors
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_bpk import burnpack
+from lightning_bpk.checkpointer import _numbers, _sentinel_stem, verify_checkpoint
+from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.records.base import RecordError
 
 EXIT_OK = 0
+EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
 EXIT_BAD_FILE = 2  # argparse also exits with 2 on usage errors: "the input was not usable"
 
 
@@ -129,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("file", help="path to a .bpk file ('.bpk' is added if missing)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
     inspect.set_defaults(func=_cmd_inspect)
+    _add_tool_commands(sub)
     return parser
 
 
@@ -144,6 +161,291 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `| head` closed stdout early: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except burnpack.BurnpackError as e:
+    except (burnpack.BurnpackError, RecordError, OSError) as e:
         print(f"lightning-bpk {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_FILE
+
+
+# --- ls, verify, convert, diff ------------------------------------------------------------------
+
+
+def _progress(label: str) -> Callable[[int, int, str], None] | None:
+    """A per-item progress line on stderr, or None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def report(done: int, total: int, name: str) -> None:
+        end = "\n" if done == total else ""
+        print(f"\r\033[K{label} {done}/{total} {name}", end=end, file=sys.stderr, flush=True)
+
+    return report
+
+
+def _size_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _mtime(path: Path) -> str:
+    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).astimezone()
+    return stamp.isoformat(timespec="seconds")
+
+
+def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
+    print(json.dumps(info, indent=2) if args.json else text)
+
+
+def list_checkpoints(
+    base: Path, identifier: str, prefix: str, verify: bool
+) -> list[dict[str, Any]]:
+    """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
+    problems. ``verified`` is None when ``verify`` is off."""
+    sentinels = _numbers(base, _sentinel_stem(identifier))
+    data = _numbers(base, prefix)
+    rows = []
+    for n in sorted(set(sentinels) | set(data), reverse=True):
+        complete = n in sentinels and n in data
+        problems = verify_checkpoint(base, n, identifier, prefix) if verify and complete else []
+        rows.append(
+            {
+                "number": n,
+                "complete": complete,
+                "verified": (not problems) if verify and complete else None,
+                "size": _tree_size(data[n]) if n in data else 0,
+                "time": _mtime(sentinels.get(n) or data[n]),
+                "path": str(data.get(n, sentinels.get(n))),
+                "problems": problems,
+            }
+        )
+    return rows
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    base = Path(args.dir)
+    if not base.is_dir():
+        raise OSError(f"{base}: not a directory")
+    rows = list_checkpoints(base, args.identifier, args.prefix, verify=not args.no_verify)
+    table = [["number", "complete", "verified", "size", "time"]]
+    table += [
+        [
+            str(r["number"]),
+            _yes_no(r["complete"]),
+            _yes_no(r["verified"]),
+            _size_text(r["size"]),
+            r["time"],
+        ]
+        for r in rows
+    ]
+    text = _table(table) if rows else f"{base}: no checkpoints"
+    text += "".join(f"\n{r['number']}: {p}" for r in rows for p in r["problems"])
+    _emit(args, {"directory": str(base), "checkpoints": rows}, text)
+    return EXIT_FOUND if any(r["verified"] is False for r in rows) else EXIT_OK
+
+
+def _verify_file(path: Path) -> dict[str, Any]:
+    """Structure and checksums of one ``.bpk`` (or structure of a ``.safetensors``) file."""
+    result: dict[str, Any] = {"file": str(path), "ok": True, "problems": []}
+    if path.suffix == ".safetensors":
+        result["tensors"] = len(read_content(path).tensors)
+        result["checksums"] = 0
+        return result
+    try:
+        with burnpack.read(path) as pack:
+            result["tensors"] = len(pack)
+            result["checksums"] = len(pack.checksums)
+            progress = _progress(f"verify {path.name}")
+            bad = []
+            for k, name in enumerate(pack.names):
+                try:
+                    pack.raw(name)
+                except burnpack.ChecksumError:
+                    bad.append(name)
+                if progress is not None:
+                    progress(k + 1, len(pack), name)
+            if bad:
+                result["problems"] = [f"{path}: tensor '{n}' fails its checksum" for n in bad]
+    except burnpack.BurnpackIOError:
+        raise
+    except burnpack.BurnpackError as e:
+        result["problems"] = [str(e)]
+    result["ok"] = not result["problems"]
+    return result
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    target = Path(args.target)
+    if target.is_dir():
+        rows = list_checkpoints(target, args.identifier, args.prefix, verify=True)
+        if rows:
+            results = [
+                {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
+                if r["complete"]
+                else {"checkpoint": r["number"], "ok": True, "problems": [], "incomplete": True}
+                for r in rows
+            ]
+        else:
+            files = sorted(target.glob("*.bpk"))
+            if not files:
+                raise OSError(f"{target}: no checkpoints and no .bpk files to verify")
+            results = [_verify_file(f) for f in files]
+    elif target.exists():
+        results = [_verify_file(target)]
+    else:
+        raise OSError(f"{target}: no such file or directory")
+    lines = []
+    for r in results:
+        what = f"checkpoint {r['checkpoint']}" if "checkpoint" in r else r["file"]
+        if r.get("incomplete"):
+            lines.append(f"{what}: incomplete (no sentinel or no data), skipped")
+        elif r["ok"]:
+            detail = (
+                ""
+                if "tensors" not in r
+                else f" ({r['tensors']} tensors, {r['checksums']} checksummed)"
+            )
+            lines.append(f"{what}: OK{detail}")
+        else:
+            lines += [f"{what}: DAMAGED"] + [f"  {p}" for p in r["problems"]]
+    ok = all(r["ok"] for r in results)
+    _emit(args, {"target": str(target), "ok": ok, "results": results}, "\n".join(lines))
+    return EXIT_OK if ok else EXIT_FOUND
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    written = convert(args.src, args.dst, progress=_progress(f"convert {Path(args.src).name}"))
+    info = {"src": args.src, "dst": str(written), "size": written.stat().st_size}
+    _emit(args, info, f"wrote {written} ({_size_text(info['size'])})")
+    return EXIT_OK
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| (NaN in both places counts as equal, NaN in one as infinite)."""
+    if a.numel() == 0:
+        return 0.0
+    x, y = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    both_nan = x.isnan() & y.isnan()
+    d = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
+    return d.max().item()
+
+
+def diff_contents(
+    a: Content, b: Content, progress: Callable[[int, int, str], None] | None = None
+) -> list[dict[str, Any]]:
+    """Tensor-by-tensor comparison of two :class:`~lightning_bpk.interop.Content` objects."""
+    names = list(a.tensors) + [n for n in b.tensors if n not in a.tensors]
+    rows = []
+    for k, name in enumerate(names):
+        ta, tb = a.tensors.get(name), b.tensors.get(name)
+        row: dict[str, Any] = {"name": name}
+        if ta is None or tb is None:
+            row["status"] = "only in A" if tb is None else "only in B"
+        else:
+            row.update(
+                shape_a=list(ta.shape),
+                shape_b=list(tb.shape),
+                dtype_a=str(ta.dtype).removeprefix("torch."),
+                dtype_b=str(tb.dtype).removeprefix("torch."),
+                param_id_a=a.param_ids.get(name),
+                param_id_b=b.param_ids.get(name),
+            )
+            if ta.shape != tb.shape:
+                row["status"] = "shape differs"
+            else:
+                row["max_abs_diff"] = _max_abs_diff(ta, tb)
+                same_bytes = ta.dtype == tb.dtype and bytes(burnpack.tensor_bytes(ta)) == bytes(
+                    burnpack.tensor_bytes(tb)
+                )
+                if same_bytes:
+                    row["status"] = "same"
+                elif ta.dtype != tb.dtype:
+                    row["status"] = "dtype differs"
+                else:
+                    row["status"] = "values differ"
+            if row["status"] == "same" and row["param_id_a"] != row["param_id_b"]:
+                row["status"] = "param_id differs"
+        rows.append(row)
+        if progress is not None:
+            progress(k + 1, len(names), name)
+    return rows
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    a, b = read_content(args.a), read_content(args.b)
+    rows = diff_contents(a, b, _progress("diff"))
+    different = [r for r in rows if r["status"] != "same"]
+    if args.atol is not None:
+        different = [
+            r
+            for r in different
+            if not (r["status"] == "values differ" and r["max_abs_diff"] <= args.atol)
+        ]
+    shown = rows if args.all else different
+    table = [["name", "status", "shape", "dtype", "max_abs_diff"]]
+    for r in shown:
+        shape = dtype = diff = "-"
+        if "shape_a" in r:
+            shape = (
+                str(r["shape_a"])
+                if r["shape_a"] == r["shape_b"]
+                else f"{r['shape_a']} vs {r['shape_b']}"
+            )
+            dtype = (
+                r["dtype_a"]
+                if r["dtype_a"] == r["dtype_b"]
+                else f"{r['dtype_a']} vs {r['dtype_b']}"
+            )
+        if "max_abs_diff" in r:
+            diff = f"{r['max_abs_diff']:.6g}"
+        table.append([r["name"], r["status"], shape, dtype, diff])
+    summary = f"{len(rows)} tensors, {len(different)} differ"
+    text = summary if len(table) == 1 else _table(table) + "\n" + summary
+    _emit(args, {"a": args.a, "b": args.b, "identical": not different, "tensors": rows}, text)
+    return EXIT_FOUND if different else EXIT_OK
+
+
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``ls``, ``verify``, ``convert`` and ``diff``."""
+
+    def command(
+        name: str, func: Callable[[argparse.Namespace], int], summary: str
+    ) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=summary)
+        parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        parser.set_defaults(func=func)
+        return parser
+
+    def checkpoint_names(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
+        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+
+    ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
+    ls.add_argument("dir", help="a checkpointer base directory")
+    ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")
+    checkpoint_names(ls)
+    verify = command("verify", _cmd_verify, "check structure and checksums (exit 1 on damage)")
+    verify.add_argument(
+        "target",
+        help="a .bpk/.safetensors file, a checkpoint base directory or a directory of .bpk files",
+    )
+    checkpoint_names(verify)
+    convert = command("convert", _cmd_convert, "convert between .bpk, .safetensors, .pt/.ckpt")
+    convert.add_argument("src", help=".bpk, .safetensors, .pt/.pth/.bin or .ckpt")
+    convert.add_argument("dst", help=".bpk or .safetensors")
+    diff = command("diff", _cmd_diff, "compare tensors: names, shapes, dtypes, values (exit 1)")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--atol", type=float, help="value differences up to this count as equal")
+    diff.add_argument("--all", action="store_true", help="list identical tensors too")
