@@ -1,0 +1,73 @@
+"""The documentation site builds strictly: a broken link, a page missing from the nav or an
+unresolved reference to a package object (in a page or a docstring) fails this test.
+
+Builds into a temporary directory with the real ``mkdocs`` command (about 5 s), then checks that
+the API pages really hold the rendered docstrings and the README links into existing pages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MKDOCS = Path(sys.executable).with_name("mkdocs")
+BUILD_TIMEOUT_S = 120  # a normal build takes ~5 s; this only stops a hung build
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run(
+        [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
+    return out
+
+
+def test_every_nav_page_is_built(site: Path) -> None:
+    for page in (
+        "quickstart",
+        "concepts",
+        "format",
+        "interop",
+        "cli",
+        "migrating",
+        "benchmarks",
+        "reliability",
+        "faq",
+        "api/checkpointer",
+    ):
+        assert (site / page / "index.html").is_file(), page
+
+
+def test_api_pages_render_the_docstrings(site: Path) -> None:
+    html = (site / "api" / "checkpointer" / "index.html").read_text()
+    # The class and its methods, with text from their docstrings (not just headings).
+    assert 'id="lightning_bpk.checkpointer.Checkpointer"' in html
+    assert 'id="lightning_bpk.checkpointer.Checkpointer.save_checkpoint"' in html
+    assert "garbage-collects everything older" in html
+    # reST roles became links, doctests code blocks (not nested block quotes).
+    assert "<blockquote>" not in html
+    assert ":class:`" not in html and ":func:`" not in html
+    callback = (site / "api" / "callback" / "index.html").read_text()
+    assert 'href="../checkpointer/#lightning_bpk.checkpointer.Checkpointer"' in callback
+
+
+def test_readme_links_point_at_pages(site: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    assert links, "the README links into the docs"
+    for link in links:
+        assert (ROOT / link).exists(), link
