@@ -1,0 +1,69 @@
+"""DDP with 2 gloo CPU processes, run as a standalone script (Lightning's launcher re-runs the
+command line, so never inside pytest): only rank 0 writes, both ranks resume from the same
+checkpoint, and a SIGTERM to one rank saves and stops both without a deadlock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_bpk import trainer_state
+from lightning_bpk.checkpointer import LOCK_FILE_NAME, get_latest_checkpoint_number
+from lightning_bpk.records import StateRecord
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+RUN_TIMEOUT = 120  # a deadlock fails the test (the process group is killed) instead of hanging
+BATCHES_PER_EPOCH = 3  # 48 samples split over 2 ranks, batch size 8
+
+pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT)
+
+
+def run(root: Path, *args: str) -> tuple[int, str, str, int]:
+    """Run the 2-process script; returns (status, stdout, stderr, pid of rank 0)."""
+    command = [sys.executable, str(SCRIPT), "--root", str(root), "--devices", "2", *args]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = process.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # rank 1 is in the same session
+        out, err = process.communicate()
+        pytest.fail(f"DDP run hung for {RUN_TIMEOUT}s:\n{err[-3000:]}")
+    return process.returncode, out, err, process.pid
+
+
+@pytest.mark.parametrize("term_rank", [1, 0])
+def test_sigterm_to_one_rank_saves_once_and_both_ranks_resume_from_it(tmp_path, term_rank):
+    epochs = "3" if term_rank == 1 else "2"
+    status, out, err, pid = run(
+        tmp_path,
+        "--epochs",
+        epochs,
+        "--term-at-step",
+        str(BATCHES_PER_EPOCH + 1),
+        "--term-rank",
+        str(term_rank),
+    )
+    assert status == 0, err[-3000:]
+    assert "FINISHED" not in out
+    checkpoints = tmp_path / "checkpoints"
+    assert get_latest_checkpoint_number(checkpoints, verify=True) == 1
+    value = StateRecord.load(checkpoints / "ckpt.1" / "trainer.bpk").value
+    assert value[trainer_state.PREEMPTED_KEY]["epoch"] == 1
+    # the save lock records the writer's pid: rank 0 (the launched process), never rank 1
+    assert (checkpoints / LOCK_FILE_NAME).read_text().strip() == str(pid)
+    if term_rank == 0:
+        return  # resuming is the same code path for both; run it once to stay fast
+
+    status, out, err, pid = run(tmp_path, "--epochs", epochs)
+    assert status == 0, err[-3000:]
+    assert "FINISHED rank=0 epoch=3 step=9 restored=1" in out
+    assert "FINISHED rank=1 epoch=3 step=9 restored=1" in out
+    assert (checkpoints / LOCK_FILE_NAME).read_text().strip() == str(pid)
+    assert get_latest_checkpoint_number(checkpoints, verify=True) == 2

@@ -1,0 +1,74 @@
+"""End to end, real subprocesses: SIGKILL mid-epoch, start again, end bit-identical; disk full."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_checkpoint
+from lightning_bpk.records import ModuleRecord
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+RUN_TIMEOUT = 90  # seconds per training subprocess; a hang fails the test instead of blocking CI
+EPOCHS = 4
+BATCHES_PER_EPOCH = 6  # lightning_tiny: 48 samples, batch size 8
+
+pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT)
+
+
+def run(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run the tiny training script to completion (or death) and return the process."""
+    command = [sys.executable, str(SCRIPT), "--root", str(root), "--epochs", str(EPOCHS), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return ModuleRecord.load(path).tensors
+
+
+def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path):
+    reference = run(tmp_path / "ref", "--out", str(tmp_path / "ref.bpk"))
+    assert reference.returncode == 0, reference.stderr
+
+    kill_step = 2 * BATCHES_PER_EPOCH + 3  # in the middle of epoch 2
+    killed = run(tmp_path / "run", "--kill-at-step", str(kill_step))
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert get_latest_checkpoint_number(checkpoints) == 1
+
+    resumed = run(tmp_path / "run", "--out", str(tmp_path / "resumed.bpk"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from checkpoint" in resumed.stderr
+    assert "continuing training at epoch 2 (global step 12) after checkpoint 1" in resumed.stderr
+    assert f"epoch={EPOCHS} step={EPOCHS * BATCHES_PER_EPOCH} restored=1" in resumed.stdout
+
+    expected, got = params(tmp_path / "ref.bpk"), params(tmp_path / "resumed.bpk")
+    assert list(got) == list(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name  # bitwise, not allclose
+    for n in range(EPOCHS):  # the resumed run's checkpoints match the reference run's too
+        ref_model = params(tmp_path / "ref" / "checkpoints" / f"ckpt.{n}" / "model.bpk")
+        run_model = params(checkpoints / f"ckpt.{n}" / "model.bpk")
+        assert all(torch.equal(ref_model[k], run_model[k]) for k in ref_model), n
+
+
+def test_file_size_limit_fails_the_save_and_keeps_earlier_checkpoints(tmp_path):
+    # From the first step of epoch 1 on no file may exceed 1 KiB (RLIMIT_FSIZE, SIGXFSZ ignored):
+    # checkpoint 0 is written before, checkpoint 1's model/optimizer files cannot be.
+    failed = run(tmp_path, "--fsize-limit", "1024", "--fsize-at-step", str(BATCHES_PER_EPOCH + 1))
+    assert failed.returncode == 1
+    assert "CheckpointSaveError: saving checkpoint 1 into" in failed.stderr
+    assert (
+        "File too large" in failed.stderr and "earlier checkpoints are untouched" in failed.stderr
+    )
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
+        "ckpt.0",
+        "sentinel_checkpoint_complete.0",
+    ]
+    assert verify_checkpoint(checkpoints, 0) == []

@@ -1,0 +1,98 @@
+"""Preemption: a signal sets a flag, the next batch end saves and stops with status 0, the next
+start replays the interrupted epoch from its first batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_bpk import trainer_state
+from lightning_bpk.callback import BurnpackCheckpoint
+from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.records import StateRecord
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from lightning_tiny import TinyModel, make_trainer
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+RUN_TIMEOUT = 90
+BATCHES_PER_EPOCH = 6
+
+pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT)
+
+
+def _trainer_value(root: Path, n: int) -> dict:
+    return StateRecord.load(root / "checkpoints" / f"ckpt.{n}" / "trainer.bpk").value
+
+
+def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(tmp_path):
+    command = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--epochs", "4"]
+    term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 1 of epoch 2
+    stopped = subprocess.run(
+        [*command, "--term-at-step", str(term_step)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    assert "FINISHED" not in stopped.stdout  # fit did not return: the process stopped
+    assert "saved checkpoint 2 after batch 2 of epoch 2" in stopped.stderr
+    assert get_latest_checkpoint_number(tmp_path / "checkpoints") == 2
+    value = _trainer_value(tmp_path, 2)
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 2, "batches": 3}
+    assert value["global_step"] == term_step + 1
+    # loop counters are those of the end of epoch 1, so Lightning restarts epoch 2
+    assert value["loops"] == _trainer_value(tmp_path, 1)["loops"]
+
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "preempted after 3 batches; replaying that epoch from its first batch" in resumed.stderr
+    assert "continuing training at epoch 2 (global step 12) after checkpoint 2" in resumed.stderr
+    assert "epoch=4 step=24 restored=2" in resumed.stdout
+    assert trainer_state.PREEMPTED_KEY not in _trainer_value(tmp_path, 2)  # replaced at epoch end
+
+
+class _SignalAt(L.Callback):
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tmp_path):
+    calls = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+    try:
+        L.seed_everything(0)
+        trainer = make_trainer(
+            str(tmp_path), 2, [BurnpackCheckpoint(), _SignalAt(2, signal.SIGUSR1)]
+        )
+        with pytest.raises(SystemExit) as stop:
+            trainer.fit(TinyModel())
+        assert stop.value.code is None  # exit status 0
+        assert calls == [signal.SIGUSR1]  # the user's handler still ran
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        assert signal.getsignal(signal.SIGUSR1).__name__ == "<lambda>"  # and is back in place
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    value = _trainer_value(tmp_path, 0)
+    # callbacks run before Checkpoint callbacks: the flag is seen at the same batch end
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 0, "batches": 2}
+    assert "loops" not in value  # no epoch finished yet: Lightning starts at epoch 0
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.at = (trainer.current_epoch, trainer.global_step)
+
+    start, callback = Start(), BurnpackCheckpoint()
+    make_trainer(str(tmp_path), 2, [callback, start]).fit(TinyModel())
+    assert start.at == (0, 0) and callback.restored_number == 0
+    assert get_latest_checkpoint_number(tmp_path / "checkpoints") == 1
