@@ -1,0 +1,285 @@
+"""AsyncCheckpointSaver: untorn snapshots, reused staging, one save in flight, errors surfaced."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bpk import burnpack
+from lightning_bpk.async_save import AsyncCheckpointSaver, StagingArea, freeze
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT = 10.0  # seconds; generous for a loaded 2-core CI machine, never reached when things work
+
+
+class GatedCheckpointer(Checkpointer):
+    """A real Checkpointer whose saves start only once ``gate`` is set, so a test can act while
+    a save is provably still in flight."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def save_checkpoint(self, iteration_number, data):
+        self.started.set()
+        assert self.gate.wait(WAIT), "test never opened the gate"
+        return super().save_checkpoint(iteration_number, data)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+
+
+def _train(net: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        net(torch.randn(16, 64)).pow(2).mean().backward()
+        optimizer.step()
+
+
+def _snapshot(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {
+        "params": {k: v.clone() for k, v in net.state_dict().items()},
+        "optim": [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()],
+    }
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
+def test_snapshot_is_not_torn_by_steps_taken_while_the_write_is_in_flight(tmp_path):
+    net = _net()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+    _train(net, optimizer, 3)
+    expected = _snapshot(net, optimizer)
+    checkpointer = GatedCheckpointer(tmp_path)
+    saver = AsyncCheckpointSaver()
+    data = {
+        "model": ModuleRecord.from_module(net),
+        "optim": OptimizerRecord.from_optimizer(optimizer, net),
+        "trainer": {"step": 3, "lr": optimizer.param_groups[0]["lr"]},
+    }
+    saver.save_checkpoint(checkpointer, 3, data)
+    assert checkpointer.started.wait(WAIT)
+    _train(net, optimizer, 50)  # in-place updates of params and Adam moments, write pending
+    optimizer.param_groups[0]["lr"] = 0.5
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(-3.0)
+    checkpointer.gate.set()
+    saver.close()
+
+    loaded = checkpointer.load_checkpoint(3)
+    fresh = _net()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    loaded["model"].apply(fresh)
+    loaded["optim"].apply(fresh_opt, fresh)
+    for name, value in fresh.state_dict().items():
+        assert _bitwise_equal(value, expected["params"][name]), name
+    for got, want in zip(fresh_opt.state.values(), expected["optim"], strict=True):
+        assert all(_bitwise_equal(got[k], want[k]) for k in want)
+    assert fresh_opt.param_groups[0]["lr"] == 0.1
+    assert loaded["trainer"] == {"step": 3, "lr": 0.1}
+
+
+def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
+    net = _net()
+    checkpointer = Checkpointer(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
+        allocations = saver.staging.allocations
+        pointers = {k: b.data_ptr() for k, b in saver.staging._buffers.items()}
+        assert allocations == len(net.state_dict())
+        assert saver.staging.nbytes == sum(t.nbytes for t in net.state_dict().values())
+        for n in range(1, 4):
+            saver.save_checkpoint(checkpointer, n, {"model": ModuleRecord.from_module(net)})
+            saver.wait()
+            assert saver.staging.allocations == allocations
+            assert {k: b.data_ptr() for k, b in saver.staging._buffers.items()} == pointers
+
+
+def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
+    area = StagingArea()
+    first = area.copy("m", "a", torch.ones(4))
+    area.copy("m", "b", torch.ones(2))
+    area.prune()
+    assert area.allocations == 2
+    same = area.copy("m", "a", torch.zeros(4))
+    grown = area.copy("m", "b", torch.zeros(3))
+    assert same is first and area.allocations == 3 and grown.shape == (3,)
+    area.copy("m", "a", torch.zeros(4, dtype=torch.float64))
+    assert area.allocations == 4
+    area.prune()
+    area.copy("m", "a", torch.zeros(4, dtype=torch.float64))
+    area.prune()  # "b" was not used since the last prune
+    assert set(area._buffers) == {("m", "a")}
+
+
+def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
+    checkpointer = GatedCheckpointer(tmp_path)
+    saver = AsyncCheckpointSaver()
+    saver.save_checkpoint(checkpointer, 0, {"x": {"n": 0}})
+    assert checkpointer.started.wait(WAIT)
+    second = threading.Thread(target=saver.save_checkpoint, args=(checkpointer, 1, {"x": {"n": 1}}))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second save must wait for the first"
+    assert not checkpointer.sentinel_path(0).exists()
+    checkpointer.gate.set()
+    second.join(WAIT)
+    assert not second.is_alive()
+    saver.close()
+    assert checkpointer.load_checkpoint(0) == {"x": {"n": 0}}
+    assert checkpointer.load_checkpoint(1) == {"x": {"n": 1}}
+
+
+def test_sentinel_and_garbage_collection_only_after_the_write(tmp_path):
+    checkpointer = GatedCheckpointer(tmp_path, checkpoint_duration=1)
+    checkpointer.gate.set()
+    saver = AsyncCheckpointSaver()
+    saver.save_checkpoint(checkpointer, 0, {"x": {"n": 0}})
+    saver.wait()
+    checkpointer.gate.clear()
+    saver.save_checkpoint(checkpointer, 1, {"x": {"n": 1}})
+    assert checkpointer.started.wait(WAIT)
+    # save() has returned: checkpoint 1 is not complete yet and 0 is still there
+    assert not checkpointer.sentinel_path(1).exists()
+    assert checkpointer.latest_checkpoint_number() == 0
+    assert checkpointer.load_checkpoint(0) == {"x": {"n": 0}}
+    checkpointer.gate.set()
+    assert saver.wait() == checkpointer.checkpoint_path(1)
+    assert checkpointer.latest_checkpoint_number() == 1
+    assert not checkpointer.checkpoint_path(0).exists()  # collected after 1 completed
+    saver.close()
+
+
+def test_a_failed_write_surfaces_at_the_next_save_once_and_loses_nothing(tmp_path):
+    base = tmp_path / "ckpt"
+    checkpointer = Checkpointer(base)
+    saver = AsyncCheckpointSaver()
+    saver.save_checkpoint(checkpointer, 0, {"x": {"n": 0}})
+    saver.wait()
+    lock = base / ".lightning_bpk.lock"
+    os.unlink(lock)
+    os.mkdir(lock)  # a real OS error on the writer thread: the lock file cannot be opened
+    saver.save_checkpoint(checkpointer, 1, {"x": {"n": 1}})
+    with pytest.raises(IsADirectoryError) as raised:
+        saver.save_checkpoint(checkpointer, 2, {"x": {"n": 2}})
+    assert "asynchronous save of checkpoint 1" in "".join(raised.value.__notes__)
+    os.rmdir(lock)
+    saver.save_checkpoint(checkpointer, 2, {"x": {"n": 2}})  # reported once; saving goes on
+    saver.close()
+    assert checkpointer.load_checkpoint(0) == {"x": {"n": 0}}
+    assert checkpointer.load_checkpoint(1) is None
+    assert checkpointer.load_checkpoint(2) == {"x": {"n": 2}}
+
+
+def test_close_waits_for_the_write_and_reraises_its_error(tmp_path):
+    checkpointer = GatedCheckpointer(tmp_path)
+    saver = AsyncCheckpointSaver()
+    saver.save_checkpoint(checkpointer, 0, {"x": {"n": 0}})
+    assert checkpointer.started.wait(WAIT)
+    closer = threading.Thread(target=saver.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close must wait for the write in flight"
+    checkpointer.gate.set()
+    closer.join(WAIT)
+    assert checkpointer.load_checkpoint(0) == {"x": {"n": 0}}
+    assert saver.staging.nbytes == 0
+
+    saver.save_checkpoint(checkpointer, 1, {"bad key!": {"n": 1}})  # reusable after close
+    with pytest.raises(ValueError, match="not a safe file name"):
+        saver.close()
+    assert checkpointer.latest_checkpoint_number() == 0
+
+
+def test_unstorable_data_fails_on_the_callers_thread(tmp_path):
+    checkpointer = Checkpointer(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        with pytest.raises(RecordError, match="object"):
+            saver.save_checkpoint(checkpointer, 0, {"x": {"fn": object()}})
+        assert not saver.busy
+    assert checkpointer.latest_checkpoint_number() == -1
+
+
+def test_skipped_iterations_copy_and_write_nothing(tmp_path):
+    checkpointer = Checkpointer(tmp_path, checkpoint_frequency=2)
+    with AsyncCheckpointSaver() as saver:
+        saver.save_checkpoint(checkpointer, 1, {"model": ModuleRecord.from_module(_net())})
+        assert saver.staging.allocations == 0 and not saver.busy
+    assert checkpointer.latest_checkpoint_number() == -1
+
+
+def test_save_record_writes_a_snapshot_at_the_path(tmp_path):
+    net = _net()
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    path = tmp_path / "model.bpk"
+    with AsyncCheckpointSaver() as saver:
+        saver.save_record(ModuleRecord.from_module(net), path)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.zero_()
+        saver.save_record({"epoch": 1}, tmp_path / "trainer.bpk")  # waits for the first
+    record = load_record(path)
+    assert all(_bitwise_equal(record.tensors[k], v) for k, v in expected.items())
+    assert load_record(tmp_path / "trainer.bpk").value == {"epoch": 1}
+
+
+def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
+    area = StagingArea()
+    live = torch.arange(4, dtype=torch.float32)
+    raw = bytearray(b"\x01\x02")
+    calls = []
+
+    class Deferred(ModuleRecord):
+        def to_content(self):
+            def provider():
+                calls.append(1)
+                return live
+
+            return (
+                {
+                    "w": burnpack.TensorEntry("F32", [4], provider, nbytes=16),
+                    "b": burnpack.TensorEntry("U8", [2], raw),
+                },
+                {},
+                {},
+            )
+
+    frozen = freeze(area, "m", Deferred({}))
+    assert calls == [1]
+    live.add_(100)
+    raw[0] = 9
+    tensors, _, _ = frozen.to_content()
+    assert tensors["w"].data.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert bytes(tensors["b"].data) == b"\x01\x02"
+    assert frozen.kind == "module"
+
+
+def test_writer_runs_on_one_named_background_thread(tmp_path):
+    checkpointer = Checkpointer(tmp_path)
+    seen = set()
+
+    class Spy(Checkpointer):
+        def save_checkpoint(self, iteration_number, data):
+            seen.add(threading.current_thread().name)
+            return super().save_checkpoint(iteration_number, data)
+
+    spy = Spy(checkpointer.base_directory)
+    with AsyncCheckpointSaver() as saver:
+        for n in range(3):
+            saver.save_checkpoint(spy, n, {"x": {"n": n}})
+    assert len(seen) == 1 and next(iter(seen)).startswith("lightning_bpk-async-save")
+    assert threading.current_thread().name not in seen
+    assert Path(spy.checkpoint_path(2)).is_dir()
