@@ -71,3 +71,24 @@ def test_readme_links_point_at_pages(site: Path) -> None:
     assert links, "the README links into the docs"
     for link in links:
         assert (ROOT / link).exists(), link
+
+
+def test_retention_timeline_matches_the_checkpointer(tmp_path: Path) -> None:
+    """The worked timeline in concepts.md is what the real Checkpointer leaves on disk."""
+    from lightning_bpk import Checkpointer
+
+    page = (ROOT / "docs" / "concepts.md").read_text()
+    settings = re.search(r"<!-- retention-timeline f=(\d+) d=(\d+) k=(\d+) -->", page)
+    assert settings, "concepts.md has a retention timeline"
+    f, d, k = map(int, settings.groups())
+    rows = re.findall(r"^\| (\d+) \| (-?\d+) \| [^|]+ \| ([\d, ]+) \|$", page, re.MULTILINE)
+    assert len(rows) >= 8
+    checkpointer = Checkpointer(
+        tmp_path, checkpoint_frequency=f, checkpoint_duration=d, keep_every=k
+    )
+    for epoch, stale, on_disk in rows:
+        for n in range(checkpointer.latest_checkpoint_number() + 1, int(epoch) + 1):
+            checkpointer.save_checkpoint(n, {"trainer": {"epoch": n}})
+        assert int(stale) == int(epoch) - f * d
+        left = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("ckpt.*"))
+        assert left == [int(x) for x in on_disk.split(",")], f"after epoch {epoch}"
