@@ -442,7 +442,9 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     )
     checkpoint_names(verify)
     convert = command("convert", _cmd_convert, "convert between .bpk, .safetensors, .pt/.ckpt")
-    convert.add_argument("src", help=".bpk, .safetensors, .pt/.pth/.bin or .ckpt")
+    convert.add_argument(
+        "src", help=".bpk, .safetensors, .pt/.pth/.bin, .ckpt or a checkpoint directory (its model)"
+    )
     convert.add_argument("dst", help=".bpk or .safetensors")
     diff = command("diff", _cmd_diff, "compare tensors: names, shapes, dtypes, values (exit 1)")
     diff.add_argument("a")

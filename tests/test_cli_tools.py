@@ -105,6 +105,8 @@ def test_convert_round_trip_and_refusals(run_dir, tmp_path, capsys):
     assert json.loads(out.stdout)["dst"] == str(st)
     assert main(capsys, "convert", st, tmp_path / "back.bpk")[0] == 0
     assert (tmp_path / "back.bpk").read_bytes() == src.read_bytes()
+    assert main(capsys, "convert", run_dir / "ckpt.2", tmp_path / "serve.safetensors")[0] == 0
+    assert (tmp_path / "serve.safetensors").read_bytes() == st.read_bytes()  # its model.bpk
     pt = tmp_path / "sd.pt"
     torch.save(nn.Linear(2, 2).state_dict(), pt)
     assert main(capsys, "convert", pt, tmp_path / "sd.bpk")[0] == 0

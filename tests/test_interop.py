@@ -415,3 +415,5 @@ def test_export_checkpoint_model_to_safetensors(tmp_path):
     assert all(torch.equal(served[k], v) for k, v in net.state_dict().items())
     with pytest.raises(RecordError, match="no such model file"):
         export_checkpoint(tmp_path, tmp_path / "x.safetensors")
+    with pytest.raises(RecordError, match=r"export writes \.safetensors"):
+        export_checkpoint(ckpt_dir, tmp_path / "x.bpk")

@@ -51,21 +51,10 @@ SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+CHECKPOINT_MODEL_FILE = (
+    "model.bpk"  # the checkpointer key the Lightning callback saves weights under
+)
+_ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
 
@@ -82,6 +71,11 @@ class Content:
     dtypes: dict[str, burnpack.DType] = field(default_factory=dict)  # only non-default Burn dtypes
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, burnpack.Scalar] = field(default_factory=dict)
+
+
+def _st_dtype(dtype: torch.dtype) -> str:
+    """Safetensors' name of a torch dtype; raises ``burnpack.ValidationError`` if it has none."""
+    return _ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
 
 
 def _kind(path: Path) -> str:
@@ -211,11 +205,12 @@ def write_safetensors(
 ) -> Path:
     """Write ``content`` as a safetensors file, atomically, streaming one tensor at a time."""
     path = Path(path)
-    problems = [
-        f"tensor '{n}': dtype {t.dtype} has no safetensors equivalent"
-        for n, t in content.tensors.items()
-        if t.dtype not in _ST_DTYPES
-    ]
+    dtypes, problems = {}, []
+    for name, tensor in content.tensors.items():
+        try:
+            dtypes[name] = _st_dtype(tensor.dtype)
+        except burnpack.ValidationError as e:
+            problems.append(f"{path}: tensor '{name}': {e}")
     if problems:
         raise RecordError("validation", problems)
     info: dict[str, Any] = {
@@ -236,7 +231,7 @@ def write_safetensors(
         t = content.tensors[name]
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
+            "dtype": dtypes[name],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -311,9 +306,14 @@ def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
 ) -> Path:
     """Convert between formats by suffix: ``.bpk``/``.safetensors``/``.pt``/``.ckpt`` to
-    ``.bpk``/``.safetensors``. Returns the written path."""
-    content = read_content(src)
-    return write_content(dst, content, progress)
+    ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``. Returns the
+    written path."""
+    src = Path(src)
+    if src.is_dir():
+        src = src / CHECKPOINT_MODEL_FILE
+        if not src.is_file():
+            raise RecordError("io", f"{src}: no such model file in the checkpoint directory")
+    return write_content(dst, read_content(src), progress)
 
 
 def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
@@ -352,17 +352,14 @@ def export_checkpoint(
     checkpoint: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    model_file: str = "model.bpk",
     progress: Progress | None = None,
 ) -> Path:
     """Write a checkpoint's model as safetensors for serving.
 
-    ``checkpoint`` is a checkpoint directory (``{base}/{prefix}.{N}/``) holding ``model_file``,
-    or that ``.bpk`` file itself.
+    ``checkpoint`` is a checkpointer checkpoint directory (``{base}/{prefix}.{N}/``, whose
+    ``model.bpk`` is exported) or a ``.bpk`` file; ``dst`` must end in ``.safetensors``.
     """
-    src = Path(checkpoint)
-    if src.is_dir():
-        src = src / model_file
-    if not src.is_file():
-        raise RecordError("io", f"{src}: no such model file")
-    return write_safetensors(dst, read_bpk(src), progress)
+    dst = Path(dst)
+    if _kind(dst) != "safetensors":
+        raise RecordError("io", f"{dst}: export writes .safetensors")
+    return convert(checkpoint, dst, progress)
