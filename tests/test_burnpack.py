@@ -1576,11 +1576,13 @@ def test_property_mutated_packs_parse_or_raise_burnpack_errors(data):
             del blob[i:]
         else:
             blob[i:i] = data.draw(st.binary(min_size=1, max_size=4))
-    _parse_fully(bytes(blob))
+    parse_fully(bytes(blob))
 
 
-def _parse_fully(blob: bytes) -> None:
-    """Parse and touch every tensor: only BurnpackError subclasses may escape."""
+def parse_fully(blob: bytes) -> None:
+    """Parse and touch every tensor: only BurnpackError subclasses may escape.
+
+    The oracle of the fuzz tests here and of ``tests/fuzz/fuzz_burnpack.py``."""
     try:
         pack = burnpack.loads(blob)
         for name in pack.names:
@@ -1611,4 +1613,4 @@ def test_seeded_random_fuzz_of_valid_packs():
             else:
                 pos = rng.randrange(len(blob) + 1)
                 blob[pos:pos] = rng.randbytes(rng.randint(1, 16))
-        _parse_fully(bytes(blob))
+        parse_fully(bytes(blob))

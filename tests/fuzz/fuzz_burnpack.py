@@ -16,8 +16,11 @@ from pathlib import Path
 
 import atheris
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared oracle
+
 with atheris.instrument_imports():
     import torch
+    from test_burnpack import parse_fully
 
     from lightning_bpk import burnpack
 
@@ -34,16 +37,6 @@ def seeds() -> list[bytes]:
     ]
 
 
-def test_one_input(data: bytes) -> None:
-    try:
-        pack = burnpack.loads(data)
-        for name in pack.names:
-            pack.raw(name)
-        pack.tensors()
-    except burnpack.BurnpackError:
-        pass
-
-
 def main() -> None:
     corpus = next((Path(a) for a in sys.argv[1:] if not a.startswith("-")), None)
     if corpus is not None:
@@ -51,7 +44,7 @@ def main() -> None:
         if not any(corpus.iterdir()):
             for i, seed in enumerate(seeds()):
                 (corpus / f"seed-{i}.bpk").write_bytes(seed)
-    atheris.Setup(sys.argv, test_one_input)
+    atheris.Setup(sys.argv, parse_fully)
     atheris.Fuzz()
 
 
