@@ -31,7 +31,9 @@ intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit
 explicit ``ckpt_path`` wins (a checkpoint directory of ours works there too, without the IO
 plugin); ``resume=False`` starts fresh. The RNG states are restored at ``on_fit_start``, the
 last hook before Lightning creates the training DataLoader iterator (sanity validation runs in
-``isolate_rng``), so the continued run is bit-identical to one that never stopped.
+``isolate_rng``), so the continued run is bit-identical to one that never stopped. Under DDP
+rank 0's states are saved and every rank restores them (exact when all ranks were seeded alike,
+as ``seed_everything`` does; per-rank streams that differ are not captured).
 
 **Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
@@ -49,7 +51,8 @@ runs epoch E again from its first batch, with the next shuffle of the RNG stream
 batches' updates are kept and all of epoch E's data is seen once more; ``global_step`` goes back
 to its value at the start of epoch E (the optimizer's own step counts, e.g. Adam's, keep the
 ``k`` steps), and a per-step scheduler keeps its ``k`` steps. The end-of-epoch save of E then
-replaces the marked checkpoint.
+replaces the marked checkpoint (with ``checkpoint_frequency > 1`` and E not a multiple of it,
+the marked checkpoint stays until garbage collection passes it).
 """
 
 from __future__ import annotations
