@@ -20,13 +20,13 @@ import logging
 import os
 import signal
 
+import gin
 import lightning as L
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import gin
 from lightning_bpk import BurnpackCheckpoint
 
 VALIDATION_SAMPLES = 297  # the last 297 images; 1500 for training

@@ -66,6 +66,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import gin
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
@@ -73,7 +74,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-import gin
 from lightning_bpk import trainer_state
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 

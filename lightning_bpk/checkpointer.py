@@ -95,9 +95,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import gin
 import xxhash
 
-import gin
 from lightning_bpk import _fs, burnpack
 from lightning_bpk.records.base import Record, RecordError, StateRecord, load_record
 

@@ -7,11 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
+import gin
 import lightning as L
 import pytest
 import torch
 
-import gin
 from lightning_bpk import _fs, trainer_state
 from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
 from lightning_bpk.checkpointer import CheckpointWarning, verify_checkpoint

@@ -18,10 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import gin
 import pytest
 import torch
 
-import gin
 from lightning_bpk import _fs, burnpack, checkpointer
 from lightning_bpk.checkpointer import (
     LOCK_FILE_NAME,
