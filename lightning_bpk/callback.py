@@ -75,6 +75,7 @@ from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bpk import trainer_state
+from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 
 log = logging.getLogger("lightning_bpk")
@@ -123,6 +124,11 @@ class BurnpackCheckpoint(Checkpoint):
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
         preemption_signals: signals that trigger a save-and-stop (empty: none).
+        async_save: write checkpoints on a background thread
+            (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
+            a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
+            its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
+            save or at teardown; a preemption save and teardown wait for the write.
 
     Example::
 
@@ -142,6 +148,7 @@ class BurnpackCheckpoint(Checkpoint):
         resume: bool = True,
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+        async_save: bool = False,
     ) -> None:
         super().__init__()
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -153,6 +160,8 @@ class BurnpackCheckpoint(Checkpoint):
         self.resume = resume
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
+        self.async_save = async_save
+        self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
         self.last_saved_number: int | None = None
@@ -286,32 +295,42 @@ class BurnpackCheckpoint(Checkpoint):
         if not self._preemption_agreed(trainer):
             return
         epoch = trainer.current_epoch
-        self._save(trainer, epoch, preempted={"epoch": epoch, "batches": batch_idx + 1})
+        preempted = {"epoch": epoch, "batches": batch_idx + 1}
+        self._save(trainer, epoch, preempted=preempted, flush=True)
         self._stop(trainer, f"after batch {batch_idx} of epoch {epoch}")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
         preempted = self._preemption_agreed(trainer)
         if preempted or epoch % self.checkpoint_frequency == 0:
-            self._save(trainer, epoch)
+            self._save(trainer, epoch, flush=preempted)
         self._boundary_loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
-    def _save(self, trainer: pl.Trainer, number: int, preempted: dict | None = None) -> None:
-        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result)."""
+    def _save(
+        self, trainer: pl.Trainer, number: int, preempted: dict | None = None, flush: bool = False
+    ) -> None:
+        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result).
+
+        ``flush`` waits for an asynchronous write to be durable (before stopping on preemption).
+        """
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
                 self._write(trainer, number, checkpoint, preempted)
+                if flush and self._saver is not None:
+                    self._saver.wait()
             except Exception as e:
                 error = e
         if _agree(trainer, int(error is not None)):
             if error is not None:
+                # an asynchronous save's error says which earlier save it comes from in a note
+                detail = " ".join([str(error), *getattr(error, "__notes__", [])])
                 raise CheckpointSaveError(
                     f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
-                    f"({error}); earlier checkpoints are untouched"
+                    f"({detail}); earlier checkpoints are untouched"
                 ) from error
             raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
         self.last_saved_number = number
@@ -340,6 +359,9 @@ class BurnpackCheckpoint(Checkpoint):
             trainer.optimizers,
             [config.scheduler for config in trainer.lr_scheduler_configs],
         )
+        if self._saver is not None:
+            self._saver.save_checkpoint(checkpointer, number, data)  # raises an earlier failure
+            return
         path = checkpointer.save_checkpoint(number, data)
         if path is not None:
             log.info("saved checkpoint %d at %s", number, path)
@@ -386,9 +408,28 @@ class BurnpackCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self._restore_signal_handlers()
+        try:
+            self._flush()
+        except CheckpointSaveError as e:  # reported with, not instead of, the training error
+            log.error("%s", e)
+            exception.add_note(str(e))
+
+    def _flush(self) -> None:
+        """Wait for an asynchronous write in flight; raise CheckpointSaveError if it failed."""
+        if self._saver is None:
+            return
+        try:
+            self._saver.close()
+        except Exception as e:
+            detail = " ".join([str(e), *getattr(e, "__notes__", [])])
+            raise CheckpointSaveError(
+                f"the last asynchronous checkpoint save failed ({detail}); earlier checkpoints "
+                "are untouched"
+            ) from e
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
         connector = trainer._checkpoint_connector
         if "resume_start" in vars(connector):  # fit failed before Lightning restored anything
             del connector.resume_start
+        self._flush()  # the last checkpoint is complete when fit returns

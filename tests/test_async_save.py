@@ -283,3 +283,106 @@ def test_writer_runs_on_one_named_background_thread(tmp_path):
     assert len(seen) == 1 and next(iter(seen)).startswith("lightning_bpk-async-save")
     assert threading.current_thread().name not in seen
     assert Path(spy.checkpoint_path(2)).is_dir()
+
+
+# --- Lightning: BurnpackCheckpoint(async_save=True) ---------------------------------------
+
+
+def _lightning():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import lightning as L
+    from lightning_tiny import TinyModel, make_trainer
+
+    return L, TinyModel, make_trainer
+
+
+class SlowCheckpointer(Checkpointer):
+    """A real Checkpointer that sleeps before each save, so the last one is surely in flight
+    when training ends."""
+
+    def save_checkpoint(self, iteration_number, data):
+        threading.Event().wait(0.3)
+        return super().save_checkpoint(iteration_number, data)
+
+
+def _fit(root: Path, callback, epochs: int = 3) -> None:
+    L, TinyModel, make_trainer = _lightning()
+    L.seed_everything(0)
+    make_trainer(str(root), epochs, [callback]).fit(TinyModel())
+
+
+def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_path):
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    class SlowAsync(BurnpackCheckpoint):
+        def _make_checkpointer(self, dirpath, **overrides):
+            settings = dict(checkpoint_duration=self.checkpoint_duration, **overrides)
+            return SlowCheckpointer(dirpath, **settings)
+
+    _fit(tmp_path / "sync", BurnpackCheckpoint(dirpath=tmp_path / "sync"))
+    slow = SlowAsync(dirpath=tmp_path / "async", async_save=True)
+    _fit(tmp_path / "async", slow)
+    assert not slow._saver.busy  # fit returned only after the last write was durable
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    assert sorted(os.listdir(sync_dir)) == sorted(os.listdir(async_dir))
+    for n in range(3):
+        assert Checkpointer(async_dir).verify_checkpoint(n) == []
+        for name in ("model.bpk", "optim.bpk", "scheduler.bpk"):
+            a = (sync_dir / f"ckpt.{n}" / name).read_bytes()
+            assert a == (async_dir / f"ckpt.{n}" / name).read_bytes(), (n, name)
+        trainer_sync = load_record(sync_dir / f"ckpt.{n}" / "trainer.bpk").value
+        trainer_async = load_record(async_dir / f"ckpt.{n}" / "trainer.bpk").value
+        assert trainer_sync.keys() == trainer_async.keys()
+        assert trainer_sync["loops"] == trainer_async["loops"]
+        assert trainer_sync["epoch"] == trainer_async["epoch"] == n
+
+
+def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monkeypatch):
+    import errno
+
+    from lightning_bpk import _fs
+    from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
+
+    L, _, _ = _lightning()
+
+    class DiskFullAtEpoch(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):  # runs before the save of the epoch
+            if trainer.current_epoch == 1:
+                callback._saver.wait()  # checkpoint 0 is durable; 1 will fail in the background
+
+                def full_disk(f, data):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                monkeypatch.setattr(_fs, "write_all", full_disk)
+
+    callback = BurnpackCheckpoint(dirpath=tmp_path / "ckpt", async_save=True)
+    L_, TinyModel, make_trainer = _lightning()
+    L_.seed_everything(0)
+    trainer = make_trainer(str(tmp_path), 3, [DiskFullAtEpoch(), callback])
+    with pytest.raises(CheckpointSaveError, match="No space left") as raised:
+        trainer.fit(TinyModel())
+    assert "asynchronous save of checkpoint 1" in str(raised.value)
+    monkeypatch.undo()
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert checkpointer.latest_checkpoint_number(verify=True) == 0
+
+
+def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
+    import signal
+
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    L, TinyModel, make_trainer = _lightning()
+    L.seed_everything(0)
+    model = TinyModel()
+    model.on_step = lambda step: step == 8 and os.kill(os.getpid(), signal.SIGTERM)
+    callback = BurnpackCheckpoint(dirpath=tmp_path / "ckpt", async_save=True)
+    with pytest.raises(SystemExit):
+        make_trainer(str(tmp_path), 5, [callback]).fit(model)
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    assert checkpointer.latest_checkpoint_number(verify=True) == 1  # epoch 1, mid-epoch save
+    assert load_record(checkpointer.checkpoint_path(1) / "trainer.bpk").value[
+        "lightning_bpk_preempted"
+    ] == {"epoch": 1, "batches": 3}
