@@ -1023,6 +1023,61 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
     assert burnpack.loads(burnpack.dumps({"a": torch.ones(2)}, checksums=False)).checksums == {}
 
 
+# =============================== read_into: loading into existing tensors =======================
+
+
+def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(burnpack, "READ_CHUNK", 1000)  # several chunks per tensor, one partial
+    source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
+    path = burnpack.write(tmp_path / "m.bpk", source)
+    targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
+    pointers = {k: t.data_ptr() for k, t in targets.items()}
+    burnpack.read_into(path, targets)
+    assert all(torch.equal(targets[k], source[k]) for k in source)
+    assert {k: t.data_ptr() for k, t in targets.items()} == pointers
+    partial = {"i": torch.zeros(5, dtype=torch.int64)}
+    burnpack.read_into(path, partial)  # a subset of the file's tensors is fine
+    assert torch.equal(partial["i"], source["i"])
+
+
+def test_read_into_casts_views_and_bools_through_the_checked_path(tmp_path):
+    source = {"w": torch.arange(6.0).reshape(2, 3), "flags": torch.tensor([True, False])}
+    path = burnpack.write(tmp_path / "m.bpk", source)
+    as_f64 = torch.zeros(2, 3, dtype=torch.float64)
+    transposed = torch.zeros(3, 2).t()  # not contiguous
+    flags = torch.zeros(2, dtype=torch.bool)
+    burnpack.read_into(path, {"w": as_f64, "flags": flags})
+    burnpack.read_into(path, {"w": transposed})
+    assert as_f64.tolist() == transposed.tolist() == source["w"].tolist()
+    assert flags.tolist() == [True, False]
+
+
+def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anything(tmp_path):
+    path = burnpack.write(tmp_path / "m.bpk", {"a": torch.ones(4), "b": torch.ones(2)})
+    a = torch.zeros(4)
+    with pytest.raises(burnpack.TensorNotFoundError, match="'nope'"):
+        burnpack.read_into(path, {"a": a, "nope": torch.zeros(1)})
+    with pytest.raises(burnpack.ValidationError, match=r"'b' has shape \[2\], the target \[3\]"):
+        burnpack.read_into(path, {"a": a, "b": torch.zeros(3)})
+    assert a.sum().item() == 0
+    with pytest.raises(burnpack.BurnpackIOError, match=r"absent\.bpk"):
+        burnpack.read_into(tmp_path / "absent.bpk", {"a": a})
+
+
+def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path):
+    path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
+    data = bytearray(path.read_bytes())
+    pack = burnpack.loads(data)
+    data[pack.data_start + pack.entries["b"].data_offsets[0] + 7] ^= 0x01
+    path.write_bytes(data)
+    a, b = torch.zeros(64), torch.zeros(64)
+    with pytest.raises(burnpack.ChecksumError, match=rf"{path}: tensor 'b'"):
+        burnpack.read_into(path, {"a": a, "b": b})
+    assert a.sum().item() == 64
+    burnpack.read_into(path, {"b": b}, verify=False)
+    assert b.view(torch.uint8)[7].item() == 1
+
+
 # =============================== atomicity under injected faults ===============================
 
 
