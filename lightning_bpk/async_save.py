@@ -191,15 +191,21 @@ class AsyncCheckpointSaver:
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
         self._submit(what, checkpointer.save_checkpoint, iteration_number, staged)
 
-    def save_record(self, record: Any, path: str | os.PathLike[str]) -> None:
-        """Snapshot ``record`` (or plain data) now and write it atomically to ``path`` in the
-        background (``Record.save``: scratch file, fsync, rename). Waits for the previous save."""
+    def save_record(
+        self,
+        record: Any,
+        path: str | os.PathLike[str],
+        write: Callable[[Record, str | os.PathLike[str]], Any] | None = None,
+    ) -> None:
+        """Snapshot ``record`` (or plain data) now and write it to ``path`` in the background
+        with ``write(snapshot, path)`` (default ``Record.save``: atomic, fsynced). Waits for the
+        previous save first."""
         self.wait()
         # One owner for every path: Lightning names each file anew (epoch=3-step=16.ckpt), and
         # keying by path would reallocate every buffer on every save.
         staged = freeze(self.staging, _RECORD_OWNER, record)
         self.staging.prune()
-        self._submit(f"record {path}", staged.save, path)
+        self._submit(f"record {path}", write or Record.save, staged, path)
 
     def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 
 from lightning_bpk import trainer_state
+from lightning_bpk.async_save import AsyncCheckpointSaver
 
 
 class BurnpackCheckpointIO(CheckpointIO):
@@ -41,7 +42,22 @@ class BurnpackCheckpointIO(CheckpointIO):
     >>> io.save_checkpoint({"epoch": 1, "optimizer_states": [{"state": {0: {}}}]}, path)
     >>> io.load_checkpoint(path)["optimizer_states"]
     [{'state': {0: {}}}]
+
+    ``async_save=True`` writes on a background thread
+    (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): ``save_checkpoint`` returns after
+    copying the tensors into reused staging buffers. ``load_checkpoint`` and
+    ``remove_checkpoint`` first wait for the write in flight (ModelCheckpoint removes the old
+    file right after saving the new one), and a failed write raises at the next call or at
+    ``teardown``.
     """
+
+    def __init__(self, async_save: bool = False) -> None:
+        super().__init__()
+        self._saver = AsyncCheckpointSaver() if async_save else None
+
+    def _wait(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
@@ -52,6 +68,10 @@ class BurnpackCheckpointIO(CheckpointIO):
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
                 f"{type(self).__name__}; it writes local burnpack files"
             )
+        if self._saver is not None:
+            record = trainer_state.file_record(checkpoint)
+            self._saver.save_record(record, path, trainer_state.write_record)
+            return
         trainer_state.save_file(checkpoint, path)
 
     def load_checkpoint(
@@ -65,12 +85,19 @@ class BurnpackCheckpointIO(CheckpointIO):
         Tensors come back on the CPU (``map_location`` is accepted for the interface; Lightning
         moves state to the device itself). ``weights_only`` is moot: nothing is unpickled.
         """
+        self._wait()
         return trainer_state.load(path)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
+        self._wait()  # never delete an old checkpoint before the new one is durable
         target = Path(path)
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         else:
             target.unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        """Wait for the write in flight and re-raise its error, if it failed."""
+        if self._saver is not None:
+            self._saver.close()

@@ -50,6 +50,7 @@ from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,
     OptimizerRecord,
+    Record,
     RecordError,
     StateRecord,
     load_record,
@@ -251,10 +252,20 @@ def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Pa
     Atomic: a scratch file beside ``path`` is fsynced and renamed over it, so a failure leaves
     an existing file as it was. Raises :class:`RecordError` naming what cannot be stored.
     """
-    target = Path(path)
+    return write_record(file_record(checkpoint), path)
+
+
+def file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
+    """The StateRecord :func:`save_file` writes: Lightning's storable dict plus RNG states."""
     value = storable(checkpoint)
     value[RNG_KEY] = capture_rng()
-    data = StateRecord(value).to_bytes()
+    return StateRecord(value)
+
+
+def write_record(record: Record, path: str | os.PathLike[str]) -> Path:
+    """Write ``record`` atomically at exactly ``path`` (no ``.bpk`` suffix rule)."""
+    target = Path(path)
+    data = record.to_bytes()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _fs.atomic_file(target) as f:
         _fs.write_all(f, data)

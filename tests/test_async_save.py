@@ -386,3 +386,48 @@ def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
     assert load_record(checkpointer.checkpoint_path(1) / "trainer.bpk").value[
         "lightning_bpk_preempted"
     ] == {"epoch": 1, "batches": 3}
+
+
+def test_async_checkpoint_io_matches_sync_with_model_checkpoint_top_k(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+
+    L, TinyModel, make_trainer = _lightning()
+    for mode in ("sync", "async"):
+        L.seed_everything(0)
+        checkpoint = ModelCheckpoint(
+            dirpath=tmp_path / mode, monitor="step", mode="max", save_top_k=1, save_last=True
+        )
+        io = BurnpackCheckpointIO(async_save=mode == "async")
+        make_trainer(str(tmp_path), 3, [checkpoint], plugins=[io]).fit(TinyModel())
+    names = sorted(os.listdir(tmp_path / "sync"))
+    assert names == sorted(os.listdir(tmp_path / "async")) and len(names) == 2  # top-1 + last
+    io = BurnpackCheckpointIO()
+    for name in names:
+        sync, done = (
+            io.load_checkpoint(tmp_path / "sync" / name),
+            io.load_checkpoint(tmp_path / "async" / name),
+        )
+        assert sync["global_step"] == done["global_step"] and sync["loops"] == done["loops"]
+        assert all(_bitwise_equal(v, done["state_dict"][k]) for k, v in sync["state_dict"].items())
+
+
+def test_async_checkpoint_io_teardown_reraises_a_failed_write(tmp_path, monkeypatch):
+    import errno
+
+    from lightning_bpk import _fs
+    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+
+    io = BurnpackCheckpointIO(async_save=True)
+    io.save_checkpoint({"epoch": 0, "w": torch.ones(3)}, tmp_path / "a.ckpt")
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["epoch"] == 0  # waits for the write
+
+    def full_disk(f, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_fs, "write_all", full_disk)
+    io.save_checkpoint({"epoch": 1}, tmp_path / "b.ckpt")
+    with pytest.raises(OSError, match="No space left"):
+        io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]
