@@ -345,12 +345,11 @@ class BurnpackCheckpoint(Checkpoint):
             checkpoint.pop("loops")
             if self._boundary_loops is not None:
                 checkpoint["loops"] = self._boundary_loops
-            # Saved whatever the frequency; garbage collection as the regular checkpointer's.
+            # Saved whatever the frequency; the same retention (the last d, the same milestones).
             f, k = self.checkpoint_frequency, self.keep_every
             checkpointer = self._make_checkpointer(
                 checkpointer.base_directory,
                 checkpoint_frequency=1,
-                checkpoint_duration=f * self.checkpoint_duration,
                 keep_every=None if k is None else k * f,
             )
         data = trainer_state.to_records(

@@ -56,12 +56,15 @@ Deviations from Dopamine, all deliberate:
   skips a bad one instead of returning -1 for the whole directory, ignores directories, and does
   not report a checkpoint whose sentinel is damaged or whose data is missing (it warns with a
   :class:`CheckpointWarning` naming the checkpoint and the reason, then falls back to the next).
-- Garbage collection sweeps instead of looking at one candidate: after saving N it removes every
-  checkpoint ``m <= N - f*d`` except the multiples of ``keep_every*f`` (exactly Dopamine's
-  result for an uninterrupted run), so a crash between sentinel and GC, a jump in iteration
-  numbers or a change of ``f``/``d`` between runs leaves no orphans. Sentinels whose data is
-  missing are removed at any number. Checkpoints newer than N are never touched. A GC failure
-  warns instead of failing a save that is already complete.
+- Garbage collection keeps "the last d" literally instead of looking at one candidate: after
+  saving N it keeps the ``d`` newest complete checkpoints numbered ``<= N`` plus the multiples
+  of ``keep_every*f``, and removes the other checkpoints ``<= N`` (for an uninterrupted run this
+  is exactly Dopamine's result: ``N - f*d`` goes). So a crash between sentinel and GC, a jump in
+  iteration numbers or a change of ``f``/``d`` between runs leaves no orphans, and never costs
+  more than Dopamine's promise (saving 0, 1, 2, 3, 10 keeps 1, 2, 3, 10; Dopamine keeps all
+  five). Sentinels whose data is missing, and data ``< N`` without a sentinel, are removed.
+  Checkpoints newer than N are never touched. A GC failure warns instead of failing a save
+  that is already complete.
 - Settings are validated: frequency, duration and keep_every must be ints >= 1, iteration
   numbers ints >= 0; prefix, identifier and data keys must be safe file names.
 - Two processes saving into one directory at once: the second gets
@@ -758,20 +761,22 @@ class Checkpointer:
         return staging, files
 
     def _collect_garbage(self, n: int) -> None:
-        """Remove every checkpoint ``m <= n - f*d`` not spared by ``keep_every``, and sentinels
-        whose data is gone; all sentinels first (one fsync), then the data.
+        """Keep the ``d`` newest complete checkpoints ``<= n`` and the ``keep_every`` milestones;
+        remove the rest ``<= n`` and sentinels whose data is gone; all sentinels first (one
+        fsync), then the data.
 
-        Dopamine removes only ``n - f*d``; sweeping gives the same result for an uninterrupted
-        run and also catches what crashes, gaps or changed settings left behind.
+        Dopamine removes only ``n - f*d``; this gives the same result for an uninterrupted run
+        and also catches what crashes, gaps or changed settings left behind.
         """
         f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
-        stale = n - f * d
         sentinels = _numbers(self.base_directory, _sentinel_stem(self.sentinel_file_identifier))
         data = _numbers(self.base_directory, self.checkpoint_file_prefix)
+        complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
+        kept = set(complete[:d]) | {n}
         doomed = {
             m
             for m in set(sentinels) | set(data)
-            if m <= stale and not (k is not None and m % (k * f) == 0)
+            if m <= n and m not in kept and not (k is not None and m % (k * f) == 0)
         }
         orphans = {m for m in sentinels if m not in data and m != n}
         try:

@@ -420,25 +420,35 @@ def test_dopamine_pickle_checkpoint_is_counted_but_never_unpickled(tmp_path: Pat
 # --- GC deviations ------------------------------------------------------------------------------
 
 
-def test_gc_sweeps_what_a_crash_or_settings_change_left(tmp_path: Path) -> None:
+def test_gc_keeps_the_last_d_whatever_a_crash_or_settings_change_left(tmp_path: Path) -> None:
     Checkpointer(tmp_path, checkpoint_duration=100).save_checkpoint(0, {"n": 0})
     for n in (1, 2, 3, 10):  # Dopamine keeps all five (only n - 4 is ever looked at)
         Checkpointer(tmp_path).save_checkpoint(n, {"n": n})
-    assert names(tmp_path) == ["ckpt.10", f"{SENTINEL}.10"]
+    kept = (1, 2, 3, 10)  # the last d = 4; a jump in numbers does not cost more checkpoints
+    assert names(tmp_path) == sorted(
+        [f"ckpt.{n}" for n in kept] + [f"{SENTINEL}.{n}" for n in kept]
+    )
     (tmp_path / "ckpt.3.extra").write_bytes(b"")  # other names are never touched
     (tmp_path / "tf_ckpt-3.index").write_bytes(b"")
-    (tmp_path / "ckpt.4").mkdir()  # data without sentinel, <= N - f*d: swept
+    (tmp_path / "ckpt.4").mkdir()  # data without sentinel below N: swept
     Checkpointer(tmp_path).save_checkpoint(11, {"n": 11})
+    kept = (2, 3, 10, 11)
     assert names(tmp_path) == sorted(
-        [
-            "ckpt.10",
-            "ckpt.11",
-            "ckpt.3.extra",
-            "tf_ckpt-3.index",
-            f"{SENTINEL}.10",
-            f"{SENTINEL}.11",
-        ]
+        [f"ckpt.{n}" for n in kept]
+        + [f"{SENTINEL}.{n}" for n in kept]
+        + ["ckpt.3.extra", "tf_ckpt-3.index"]
     )
+
+
+def test_gc_after_a_crash_between_sentinel_and_gc_catches_up(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path, checkpoint_duration=2)
+    for n in range(3):
+        c.save_checkpoint(n, {"n": n})
+    # A crash right after sentinel 3 would leave 1 behind (Dopamine never looks at it again).
+    Checkpointer(tmp_path, checkpoint_duration=100).save_checkpoint(3, {"n": 3})
+    assert get_latest_checkpoint_number(tmp_path) == 3
+    c.save_checkpoint(4, {"n": 4})
+    assert names(tmp_path) == ["ckpt.3", "ckpt.4", f"{SENTINEL}.3", f"{SENTINEL}.4"]
 
 
 def test_gc_never_touches_newer_checkpoints(tmp_path: Path) -> None:
