@@ -6,7 +6,9 @@ The package is layered; each layer only uses the ones listed before it:
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
 - :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe;
-- :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration.
+- :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration;
+- :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
+  adapters, key remapping, safetensors; the ``lightning-bpk`` command).
 
 Public names are imported lazily so ``import lightning_bpk`` stays cheap.
 """
@@ -21,14 +23,21 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "burnpack": "lightning_bpk.burnpack",
     "state": "lightning_bpk.state",
+    "interop": "lightning_bpk.interop",
     "ModuleRecord": "lightning_bpk.records",
     "OptimizerRecord": "lightning_bpk.records",
     "LrSchedulerRecord": "lightning_bpk.records",
     "StateRecord": "lightning_bpk.records",
     "RecordError": "lightning_bpk.records",
+    "load_record": "lightning_bpk.records",
+    "param_ids": "lightning_bpk.records",
     "Checkpointer": "lightning_bpk.checkpointer",
+    "CheckpointLockedError": "lightning_bpk.checkpointer",
+    "CheckpointWarning": "lightning_bpk.checkpointer",
     "get_latest_checkpoint_number": "lightning_bpk.checkpointer",
+    "verify_checkpoint": "lightning_bpk.checkpointer",
     "BurnpackCheckpoint": "lightning_bpk.callback",
+    "CheckpointSaveError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
 }
 
