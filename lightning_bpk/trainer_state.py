@@ -55,7 +55,6 @@ from lightning_bpk.records import (
     StateRecord,
     load_record,
 )
-from lightning_bpk.records.scheduler import _torch_form as scheduler_state_dict
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optim"
@@ -205,19 +204,6 @@ def _numbered(data: Mapping[str, Any], base: str) -> list[Any]:
     return items
 
 
-def positional_state(record: OptimizerRecord) -> dict[str, Any]:
-    """``optimizer.state_dict()`` rebuilt from an id-keyed record, numbering parameters group after
-    group in the order the saved optimizer listed them (how torch numbers them).
-
-    >>> net = torch.nn.Linear(2, 1); opt = torch.optim.Adam(net.parameters())
-    >>> positional_state(OptimizerRecord.from_optimizer(opt, net))["param_groups"][0]["params"]
-    [0, 1]
-    """
-    index = {pid: i for i, pid in enumerate(p for g in record.param_groups for p in g["params"])}
-    groups = [dict(g, params=[index[pid] for pid in g["params"]]) for g in record.param_groups]
-    return {"state": {index[pid]: s for pid, s in record.state.items()}, "param_groups": groups}
-
-
 def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[str, Any]:
     """Rebuild Lightning's dict from what :meth:`Checkpointer.load_checkpoint` returned.
 
@@ -236,10 +222,8 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
     for alias, target in model.aliases.items():
         state_dict[alias] = model.tensors[target]
     checkpoint["state_dict"] = state_dict
-    checkpoint["optimizer_states"] = [positional_state(r) for r in _numbered(data, OPTIMIZER_KEY)]
-    checkpoint["lr_schedulers"] = [
-        scheduler_state_dict(r.state) for r in _numbered(data, SCHEDULER_KEY)
-    ]
+    checkpoint["optimizer_states"] = [r.state_dict() for r in _numbered(data, OPTIMIZER_KEY)]
+    checkpoint["lr_schedulers"] = [r.state_dict() for r in _numbered(data, SCHEDULER_KEY)]
     return checkpoint
 
 

@@ -111,14 +111,6 @@ def test_records_round_trip_to_lightnings_dict_exactly(tmp_path):
     assert fresh_optimizer.state_dict()["param_groups"] == want["param_groups"]
 
 
-def test_positional_state_numbers_groups_in_order():
-    net, optimizer, _ = _trained()
-    positional = trainer_state.positional_state(OptimizerRecord.from_optimizer(optimizer, net))
-    assert [g["params"] for g in positional["param_groups"]] == [
-        g["params"] for g in optimizer.state_dict()["param_groups"]
-    ]
-
-
 def test_single_file_keeps_exact_types(tmp_path):
     checkpoint = {
         "state_dict": OrderedDict(w=torch.arange(3.0)),
