@@ -192,6 +192,44 @@ def _numbers(base: Path, stem: str) -> dict[int, Path]:
     return {int(m.group(1)): p for m, p in _matching(base, re.escape(stem) + r"\." + _NUMBER)}
 
 
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """What the directory holds for one iteration number: its data and/or its sentinel."""
+
+    number: int
+    data: Path | None
+    sentinel: Path | None
+
+    @property
+    def complete(self) -> bool:
+        """Both halves exist (whether they verify is :func:`verify_checkpoint`'s question)."""
+        return self.data is not None and self.sentinel is not None
+
+
+def list_checkpoints(
+    base_directory: str | os.PathLike[str],
+    sentinel_file_identifier: str = "checkpoint",
+    checkpoint_file_prefix: str = "ckpt",
+) -> list[CheckpointEntry]:
+    """Every iteration number with data or a sentinel in ``base_directory``, newest first.
+
+    Read-only and cheap (one directory listing); tools such as ``lightning-bpk ls`` use it.
+
+    >>> import tempfile
+    >>> base = tempfile.mkdtemp()
+    >>> _ = Checkpointer(base).save_checkpoint(0, {"n": 0})
+    >>> [(e.number, e.complete) for e in list_checkpoints(base)]
+    [(0, True)]
+    """
+    base = Path(base_directory)
+    sentinels = _numbers(base, _sentinel_stem(sentinel_file_identifier))
+    data = _numbers(base, checkpoint_file_prefix)
+    return [
+        CheckpointEntry(n, data.get(n), sentinels.get(n))
+        for n in sorted(set(sentinels) | set(data), reverse=True)
+    ]
+
+
 def _remove(path: Path) -> None:
     """Remove a file or a whole directory tree; already gone is fine."""
     if path.is_dir() and not path.is_symlink():

@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack
-from lightning_bpk.checkpointer import _numbers, _sentinel_stem, verify_checkpoint
+from lightning_bpk import burnpack, checkpointer
 from lightning_bpk.interop import Content, convert, read_content
 from lightning_bpk.records.base import RecordError
 
@@ -204,25 +203,25 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
     print(json.dumps(info, indent=2) if args.json else text)
 
 
-def list_checkpoints(
-    base: Path, identifier: str, prefix: str, verify: bool
-) -> list[dict[str, Any]]:
+def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
     problems. ``verified`` is None when ``verify`` is off."""
-    sentinels = _numbers(base, _sentinel_stem(identifier))
-    data = _numbers(base, prefix)
     rows = []
-    for n in sorted(set(sentinels) | set(data), reverse=True):
-        complete = n in sentinels and n in data
-        problems = verify_checkpoint(base, n, identifier, prefix) if verify and complete else []
+    for entry in checkpointer.list_checkpoints(base, identifier, prefix):
+        n, complete = entry.number, entry.complete
+        problems = (
+            checkpointer.verify_checkpoint(base, n, identifier, prefix)
+            if verify and complete
+            else []
+        )
         rows.append(
             {
                 "number": n,
                 "complete": complete,
                 "verified": (not problems) if verify and complete else None,
-                "size": _tree_size(data[n]) if n in data else 0,
-                "time": _mtime(sentinels.get(n) or data[n]),
-                "path": str(data.get(n, sentinels.get(n))),
+                "size": _tree_size(entry.data) if entry.data is not None else 0,
+                "time": _mtime(entry.sentinel or entry.data),
+                "path": str(entry.data or entry.sentinel),
                 "problems": problems,
             }
         )
@@ -237,7 +236,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     base = Path(args.dir)
     if not base.is_dir():
         raise OSError(f"{base}: not a directory")
-    rows = list_checkpoints(base, args.identifier, args.prefix, verify=not args.no_verify)
+    rows = checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
     table += [
         [
@@ -288,7 +287,7 @@ def _verify_file(path: Path) -> dict[str, Any]:
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir():
-        rows = list_checkpoints(target, args.identifier, args.prefix, verify=True)
+        rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
                 {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}

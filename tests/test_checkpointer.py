@@ -785,3 +785,21 @@ def test_reimport_does_not_raise_duplicate_registration(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "3"
+
+
+def test_list_checkpoints_shows_complete_and_partial_numbers(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.save_checkpoint(0, {"n": 0})
+    c.save_checkpoint(1, {"n": 1})
+    (tmp_path / "ckpt.2").mkdir()  # data without sentinel
+    (tmp_path / f"{SENTINEL}.3").write_bytes(b"done")  # sentinel without data
+    entries = checkpointer.list_checkpoints(tmp_path)
+    assert [(e.number, e.complete) for e in entries] == [
+        (3, False),
+        (2, False),
+        (1, True),
+        (0, True),
+    ]
+    assert entries[2].data == tmp_path / "ckpt.1"
+    assert entries[2].sentinel == tmp_path / f"{SENTINEL}.1"
+    assert checkpointer.list_checkpoints(tmp_path / "missing") == []
