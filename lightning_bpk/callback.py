@@ -115,10 +115,12 @@ class BurnpackCheckpoint(Checkpoint):
 
     Args:
         dirpath: where checkpoints go; ``None`` means ``{trainer.default_root_dir}/checkpoints``.
-        checkpoint_file_prefix, sentinel_file_identifier, checkpoint_frequency,
-            checkpoint_duration, keep_every: passed to the
-            :class:`~lightning_bpk.checkpointer.Checkpointer` (save epochs that are multiples of
-            the frequency, keep the last ``duration`` of them plus every ``keep_every``-th).
+        checkpoint_file_prefix: data directories are ``{prefix}.{N}``.
+        sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{N}``.
+        checkpoint_frequency: save the epochs that are multiples of this.
+        checkpoint_duration: keep the last this many saved checkpoints.
+        keep_every: also keep every ``keep_every``-th saved checkpoint forever (milestones).
+            These five go to the :class:`~lightning_bpk.checkpointer.Checkpointer`.
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
         verify: check every byte of the chosen checkpoint before resuming from it (falling
@@ -249,19 +251,16 @@ class BurnpackCheckpoint(Checkpoint):
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
         preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
-        where = (
-            f"epoch {checkpoint.get('epoch')} (preempted after {preempted['batches']} batches; "
-            "replaying that epoch from its first batch)"
-            if preempted
-            else f"the end of epoch {checkpoint.get('epoch')}"
-        )
-        if trainer.is_global_zero:
-            log.info(
-                "restored %s from %s, global step %s",
-                trainer.ckpt_path,
-                where,
-                checkpoint.get("global_step"),
+        if preempted:
+            batches = preempted["batches"]
+            where = (
+                f"epoch {checkpoint.get('epoch')}, preempted after {batches} "
+                f"batch{'es' if batches != 1 else ''} (that epoch is replayed from its first batch)"
             )
+        else:
+            where = f"the end of epoch {checkpoint.get('epoch')}"
+        if trainer.is_global_zero:
+            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = True

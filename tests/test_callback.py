@@ -92,7 +92,7 @@ def test_resume_continues_at_the_next_epoch_and_logs_it(tmp_path, caplog):
     assert callback.restored_number == 1
     assert (start.epoch, start.step) == (2, 12)
     assert "continuing training at epoch 2 (global step 12) after checkpoint 1" in caplog.text
-    assert "from the end of epoch 1" in caplog.text
+    assert "saved at the end of epoch 1" in caplog.text
     assert _numbers(tmp_path / "checkpoints") == [0, 1, 2, 3]
 
 
