@@ -79,6 +79,7 @@ OPEN_LIMIT_S = 0.010
 E2E_LIMIT = 0.02
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP, one process
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # DCP rewrites
 
 
 # --- the state ----------------------------------------------------------------------------------
