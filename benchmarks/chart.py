@@ -34,7 +34,7 @@ class Bar:
 def _ticks(limit: float) -> list[float]:
     """Round tick values (1, 2 or 5 times a power of ten apart) from 0 to ``limit``."""
     base = 10 ** math.floor(math.log10(limit))
-    step = next(base * f for f in (0.1, 0.2, 0.5, 1.0) if limit / (base * f) <= MAX_TICKS)
+    step = next(base * f for f in (0.1, 0.2, 0.5, 1.0, 2.0, 5.0) if limit / (base * f) <= MAX_TICKS)
     return [i * step for i in range(int(limit / step) + 1)]
 
 
