@@ -52,7 +52,8 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(
 
     resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
-    assert "preempted after 3 batches (that epoch is replayed from its first batch)" in resumed.stderr
+    replayed = "preempted after 3 batches (that epoch is replayed from its first batch)"
+    assert replayed in resumed.stderr
     assert "continuing training at epoch 2 (global step 12) after checkpoint 2" in resumed.stderr
     assert "epoch=4 step=24 restored=2" in resumed.stdout
     assert trainer_state.PREEMPTED_KEY not in _trainer_value(tmp_path, 2)  # replaced at epoch end
