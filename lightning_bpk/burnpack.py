@@ -40,7 +40,8 @@ import stat
 import struct
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -341,13 +342,25 @@ class TensorEntry:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
         """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU."""
-        return cls(burn_dtype(tensor.dtype), tensor.shape, tensor, param_id=param_id)
+        return cls(
+            burn_dtype(tensor.dtype),
+            tensor.shape,
+            tensor,
+            param_id=param_id,
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
 
 
 def _nbytes_of(data: Any) -> int:
     if isinstance(data, torch.Tensor):
         return data.numel() * data.element_size()
     return memoryview(data).nbytes
+
+
+# dtypes numpy can view directly (not bfloat16); the others are reinterpreted as uint8 first.
+_NUMPY_DTYPES = frozenset(
+    d for d in _TORCH_TO_BURN if d not in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64)
+)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -359,6 +372,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
+    if t.dtype in _NUMPY_DTYPES:  # one call instead of four: counts with thousands of tensors
+        return memoryview(t.numpy()).cast("B")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -419,8 +434,15 @@ class _Plan:
     scalars: dict[str, Scalar]
     checksums: bool
     encoded: bytes = b""  # the metadata blob (checksum placeholders), set once planning succeeds
+    # offset in ``encoded`` of each tensor's checksum placeholder, by tensor name
+    digest_offsets: dict[str, int] = field(default_factory=dict)
 
-    def encode_metadata(self, digests: Mapping[str, str] | None = None) -> bytes:
+    def encode_metadata(self) -> None:
+        """Encode the metadata once, with placeholders, and find where each digest goes.
+
+        Digests are patched into ``encoded`` in place after the data is written (re-encoding
+        would cost as much again: ~10 ms for 5,000 tensors).
+        """
         descriptors = {}
         for p in sorted(self.tensors, key=lambda p: p.name):
             desc: dict[str, Any] = {
@@ -435,20 +457,53 @@ class _Plan:
         metadata = dict(self.metadata)
         if self.checksums:
             for p in self.tensors:
-                digest = digests.get(p.name) if digests else None
-                metadata[CHECKSUM_PREFIX + p.name] = digest or _CHECKSUM_PLACEHOLDER
+                metadata[CHECKSUM_PREFIX + p.name] = _CHECKSUM_PLACEHOLDER
+        keys = sorted(metadata)
         if metadata:
-            top["metadata"] = {k: metadata[k] for k in sorted(metadata)}
+            top["metadata"] = {k: metadata[k] for k in keys}
         if self.scalars:
             top["scalars"] = {
                 k: {s.kind: _Float(s.value) if s.kind == "Float" else s.value}
                 for k, s in sorted(self.scalars.items())
             }
-        return cbor2.dumps(top, default=_encode_default)
+        self.encoded = _cbor(top)
+        if not (self.checksums and self.tensors):
+            return
+        # Keys sharing the prefix are adjacent once sorted, so the checksum entries are one run
+        # of the metadata map; what follows the run (later user keys, then the scalars) is
+        # encoded on its own to find where the run ends.
+        first = next(i for i, k in enumerate(keys) if k.startswith(CHECKSUM_PREFIX))
+        after = first + len(self.tensors)
+        tail = sum(len(_cbor(k)) + len(_cbor(metadata[k])) for k in keys[after:])
+        if "scalars" in top:
+            tail += len(_cbor("scalars")) + len(_cbor(top["scalars"]))
+        position = len(self.encoded) - tail
+        value_size = len(_cbor(_CHECKSUM_PLACEHOLDER))
+        for key in reversed(keys[first:after]):
+            position -= value_size  # the digest text: a 1-byte header, then 16 hex digits
+            self.digest_offsets[key[len(CHECKSUM_PREFIX) :]] = position + 1
+            position -= _text_size(key)
+
+    def patched(self, digests: Mapping[str, str]) -> bytearray:
+        """``encoded`` with every placeholder replaced by its tensor's digest."""
+        blob = bytearray(self.encoded)
+        for name, offset in self.digest_offsets.items():
+            blob[offset : offset + len(_CHECKSUM_PLACEHOLDER)] = digests[name].encode()
+        return blob
 
     @property
     def data_size(self) -> int:
         return self.tensors[-1].end if self.tensors else 0
+
+
+def _cbor(value: Any) -> bytes:
+    return cbor2.dumps(value, default=_encode_default)
+
+
+def _text_size(text: str) -> int:
+    """Bytes of ``text`` encoded as a CBOR text string: header (1-9 bytes, minimal) + UTF-8."""
+    n = len(text.encode())
+    return n + (1 if n < 24 else 2 if n < 2**8 else 3 if n < 2**16 else 5 if n < 2**32 else 9)
 
 
 def _align(n: int) -> int:
@@ -516,7 +571,7 @@ def _plan(
             raise ValidationError(f"scalar '{k}': {e}") from None
     plan = _Plan(planned, meta, scal, checksums)
     try:
-        plan.encoded = plan.encode_metadata()
+        plan.encode_metadata()
     except UnicodeEncodeError as e:  # lone surrogates cannot be stored as UTF-8 text
         raise ValidationError(f"{e.object!r} is not valid UTF-8 text: {e.reason}") from None
     if len(plan.encoded) > _U32_MAX:
@@ -567,28 +622,82 @@ def _materialize(p: _Planned) -> memoryview:
     return view
 
 
+# Tensors of at least this many bytes are checksummed on a helper thread while this thread writes
+# them: xxhash and os.write both release the GIL, so on two cores the hash costs no wall time.
+# Below it, handing the work over costs more than hashing inline (xxh3 runs at ~10 GB/s).
+PARALLEL_HASH_MIN = 1024 * 1024
+# Smaller tensors, the header and the zero padding are gathered into one buffer of this size per
+# write: 5,000 tensors of 4 KiB take 20 writes instead of 10,000 (half the write time).
+GATHER_SIZE = 1024 * 1024
+
+
+class _Gather:
+    """Collects small pieces in one reused buffer and writes them to ``sink`` together."""
+
+    def __init__(self, sink: BinaryIO, size: int) -> None:
+        self._sink = sink
+        self._buffer = memoryview(bytearray(size))
+        self._used = 0
+
+    def add(self, data: memoryview | bytes) -> None:
+        n = len(data)
+        if self._used + n > self._buffer.nbytes:
+            self.flush()
+            if n > self._buffer.nbytes:
+                _fs.write_all(self._sink, data)
+                return
+        self._buffer[self._used : self._used + n] = data
+        self._used += n
+
+    def flush(self) -> None:
+        if self._used:
+            _fs.write_all(self._sink, self._buffer[: self._used])
+            self._used = 0
+
+
 def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
-    """Stream header, metadata and tensors to a seekable sink; patch checksums in at the end."""
+    """Stream header, metadata and tensors to a seekable sink; patch checksums in at the end.
+
+    Large tensors are hashed on a helper thread while they are written (each hash finishes
+    before the next tensor's provider runs, so peak memory stays one tensor); small ones are
+    hashed inline and gathered with the padding into few writes.
+    """
     meta = plan.encoded
     data_start = data_section_start(len(meta))
     header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
-    _fs.write_all(sink, header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
+    # no larger than what is gathered: a pack of big tensors needs a few hundred bytes
+    small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < PARALLEL_HASH_MIN)
+    gather = _Gather(
+        sink, min(GATHER_SIZE, data_start + small + TENSOR_ALIGNMENT * len(plan.tensors))
+    )
+    gather.add(header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
     position = 0
     digests: dict[str, str] = {}
-    for p in plan.tensors:
-        if p.start > position:
-            _fs.write_all(sink, bytes(p.start - position))
-        view = _materialize(p)
-        if plan.checksums:
-            digests[p.name] = xxhash.xxh3_64_hexdigest(view)
-        _fs.write_all(sink, view)
-        del view  # drop this tensor's bytes before the next provider runs
-        position = p.end
-    if plan.checksums and plan.tensors:
-        patched = plan.encode_metadata(digests)
-        assert len(patched) == len(meta), "checksum digests must not change the metadata size"
+    with contextlib.ExitStack() as stack:
+        hasher: ThreadPoolExecutor | None = None
+        for p in plan.tensors:
+            if p.start > position:
+                gather.add(bytes(p.start - position))
+            view = _materialize(p)
+            if view.nbytes < PARALLEL_HASH_MIN:
+                if plan.checksums:
+                    digests[p.name] = xxhash.xxh3_64_hexdigest(view)
+                gather.add(view)
+            else:
+                gather.flush()
+                if plan.checksums:
+                    if hasher is None:
+                        hasher = stack.enter_context(ThreadPoolExecutor(1))
+                    digest = hasher.submit(xxhash.xxh3_64_hexdigest, view)
+                _fs.write_all(sink, view)
+                if plan.checksums:
+                    digests[p.name] = digest.result()
+            del view  # drop this tensor's bytes before the next provider runs
+            position = p.end
+    gather.flush()
+    if plan.digest_offsets:
         sink.seek(HEADER_SIZE)
-        _fs.write_all(sink, patched)
+        _fs.write_all(sink, plan.patched(digests))
         sink.seek(0, io.SEEK_END)
 
 
@@ -751,9 +860,9 @@ def _parse_descriptor(name: object, desc: object) -> TensorInfo:
         raise MetadataError(f"tensor name {_short(name)} is not a text string")
     if not isinstance(desc, dict):
         raise MetadataError(f"tensor '{name}': descriptor is not a map")
-    for field in ("dtype", "shape", "data_offsets"):
-        if field not in desc:
-            raise MetadataError(f"tensor '{name}': missing field '{field}'")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in desc:
+            raise MetadataError(f"tensor '{name}': missing field '{key}'")
     dtype = desc["dtype"]
     if _dtype_info(dtype) is None:
         raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")

@@ -20,6 +20,7 @@ from pathlib import Path
 import cbor2
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1081,7 +1082,11 @@ def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path):
 # =============================== atomicity under injected faults ===============================
 
 
-def test_enospc_at_the_write_call_leaves_no_scratch_and_old_file(tmp_path, monkeypatch):
+# a small pack takes two writes: data gathered into one, then the checksums patched in
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_enospc_at_the_write_call_leaves_no_scratch_and_old_file(
+    tmp_path, monkeypatch, failing_call
+):
     path = burnpack.write(tmp_path / "e.bpk", {"old": torch.ones(8)})
     before = path.read_bytes()
     real = _fs.write_all
@@ -1089,7 +1094,7 @@ def test_enospc_at_the_write_call_leaves_no_scratch_and_old_file(tmp_path, monke
 
     def full_disk(f, data):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == failing_call:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(f, data)
 
@@ -1669,3 +1674,23 @@ def test_seeded_random_fuzz_of_valid_packs():
                 pos = rng.randrange(len(blob) + 1)
                 blob[pos:pos] = rng.randbytes(rng.randint(1, 16))
         parse_fully(bytes(blob))
+
+
+def test_checksums_patched_in_place_around_user_metadata_and_scalars(tmp_path):
+    """Digests land at offsets computed once: user keys sorting before and after the checksum
+    run, multi-byte names, scalars, and big (hashed while written) and small tensors mixed."""
+    tensors = {
+        "é" * 30: torch.arange(300, dtype=torch.int16),
+        "big": torch.rand(2**18 + 5),  # over PARALLEL_HASH_MIN: hashed on the helper thread
+        "b": torch.ones(3, dtype=torch.bool),
+    }
+    metadata = {"a": "0" * 16, "lightning_bpk/a": "x", "lightning_bpk/z": "0" * 16, "zz": "y"}
+    scalars = {"lr": 0.5, "step": 7}
+    path = burnpack.write(tmp_path / "m.bpk", tensors, metadata=metadata, scalars=scalars)
+    with burnpack.read(path) as pack:
+        pack.verify()
+        assert pack.metadata == metadata and pack.scalars["step"] == burnpack.Scalar.Int(7)
+        for name, t in tensors.items():
+            assert xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(t)) == pack.checksums[name]
+            assert torch.equal(pack.tensor(name), t)
+    assert path.read_bytes() == burnpack.dumps(tensors, metadata=metadata, scalars=scalars)
