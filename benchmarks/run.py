@@ -69,6 +69,7 @@ STATES = {
     "5,000 x 4 KiB": (5000, 4096),
 }
 QUICK_STATES = ("64 MiB (16 tensors)", "5,000 x 4 KiB")
+RAW_READ_CHUNK = MiB  # the raw readinto limit reads in steps of this size (see load_raw)
 OPEN_REPS = 30  # opening a pack takes microseconds to milliseconds: many repetitions
 PEAK_SLACK = 16 * MiB  # target: peak extra RSS while saving <= largest tensor + this
 # Targets of issue 6 (ratios of medians measured in the same run).
@@ -184,13 +185,13 @@ def _copy_into(b: Bench, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_raw(b: Bench) -> None:
-    # Chunks of burnpack.READ_CHUNK: on these VMs 1 MiB reads beat one read per tensor, so
-    # this is the faster of the two ways (an honest limit), and it skips the checksums.
+    # Chunks of RAW_READ_CHUNK: on these VMs 1 MiB reads beat one read per tensor, so this is
+    # the faster of the two ways (an honest limit), and it skips the checksums.
     with open(b.path("raw.bin"), "rb", buffering=0) as f:
         for t in b.sd.values():
             view = memoryview(t.view(-1).view(torch.uint8).numpy())
             while view:
-                view = view[f.readinto(view[: burnpack.READ_CHUNK]) :]
+                view = view[f.readinto(view[:RAW_READ_CHUNK]) :]
 
 
 def load_burnpack_into(b: Bench) -> None:

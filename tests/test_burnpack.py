@@ -1028,7 +1028,7 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 
 
 def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch):
-    monkeypatch.setattr(burnpack, "READ_CHUNK", 1000)  # several chunks per tensor, one partial
+    monkeypatch.setattr(burnpack, "COPY_CHUNK", 1000)  # several chunks per tensor, one partial
     source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
     path = burnpack.write(tmp_path / "m.bpk", source)
     targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
