@@ -487,7 +487,7 @@ def write_report(
     by_state: dict[str, dict[str, Result]],
     benches: dict[str, Bench],
     peaks: dict[str, dict[str, int]],
-    e2e_result: e2e.Overhead | None,
+    e2e_results: list[e2e.Overhead],
     args: argparse.Namespace,
     elapsed: float,
 ) -> None:
@@ -506,15 +506,11 @@ def write_report(
     ]
     svg.write_text(chart.render(panels))
     goals = targets(by_state, peaks, benches)
-    if e2e_result is not None:
-        goals.append(
-            Target(
-                "training with async per-epoch checkpoints: overhead",
-                e2e_result.overhead,
-                E2E_LIMIT,
-                "%",
-            )
-        )
+    for result in e2e_results:
+        what = "training with async per-epoch checkpoints: overhead"
+        if result.repeat != 1:
+            what += f" (extra row: data passed {result.repeat}x per epoch, longer epochs)"
+        goals.append(Target(what, result.overhead, E2E_LIMIT, "%"))
     lines = [
         "# Benchmarks",
         "",
@@ -553,8 +549,10 @@ def write_report(
                 *(f"| {k} | {v / MiB:.1f} MiB |" for k, v in peaks[state].items()),
                 "",
             ]
-    if e2e_result is not None:
-        lines += ["## End to end", "", *e2e_result.markdown(), ""]
+    if e2e_results:
+        lines += ["## End to end", ""]
+        for result in e2e_results:
+            lines += [*result.markdown(), ""]
     path.write_text("\n".join(lines))
 
 
@@ -594,7 +592,11 @@ def main() -> None:
                 peaks[state] = peak_rss(state, directory)
             del b.model, b.sd  # free the state before the next one
             shutil.rmtree(directory)
-        e2e_result = None if args.no_e2e else e2e.measure(Path(tmp), quick=args.quick)
+        e2e_results = []
+        if not args.no_e2e:
+            e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
+            if not args.quick:
+                e2e_results.append(e2e.measure(Path(tmp), quick=False, repeat=e2e.REPEAT))
         info["Load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_report(
         Path(args.out),
@@ -602,7 +604,7 @@ def main() -> None:
         by_state,
         benches,
         peaks,
-        e2e_result,
+        e2e_results,
         args,
         time.perf_counter() - start,
     )

@@ -1052,11 +1052,12 @@ class Pack:
         if verify and name not in self._verified:
             expected = self.checksums.get(name)
             if expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
-                raise ChecksumError(
-                    f"{self.source}: tensor '{name}' fails its checksum (file is damaged)"
-                )
+                raise self._damaged(name)
             self._verified.add(name)
         return view
+
+    def _damaged(self, name: str) -> ChecksumError:
+        return ChecksumError(f"{self.source}: tensor '{name}' fails its checksum (file is damaged)")
 
     def tensor(self, name: str, *, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` as a torch tensor viewing the pack's bytes (copied only for Bool
@@ -1236,7 +1237,7 @@ def _flat_bytes(
         or tensor.numel() == 0
     ):
         return None
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    return tensor.detach().view(-1).view(torch.uint8)  # contiguous: view, not reshape
 
 
 def read_into(
@@ -1274,20 +1275,28 @@ def read_into(
             plain = _dtype_info(info.dtype).torch_dtype is dtype and dtype is not torch.bool
             flat = _flat_bytes(target, dtype, info.shape) if plain else None
             plan.append((name, target, flat))
+        whole = torch.frombuffer(pack._buffer, dtype=torch.uint8)  # sliced per tensor (cheap)
+        buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums
         with torch.no_grad():
             for name, target, flat in plan:
                 if flat is None:
                     target.copy_(pack.tensor(name, verify=verify))
                     continue
-                view = pack.raw(name, verify=False)
-                source = torch.frombuffer(view, dtype=torch.uint8)
-                expected = pack.checksums.get(name) if verify else None
+                start, end = pack.entries[name].data_offsets
+                start, end = data_start + start, data_start + end
+                expected = checksums.get(name) if verify else None
+                if end - start <= COPY_CHUNK:  # one step: no hasher object, no loop
+                    if expected is not None and xxhash.xxh3_64_hexdigest(buffer[start:end]) != (
+                        expected
+                    ):
+                        raise pack._damaged(name)
+                    flat.copy_(whole[start:end])
+                    continue
                 hasher = xxhash.xxh3_64()
-                for at in range(0, view.nbytes, COPY_CHUNK):
+                for at in range(start, end, COPY_CHUNK):
+                    stop = min(at + COPY_CHUNK, end)
                     if expected is not None:
-                        hasher.update(view[at : at + COPY_CHUNK])
-                    flat[at : at + COPY_CHUNK].copy_(source[at : at + COPY_CHUNK])
+                        hasher.update(buffer[at:stop])
+                    flat[at - start : stop - start].copy_(whole[at:stop])
                 if expected is not None and hasher.hexdigest() != expected:
-                    raise ChecksumError(
-                        f"{pack.source}: tensor '{name}' fails its checksum (file is damaged)"
-                    )
+                    raise pack._damaged(name)
