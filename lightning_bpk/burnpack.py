@@ -867,25 +867,35 @@ def _parse_descriptor(name: object, desc: object) -> TensorInfo:
     if _dtype_info(dtype) is None:
         raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")
     shape = desc["shape"]
-    # torch sizes are int64, so a larger dimension could never be materialized
+    # torch sizes are int64, so a larger dimension could never be materialized. Checked with
+    # builtins over the whole list (no per-dimension Python call: ~2x faster for 5,000 tensors);
+    # ``type() is int`` also excludes bool, and cbor2 decodes integers as plain ints.
     if not (
-        type(shape) is list and len(shape) <= MAX_RANK and all(_is_uint(d, _I64_MAX) for d in shape)
+        type(shape) is list
+        and len(shape) <= MAX_RANK
+        and all(type(d) is int for d in shape)
+        and (not shape or (min(shape) >= 0 and max(shape) <= _I64_MAX))
     ):
         raise MetadataError(
             f"tensor '{name}': shape must be a list of at most {MAX_RANK} dimensions, "
             f"each in 0..2**63-1, got {_short(shape)}"
         )
     offsets = desc["data_offsets"]
-    if not (
-        type(offsets) is list and len(offsets) == 2 and all(_is_uint(o, _U64_MAX) for o in offsets)
-    ):
+    if not (type(offsets) is list and len(offsets) == 2):
+        offsets = None
+    else:
+        start, end = offsets
+        if not (_is_uint(start, _U64_MAX) and _is_uint(end, _U64_MAX)):
+            offsets = None
+    if offsets is None:
         raise MetadataError(
-            f"tensor '{name}': data_offsets must be [start, end] as u64, got {_short(offsets)}"
+            f"tensor '{name}': data_offsets must be [start, end] as u64, got "
+            f"{_short(desc['data_offsets'])}"
         )
     param_id = desc.get("param_id")
     if param_id is not None and not _is_uint(param_id, _U64_MAX):
         raise MetadataError(f"tensor '{name}': param_id must be a u64, got {_short(param_id)}")
-    return TensorInfo(dtype, tuple(shape), (offsets[0], offsets[1]), param_id)
+    return TensorInfo(dtype, tuple(shape), (start, end), param_id)
 
 
 def _parse_scalar(name: object, value: object) -> Scalar:
@@ -1222,22 +1232,23 @@ def _map(fd: int, p: Path) -> Pack:
 # pulled into the CPU cache. Measured on the benchmark VM (1 GiB, 16 tensors): as fast as raw
 # ``readinto`` warm and faster cold; 256 KiB steps were 30 % slower (per-call overhead).
 COPY_CHUNK = 4 * 1024 * 1024
+# Tensors up to this size are copied with a memoryview assignment: 4 KiB tensors load ~25 % faster
+# than through torch's copy_ (call overhead), while 4 MiB ones load ~20 % slower (torch's copy_
+# is the faster memcpy for large blocks).
+MEMCPY_MAX = 256 * 1024
 
 
-def _flat_bytes(
-    tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor | None:
-    """``tensor``'s own storage as a flat uint8 tensor, or ``None`` when the stored bytes cannot
-    be copied in as they are (another dtype or shape, non-contiguous, not on the CPU)."""
+def _writable_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """A writable byte view of ``tensor``'s own storage, or ``None`` when the stored bytes
+    cannot be copied in as they are (another dtype, non-contiguous, not on the CPU, empty)."""
     if (
         tensor.dtype != dtype
-        or tuple(tensor.shape) != shape
         or tensor.device.type != "cpu"
         or not tensor.is_contiguous()
         or tensor.numel() == 0
     ):
         return None
-    return tensor.detach().view(-1).view(torch.uint8)  # contiguous: view, not reshape
+    return tensor_bytes(tensor)  # zero-copy for a contiguous CPU tensor
 
 
 def read_into(
@@ -1273,30 +1284,30 @@ def read_into(
             dtype = torch_dtype(info.dtype)
             # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
             plain = _dtype_info(info.dtype).torch_dtype is dtype and dtype is not torch.bool
-            flat = _flat_bytes(target, dtype, info.shape) if plain else None
-            plan.append((name, target, flat))
-        whole = torch.frombuffer(pack._buffer, dtype=torch.uint8)  # sliced per tensor (cheap)
+            flat = _writable_bytes(target, dtype) if plain else None
+            plan.append((name, target, info, flat))
         buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums
         with torch.no_grad():
-            for name, target, flat in plan:
+            for name, target, info, flat in plan:
                 if flat is None:
                     target.copy_(pack.tensor(name, verify=verify))
                     continue
-                start, end = pack.entries[name].data_offsets
+                start, end = info.data_offsets
                 start, end = data_start + start, data_start + end
                 expected = checksums.get(name) if verify else None
-                if end - start <= COPY_CHUNK:  # one step: no hasher object, no loop
+                if end - start <= MEMCPY_MAX:  # one step, no torch call
                     if expected is not None and xxhash.xxh3_64_hexdigest(buffer[start:end]) != (
                         expected
                     ):
                         raise pack._damaged(name)
-                    flat.copy_(whole[start:end])
+                    flat[:] = buffer[start:end]
                     continue
+                source = torch.frombuffer(buffer[start:end], dtype=torch.uint8)
+                destination = torch.frombuffer(flat, dtype=torch.uint8)
                 hasher = xxhash.xxh3_64()
-                for at in range(start, end, COPY_CHUNK):
-                    stop = min(at + COPY_CHUNK, end)
+                for at in range(0, end - start, COPY_CHUNK):
                     if expected is not None:
-                        hasher.update(buffer[at:stop])
-                    flat[at - start : stop - start].copy_(whole[at:stop])
+                        hasher.update(buffer[start + at : min(start + at + COPY_CHUNK, end)])
+                    destination[at : at + COPY_CHUNK].copy_(source[at : at + COPY_CHUNK])
                 if expected is not None and hasher.hexdigest() != expected:
                     raise pack._damaged(name)

@@ -1027,8 +1027,10 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 # =============================== read_into: loading into existing tensors =======================
 
 
-def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
+def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
     monkeypatch.setattr(burnpack, "COPY_CHUNK", 1000)  # several chunks per tensor, one partial
+    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
     source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
     path = burnpack.write(tmp_path / "m.bpk", source)
     targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
@@ -1065,7 +1067,9 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
         burnpack.read_into(tmp_path / "absent.bpk", {"a": a})
 
 
-def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path):
+@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
+def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
+    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
     path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
