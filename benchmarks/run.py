@@ -495,7 +495,8 @@ def write_report(
     args: argparse.Namespace,
     elapsed: float,
 ) -> None:
-    svg = REPO / "docs" / "img" / "benchmarks.svg"
+    svg = path.parent / "img" / (path.stem + ".svg")  # beside the report, never over the repo's
+    svg.parent.mkdir(parents=True, exist_ok=True)
     panels = [
         (
             f"{state}: {kind} (median, bar = min-max)",
@@ -538,7 +539,7 @@ def write_report(
         "read into the module's existing parameters from a warm page cache; burnpack verifies "
         "every checksum on the way.",
         "",
-        "![save and load times](img/benchmarks.svg)",
+        f"![save and load times](img/{svg.name})",
         "",
     ]
     for state, res in by_state.items():
