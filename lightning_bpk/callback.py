@@ -314,6 +314,8 @@ class BurnpackCheckpoint(Checkpoint):
 
         ``flush`` waits for an asynchronous write to be durable (before stopping on preemption).
         """
+        # Lightning's own dict builder; weights_only=False here means "include optimizers,
+        # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         error: BaseException | None = None
         if trainer.is_global_zero:
