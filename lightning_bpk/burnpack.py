@@ -1292,16 +1292,12 @@ def read_into(
                 if flat is None:
                     target.copy_(pack.tensor(name, verify=verify))
                     continue
+                if info.nbytes <= MEMCPY_MAX:  # one step, no torch call
+                    flat[:] = pack.raw(name, verify=verify)
+                    continue
                 start, end = info.data_offsets
                 start, end = data_start + start, data_start + end
                 expected = checksums.get(name) if verify else None
-                if end - start <= MEMCPY_MAX:  # one step, no torch call
-                    if expected is not None and xxhash.xxh3_64_hexdigest(buffer[start:end]) != (
-                        expected
-                    ):
-                        raise pack._damaged(name)
-                    flat[:] = buffer[start:end]
-                    continue
                 source = torch.frombuffer(buffer[start:end], dtype=torch.uint8)
                 destination = torch.frombuffer(flat, dtype=torch.uint8)
                 hasher = xxhash.xxh3_64()
