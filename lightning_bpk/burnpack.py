@@ -748,8 +748,10 @@ def write(
     scalars: Mapping[str, Any] | None = None,
     atomic: bool = True,
     checksums: bool = True,
+    add_suffix: bool = True,
 ) -> Path:
-    """Write a burnpack file and return its path (``.bpk`` added when the path has no suffix).
+    """Write a burnpack file and return its path (``.bpk`` added when the path has no suffix,
+    unless ``add_suffix=False``: then exactly ``path``, as Lightning's ``CheckpointIO`` needs).
 
     With ``atomic=True`` (default) the bytes go to a scratch file in the same directory, which is
     fsynced and renamed over ``path``: a failure leaves no scratch file and an existing file
@@ -762,7 +764,7 @@ def write(
     >>> write(tempfile.mkdtemp() + "/model", {"w": torch.zeros(3)}).name
     'model.bpk'
     """
-    target = with_suffix(path)
+    target = with_suffix(path) if add_suffix else Path(path)
     plan = _plan(tensors, metadata, scalars, checksums)
     try:
         if atomic:

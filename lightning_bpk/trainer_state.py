@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_bpk import _fs, state
+from lightning_bpk import burnpack, state
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import (
     LrSchedulerRecord,
@@ -247,13 +247,18 @@ def file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
 
 
 def write_record(record: Record, path: str | os.PathLike[str]) -> Path:
-    """Write ``record`` atomically at exactly ``path`` (no ``.bpk`` suffix rule)."""
+    """Write ``record`` atomically at exactly ``path`` (no ``.bpk`` suffix rule), streamed: peak
+    extra memory is about the largest tensor, not the file. A full disk raises an ``OSError``
+    (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a RecordError."""
     target = Path(path)
-    data = record.to_bytes()
+    tensors, scalars, metadata = record.content()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _fs.atomic_file(target) as f:
-        _fs.write_all(f, data)
-    return target
+    try:
+        return burnpack.write(target, tensors, scalars=scalars, metadata=metadata, add_suffix=False)
+    except burnpack.BurnpackIOError:
+        raise
+    except burnpack.BurnpackError as e:
+        raise RecordError("io", str(e)) from e
 
 
 def _checkpointer_for(directory: Path) -> tuple[Checkpointer, int]:

@@ -1698,3 +1698,10 @@ def test_checksums_patched_in_place_around_user_metadata_and_scalars(tmp_path):
             assert xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(t)) == pack.checksums[name]
             assert torch.equal(pack.tensor(name), t)
     assert path.read_bytes() == burnpack.dumps(tensors, metadata=metadata, scalars=scalars)
+
+
+def test_write_add_suffix_false_writes_exactly_the_path(tmp_path):
+    path = burnpack.write(tmp_path / "manual", {"w": torch.ones(2)}, add_suffix=False)
+    assert path == tmp_path / "manual"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manual"]
+    assert burnpack.read(path).tensor("w").tolist() == [1.0, 1.0]

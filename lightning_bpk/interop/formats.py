@@ -339,7 +339,7 @@ def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Pa
     path = Path(path)
     if _kind(path) == "bpk":
         return record.save(path)
-    tensors, _, metadata = record._content()
+    tensors, _, metadata = record.content()
     content = Content(
         {n: e.data for n, e in tensors.items()},
         param_ids={n: e.param_id for n, e in tensors.items() if e.param_id is not None},

@@ -60,13 +60,15 @@ class Record:
 
     # -- shared behaviour --
 
-    def _content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], dict[str, str]]:
+    def content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], dict[str, str]]:
+        """``(tensors, scalars, metadata)`` exactly as written: :meth:`to_content` plus the kind
+        tag. For writers that need the parts (another format, a path without suffix rule)."""
         tensors, scalars, metadata = self.to_content()
         return tensors, scalars, {**metadata, RECORD_KIND_KEY: self.kind}
 
     def to_bytes(self) -> bytes:
         """The record as burnpack bytes."""
-        tensors, scalars, metadata = self._content()
+        tensors, scalars, metadata = self.content()
         try:
             return burnpack.dumps(tensors, scalars=scalars, metadata=metadata)
         except burnpack.BurnpackError as e:
@@ -74,7 +76,7 @@ class Record:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the record atomically (``.bpk`` added when ``path`` has no suffix)."""
-        tensors, scalars, metadata = self._content()
+        tensors, scalars, metadata = self.content()
         try:
             return burnpack.write(path, tensors, scalars=scalars, metadata=metadata)
         except burnpack.BurnpackError as e:
