@@ -10,7 +10,12 @@ and param ids. Four kinds of rule:
 - :class:`Split` a fused tensor into parts along a dim on load, concatenated on save (``qkv`` ->
   ``q``, ``k``, ``v``);
 - :class:`Unstack` one tensor into a numbered list of tensors on load, stacked on save;
-- :class:`Transpose` two dims of matching tensors on load, and back on save.
+- :class:`Transpose` two dims of matching tensors on load, and back on save (without a pattern,
+  ``Transpose(dim0, dim1)`` is transformers' op of that name, for a ``WeightConverter``).
+
+transformers' vocabulary (``WeightRenaming``, ``WeightConverter`` and its ops, in
+:mod:`lightning_bpk.interop.conversions`) are rules too, and mix with these: a run of
+consecutive transformers rules behaves as transformers runs a mapping.
 
 **How a rule is inverted.** A rename's inverse is given explicitly (``inverse=(pattern,
 replacement)``) or derived when the pattern is *simple*: optional ``^``, then literal text
@@ -52,9 +57,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -242,9 +249,38 @@ def derived_param_id(param_id: int | None, index: int) -> int | None:
     return xxhash.xxh3_64_intdigest(f"{param_id}/{index}".encode())
 
 
+# While tracing (see :func:`tracing`): one entry per rule step that renamed, split or fused
+# tensors, listing ``(input names, output names)`` pairs that all read the same input.
+Links = list[list[tuple[list[str], list[str]]]]
+_LINKS: contextvars.ContextVar[Links | None] = contextvars.ContextVar(
+    "lightning_bpk_remap_links", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[Links]:
+    """Record which names each rule step turned into which, in order. The parallel loader uses
+    them to find the tensors that must be converted together."""
+    links: Links = []
+    token = _LINKS.set(links)
+    try:
+        yield links
+    finally:
+        _LINKS.reset(token)
+
+
+def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
+    """Note that, in one step, each ``(old, new)`` pair's tensors ``old`` became ``new`` (a
+    no-op unless :func:`tracing`)."""
+    links = _LINKS.get()
+    if links is not None and pairs:
+        links.append(pairs)
+
+
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
     """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
     old = list(old)
+    trace_step([(old, list(new))])
     first = old[0]
     dropped = set(old)
     out: Items = {}
@@ -266,7 +302,15 @@ def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
 
 class Rule:
     """A reversible step. ``forward`` maps file names to module names, ``backward`` inverts it;
-    each returns the new items and how many names the step touched."""
+    each returns the new items and how many names the step touched.
+
+    A rule that renames, splits or fuses names reports it with :func:`trace_step` (the built-in
+    rules do), which lets :func:`~lightning_bpk.interop.loading.load_remapped` convert
+    independent tensors in parallel; it loads sequentially past any rule without ``traced``.
+    """
+
+    traced = False  # reports every name it changes through trace_step
+    _phase: str | None = None  # "rename"/"convert": transformers' vocabulary, run as a block
 
     def forward(self, items: Items) -> tuple[Items, int]:
         raise NotImplementedError
@@ -286,6 +330,7 @@ class Rename(Rule):
     pattern: str
     replacement: str
     inverse: tuple[str, str] | None = None
+    traced = True
 
     def __post_init__(self) -> None:
         re.compile(self.pattern)
@@ -299,10 +344,12 @@ class Rename(Rule):
     def _map(self, items: Items, pattern: str, replacement: str, check: tuple[str, str] | None):
         out: Items = {}
         touched = 0
+        links = []
         for name, item in items.items():
             new = re.sub(pattern, replacement, name)
             if new != name:
                 touched += 1
+                links.append(([name], [new]))
                 if check is not None and re.sub(check[0], check[1], new) != name:
                     raise RemapError(
                         f"{self}: cannot invert for {name!r} (saved as {new!r}, which loads "
@@ -311,6 +358,7 @@ class Rename(Rule):
             if new in out:
                 raise RemapError(f"{self}: two tensors map to {new!r}")
             out[new] = item
+        trace_step(links)
         return out, touched
 
     def forward(self, items: Items) -> tuple[Items, int]:
@@ -328,6 +376,17 @@ class Transpose(Rule):
     pattern: str
     dim0: int = 0
     dim1: int = 1
+    traced = True
+
+    def __new__(cls, *args: object, **kwargs: object) -> Transpose:
+        # Without a pattern (``Transpose(0, 1)``, ``Transpose(dim0=1, dim1=0)``) it is
+        # transformers' op of that name, for a WeightConverter's operations.
+        first = args[0] if args else kwargs.get("pattern")
+        if not isinstance(first, str):
+            from lightning_bpk.interop.conversions import Transpose as TransposeOp
+
+            return TransposeOp(*args, **kwargs)  # type: ignore[return-value]
+        return super().__new__(cls)
 
     def __str__(self) -> str:
         return f"Transpose({self.pattern!r}, {self.dim0}, {self.dim1})"
@@ -365,6 +424,7 @@ class Split(Rule):
     sizes: Sequence[int] | None = None
     _simple: _SimplePattern = field(init=False, repr=False, compare=False)
     _first: re.Pattern = field(init=False, repr=False, compare=False)
+    traced = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -513,7 +573,10 @@ class KeyRemapper:
         self.rules = list(rules)
         for rule in self.rules:
             if not isinstance(rule, Rule):
-                raise TypeError(f"{rule!r} is not a Rule (Rename, Split, Unstack, Transpose)")
+                raise TypeError(
+                    f"{rule!r} is not a Rule (Rename, Split, Unstack, Transpose, WeightRenaming, "
+                    "WeightConverter)"
+                )
 
     def __repr__(self) -> str:
         return f"KeyRemapper([{', '.join(map(str, self.rules))}])"
@@ -529,12 +592,58 @@ class KeyRemapper:
     @staticmethod
     def _run(tensors: Mapping[str, Item], rules: list[Rule], direction: str) -> RemapResult:
         items: Items = dict(tensors)
-        unmatched = []
-        for rule in rules:
-            items, touched = getattr(rule, direction)(items)
-            if not touched:
-                unmatched.append(str(rule))
+        unmatched: list[str] = []
+        k = 0
+        while k < len(rules):
+            if rules[k]._phase is None:
+                items, touched = getattr(rules[k], direction)(items)
+                if not touched:
+                    unmatched.append(str(rules[k]))
+                k += 1
+                continue
+            end = k
+            while end < len(rules) and rules[end]._phase is not None:
+                end += 1
+            items = _run_block(items, rules[k:end], direction, unmatched)
+            k = end
         return RemapResult(items, unmatched)
+
+
+def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[str]) -> Items:
+    """Consecutive transformers rules, run as transformers runs a mapping: on load every
+    renaming (in order), then each name through at most one converter (the first matching);
+    on save (``block`` reversed) the converters first, then the renamings. Problems of all the
+    converters are reported together."""
+    renamings = [r for r in block if r._phase == "rename"]
+    converters = [r for r in block if r._phase == "convert"]
+    steps = renamings + converters if direction == "forward" else converters + renamings
+    produced: set[str] = set()
+    problems: list[str] = []
+    origin = {n: n for n in items}  # on load, each name as the file has it (for messages)
+    for rule in steps:
+        if rule._phase == "rename":
+            renamed, touched = getattr(rule, direction)(items)
+            origin = {new: origin.get(old, old) for new, old in zip(renamed, items, strict=True)}
+            items = renamed
+        else:
+            converter = rule if direction == "forward" else rule.reverse_transform()
+            before = set(items)
+            try:
+                items, touched = converter.convert_items(
+                    items,
+                    frozenset(produced),
+                    check=None if direction == "forward" else rule,
+                    origin=origin if direction == "forward" else None,
+                )
+            except RemapError as e:
+                problems.append(str(e))
+                continue
+            produced |= set(items) - before
+        if not touched:
+            unmatched.append(str(rule))
+    if problems:
+        raise RemapError("\n".join(problems))
+    return items
 
 
 def apply_remapped(

@@ -1,0 +1,333 @@
+"""Parity with transformers itself (pinned in the dev extras): every op on the same random tensors
+both ways, and the Mixtral and Qwen2-MoE mappings on tiny models built from configs (no hub)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import safetensors.torch
+import torch
+
+from lightning_bpk.interop import (
+    Chunk,
+    Concatenate,
+    Interleave,
+    KeyRemapper,
+    MergeModulelist,
+    PermuteForRope,
+    SplitModulelist,
+    Transpose,
+    WeightConverter,
+    WeightRenaming,
+    apply_remapped,
+    load_module_record,
+    record_remapped,
+    save_module_record,
+)
+from lightning_bpk.interop.loading import load_remapped
+
+transformers = pytest.importorskip("transformers", minversion="5.23")
+hf = pytest.importorskip("transformers.core_model_loading")
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
+
+HEADS = 3
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _config(heads: int = HEADS) -> types.SimpleNamespace:
+    return types.SimpleNamespace(num_attention_heads=heads)
+
+
+# (ours, transformers', input_dict factory, source_patterns, target_patterns)
+CASES = [
+    (
+        "chunk",
+        Chunk(dim=1),
+        hf.Chunk(dim=1),
+        lambda: {"qkv": [_rand(4, 12, seed=1)]},
+        ["qkv"],
+        ["q", "k", "v"],
+    ),
+    (
+        "chunk-uneven",
+        Chunk(dim=0),
+        hf.Chunk(dim=0),
+        lambda: {"w": [_rand(7, 2, seed=2)]},
+        ["w"],
+        ["a", "b"],
+    ),
+    (
+        "concatenate",
+        Concatenate(dim=0),
+        hf.Concatenate(dim=0),
+        lambda: {"gate": [_rand(3, 4, seed=3)], "up": [_rand(3, 4, seed=4)]},
+        ["gate", "up"],
+        ["gate_up"],
+    ),
+    (
+        "merge-single",
+        MergeModulelist(dim=0),
+        hf.MergeModulelist(dim=0),
+        lambda: {"e.*.w2": [_rand(2, 5, seed=10 + i) for i in range(4)]},
+        ["e.*.w2"],
+        ["e.down"],
+    ),
+    (
+        "merge-chain-first",
+        MergeModulelist(dim=1),
+        hf.MergeModulelist(dim=1),
+        lambda: {
+            p: [_rand(2, 5, seed=20 + i + 7 * k) for i in range(3)]
+            for k, p in enumerate(["e.*.w1", "e.*.w3"])
+        },
+        ["e.*.w1", "e.*.w3"],
+        ["e.gate_up"],
+    ),
+    (
+        "split-single",
+        SplitModulelist(dim=0),
+        hf.SplitModulelist(dim=0),
+        lambda: {"e.down": [_rand(4, 2, 5, seed=30)]},
+        ["e.down"],
+        ["e.*.w2"],
+    ),
+    (
+        "split-chain-last",
+        SplitModulelist(dim=1),
+        hf.SplitModulelist(dim=1),
+        lambda: {"e.*.w1": _rand(2, 3, 5, seed=31), "e.*.w3": _rand(2, 3, 5, seed=32)},
+        ["e.gate_up"],
+        ["e.*.w1", "e.*.w3"],
+    ),
+    (
+        "transpose",
+        Transpose(0, 1),
+        hf.Transpose(0, 1),
+        lambda: {"w": [_rand(3, 5, seed=40)]},
+        ["w"],
+        ["w_t"],
+    ),
+    (
+        "transpose-3d",
+        Transpose(2, 1),
+        hf.Transpose(2, 1),
+        lambda: {"w": _rand(2, 3, 5, seed=41)},
+        ["w"],
+        ["w"],
+    ),
+    (
+        "interleave",
+        Interleave(dim=1),
+        hf.Interleave(dim=1),
+        lambda: {"w": [_rand(3, 8, seed=50)]},
+        ["w"],
+        ["w"],
+    ),
+    (
+        "interleave-inverse",
+        Interleave(dim=0, inverse=True),
+        hf.Interleave(dim=0, inverse=True),
+        lambda: {"w": [_rand(6, 2, seed=51)]},
+        ["w"],
+        ["w"],
+    ),
+    (
+        "rope-2d",
+        PermuteForRope(num_heads=HEADS),
+        hf.PermuteForRope(),
+        lambda: {"q_proj.weight": [_rand(HEADS * 8, 5, seed=60)]},
+        ["q_proj.weight"],
+        ["q_proj.weight"],
+    ),
+    (
+        "rope-1d-inverse",
+        PermuteForRope(num_heads=HEADS, inverse=True),
+        hf.PermuteForRope(inverse=True),
+        lambda: {"q_proj.bias": [_rand(HEADS * 4, seed=61)]},
+        ["q_proj.bias"],
+        ["q_proj.bias"],
+    ),
+    (
+        "rope-layer-names",
+        PermuteForRope(num_heads=HEADS, permute_layer_names=["k_proj"]),
+        hf.PermuteForRope(permute_layer_names=["k_proj"]),
+        lambda: {
+            "q_proj": [_rand(HEADS * 2, 3, seed=62)],
+            "k_proj": [_rand(HEADS * 2, 3, seed=63)],
+        },
+        ["q_proj", "k_proj"],
+        ["qk"],
+    ),
+]
+
+
+def _convert(op, input_dict, sources, targets):
+    return op.convert(
+        input_dict, source_patterns=sources, target_patterns=targets, config=_config()
+    )
+
+
+def _same(ours: dict, theirs: dict) -> None:
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        a, b = ours[key], theirs[key]
+        a = a[0] if isinstance(a, list) else a
+        b = b[0] if isinstance(b, list) else b
+        assert a.shape == b.shape and a.dtype == b.dtype, key
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_op_matches_transformers_both_ways(case):
+    _, ours, theirs, make, sources, targets = case
+    assert type(ours).__name__ == type(theirs).__name__
+    forward = _convert(ours, make(), sources, targets)
+    _same(forward, _convert(theirs, make(), sources, targets))
+    # the reverse op on the forward result, with the patterns swapped, as a reversed converter
+    back = _convert(ours.reverse_op, dict(forward), targets, sources)
+    _same(back, _convert(theirs.reverse_op, dict(forward), targets, sources))
+    assert type(ours.reverse_op).__name__ == type(theirs.reverse_op).__name__
+
+
+# --- mappings on real transformers models --------------------------------------------------------
+
+# pasted from transformers/conversion_mapping.py (5.23.0), changed only in the import
+MIXTRAL = [
+    WeightRenaming(".block_sparse_moe.", ".mlp."),
+    WeightConverter(
+        source_patterns=[
+            ".experts.*.w1.weight",
+            ".experts.*.w3.weight",
+        ],
+        target_patterns=".experts.gate_up_proj",
+        operations=[
+            MergeModulelist(dim=0),
+            Concatenate(dim=1),
+        ],
+    ),
+    WeightConverter(
+        source_patterns=[
+            ".experts.*.w2.weight",
+        ],
+        target_patterns=".experts.down_proj",
+        operations=[
+            MergeModulelist(dim=0),
+        ],
+    ),
+]
+QWEN2_MOE = [
+    WeightConverter(
+        source_patterns=[
+            "mlp.experts.*.gate_proj.weight",
+            "mlp.experts.*.up_proj.weight",
+        ],
+        target_patterns="mlp.experts.gate_up_proj",
+        operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
+    ),
+    WeightConverter(
+        source_patterns="mlp.experts.*.down_proj.weight",
+        target_patterns="mlp.experts.down_proj",
+        operations=[MergeModulelist(dim=0)],
+    ),
+]
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+    )
+    return config, transformers.MixtralForCausalLM
+
+
+def _qwen2_moe():
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=8,
+        moe_intermediate_size=4,
+        shared_expert_intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=3,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+    )
+    return config, transformers.Qwen2MoeForCausalLM
+
+
+def _signature(rules) -> list:
+    """A mapping as comparable data: kinds, patterns, ops and their arguments."""
+    out = []
+    for rule in rules:
+        ops = [
+            (type(op).__name__, {k: v for k, v in vars(op).items() if k in ("dim", "dim0", "dim1")})
+            for op in getattr(rule, "operations", [])
+        ]
+        out.append(
+            (type(rule).__name__, list(rule.source_patterns), list(rule.target_patterns), ops)
+        )
+    return out
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "build", "mapping"),
+    [("mixtral", _mixtral, MIXTRAL), ("qwen2_moe", _qwen2_moe, QWEN2_MOE)],
+)
+def test_mapping_matches_transformers_both_ways(tmp_path, model_type, build, mapping):
+    assert _signature(mapping) == _signature(get_checkpoint_conversion_mapping(model_type))
+    config, cls = build()
+    torch.manual_seed(0)
+    original = cls(config)
+    # transformers saves in the checkpoint layout (its reverse mapping): per-expert tensors
+    original.save_pretrained(tmp_path / "hf")
+    checkpoint = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert any(".experts.0." in n for n in checkpoint)
+    remapper = KeyRemapper(mapping)
+
+    # load: ours (sequential and on the pool) and transformers' give the same model
+    theirs = _state(cls.from_pretrained(tmp_path / "hf"))
+    assert theirs.keys() == _state(original).keys()
+    for load in ("apply_remapped", "load_remapped"):
+        torch.manual_seed(1)
+        ours = cls(config)
+        path = tmp_path / "hf" / "model.safetensors"
+        if load == "apply_remapped":
+            unmatched = apply_remapped(load_module_record(path), ours, remapper)
+        else:
+            unmatched = load_remapped(path, ours, remapper, workers=3)
+        assert unmatched == []
+        state = _state(ours)
+        assert state.keys() == theirs.keys()
+        for name, tensor in theirs.items():
+            assert torch.equal(state[name], tensor), (load, name)
+
+    # save: ours gives transformers' checkpoint, names, shapes and values
+    record, unmatched = record_remapped(original, remapper)
+    assert unmatched == []
+    assert sorted(record.tensors) == sorted(checkpoint)
+    for name, tensor in checkpoint.items():
+        assert torch.equal(record.tensors[name], tensor), name
+    # and transformers loads what we saved
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+    save_module_record(record, tmp_path / "ours" / "model.safetensors")
+    reloaded = _state(cls.from_pretrained(tmp_path / "ours"))
+    for name, tensor in theirs.items():
+        assert torch.equal(reloaded[name], tensor), name
