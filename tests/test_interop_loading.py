@@ -10,11 +10,14 @@ from torch import nn
 
 from lightning_bpk import burnpack
 from lightning_bpk.interop import (
+    BurnToPyTorchAdapter,
+    Chunk,
     KeyRemapper,
     RemapError,
     Rename,
     Rule,
     Split,
+    WeightConverter,
     apply_remapped,
     load_module_record,
     save_module_record,
@@ -78,34 +81,37 @@ def test_tied_weights_and_plain_files(tmp_path):
     assert target.head.weight is target.embed.weight
 
 
+def _damage(path, name: str) -> None:
+    with burnpack.read(path) as pack:
+        offset = pack.data_start + pack.entries[name].data_offsets[0]
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_conversion_problems_come_before_any_read(tmp_path):
     """An incomplete expert list is reported from the file's header alone: the damaged tensor
     (which a read would reject) is never read."""
     state = legacy_state(layers=1)
     del state["layers.0.block_sparse_moe.experts.2.w3.weight"]
     path = ModuleRecord(state).save(tmp_path / "m.bpk")
-    name = "layers.0.block_sparse_moe.experts.0.w1.weight"
-    with burnpack.read(path) as pack:
-        offset = pack.data_start + pack.entries[name].data_offsets[0]
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _damage(path, "layers.0.block_sparse_moe.experts.0.w1.weight")
+    with pytest.raises(RemapError, match="different numbers of keys"):
+        load_remapped(path, fused_model(1), KeyRemapper(MIXTRAL), workers=2)
+
+
+def test_a_damaged_file_changes_nothing(tmp_path):
+    """Checksums are verified before any group is written: the damaged tensor's group comes
+    last, after groups that would otherwise already be in the module."""
+    path = ModuleRecord(legacy_state(layers=1)).save(tmp_path / "m.bpk")
+    name = "layers.0.block_sparse_moe.experts.2.w2.weight"
+    _damage(path, name)
     model = fused_model(1)
     before = _state(model)
-    with pytest.raises(RemapError, match="different numbers of keys"):
-        load_remapped(path, model, KeyRemapper(MIXTRAL), workers=2)
-    # complete the list: now the read finds the damage, names the tensor, changes nothing
-    full = legacy_state(layers=1)
-    full.pop(name)
-    path2 = ModuleRecord({name: torch.zeros(6, 4), **full}).save(tmp_path / "m2.bpk")
-    with burnpack.read(path2) as pack:
-        offset = pack.data_start + pack.entries[name].data_offsets[0]
-    data = bytearray(path2.read_bytes())
-    data[offset] ^= 0xFF
-    path2.write_bytes(bytes(data))
-    with pytest.raises(RecordError, match=f"'{name}' fails its checksum"):
-        load_remapped(path2, model, KeyRemapper(MIXTRAL), workers=2)
-    assert all(torch.equal(t, before[n]) for n, t in _state(model).items())
+    for workers in (1, 2):
+        with pytest.raises(RecordError, match=f"'{name}' fails its checksum"):
+            load_remapped(path, model, KeyRemapper(MIXTRAL), workers=workers)
+        assert all(torch.equal(t, before[n]) for n, t in _state(model).items())
 
 
 def test_apply_problems_reported_together(tmp_path):
@@ -145,3 +151,52 @@ def test_workers_must_be_positive(tmp_path):
     path = ModuleRecord({"w": torch.zeros(1)}).save(tmp_path / "w.bpk")
     with pytest.raises(ValueError, match="workers"):
         load_remapped(path, nn.Module(), workers=0)
+
+
+def test_burn_file_through_rules_and_adapter(tmp_path):
+    from test_interop_conversions import TorchBlock
+
+    g = torch.Generator().manual_seed(5)
+    burn = {
+        "attn.qkv.weight": torch.randn(4, 12, generator=g),
+        "attn.qkv.bias": torch.randn(12, generator=g),
+        "attn.norm.gamma": torch.randn(4, generator=g),
+        "attn.norm.beta": torch.randn(4, generator=g),
+    }
+    path = ModuleRecord(burn).save(tmp_path / "burn.bpk")
+    remapper = KeyRemapper(
+        [
+            WeightConverter("qkv.weight", ["q.weight", "k.weight", "v.weight"], [Chunk(dim=1)]),
+            WeightConverter("qkv.bias", ["q.bias", "k.bias", "v.bias"], [Chunk(dim=0)]),
+        ]
+    )
+    expected, net = nn.Module(), nn.Module()
+    expected.attn, net.attn = TorchBlock(), TorchBlock()
+    adapter = BurnToPyTorchAdapter()
+    apply_remapped(load_module_record(path), expected, remapper, adapter=adapter)
+    assert load_remapped(path, net, remapper, workers=2, adapter=adapter) == []
+    for name, tensor in _state(expected).items():
+        assert torch.equal(_state(net)[name], tensor), name
+
+
+def test_options_as_apply(tmp_path):
+    """validate=False skips a mismatched tensor, allow_unused/allow_partial as apply, and a
+    dtype change follows dtype_policy."""
+    path = ModuleRecord(
+        {
+            "weight": torch.ones(2, 3, dtype=torch.float64),
+            "bias": torch.ones(5),
+            "extra": torch.ones(1),
+        }
+    ).save(tmp_path / "m.bpk")
+    net = nn.Linear(3, 2)
+    bias = net.bias.detach().clone()
+    with pytest.raises(RecordError) as info:
+        load_remapped(path, net)
+    assert "shape mismatch" in str(info.value) and "Unused tensor: 'extra'" in str(info.value)
+    assert torch.equal(net.bias, bias)
+    load_remapped(path, net, validate=False, allow_unused=True, dtype_policy="cast_to_module")
+    assert net.weight.dtype == torch.float32 and torch.equal(net.weight, torch.ones(2, 3))
+    assert torch.equal(net.bias, bias)
+    load_remapped(path, net, validate=False, allow_unused=True)
+    assert net.weight.dtype == torch.float64

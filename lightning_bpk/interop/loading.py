@@ -4,19 +4,21 @@ reading, verifying and converting tensors on a bounded thread pool.
 :func:`load_remapped` does what ``apply_remapped(load_module_record(path), module, remapper)``
 does, with the same checks and result, in three steps:
 
-1. **Plan, without reading any tensor data**: the rules run on ``meta`` tensors of the file's
-   shapes and dtypes, so every conversion problem (an incomplete expert list, a shape ``Chunk``
-   or ``PermuteForRope`` cannot handle) is reported at once before any byte is read, and the
+1. **Plan and check, without reading any tensor data**: the rules run on ``meta`` tensors of
+   the file's shapes and dtypes, so every conversion problem (an incomplete expert list, a shape
+   ``Chunk`` or ``PermuteForRope`` cannot handle) is reported at once before any byte is read;
+   then :meth:`ModuleRecord.apply` checks the planned names, shapes and dtypes against a meta
+   stand-in of the module and reports missing, unused and mismatched tensors together. The
    steps' name links (see :func:`~lightning_bpk.interop.remap.tracing`) split the file's tensors
    into independent groups: the tensors converted together (all experts' ``w1``/``w3`` of one
    layer), or a single tensor that is only renamed.
-2. **Materialise on the pool**: each group is a task that reads its tensors (a ``.bpk`` tensor
-   is checksum-verified as it is read), then runs the rules on them. Hashing (xxhash), the copies
-   of reading and torch's ``stack``/``cat`` release the GIL, so the tasks overlap; at most
-   ``workers`` run at once and at most ``2 * workers`` groups are read ahead of the one being
-   collected, which bounds the extra memory.
-3. **Apply**: :meth:`ModuleRecord.apply` checks names, shapes and dtypes of the result and
-   reports missing, unused and mismatched tensors together before it changes the module.
+2. **Verify**: a ``.bpk`` file's checksums are all checked (on the pool) before anything is
+   written, so a damaged file leaves the module as it was.
+3. **Materialise on the pool**: each group is a task that reads its tensors, runs the rules on
+   them and copies the results into the module's tensors, as ``apply`` would. Hashing (xxhash),
+   reading, torch's ``stack``/``cat`` and the copies release the GIL, so the tasks overlap; at
+   most ``workers`` run at once, and a group's converted tensors are freed when it is done
+   (``apply_remapped`` holds every converted tensor until it applies them).
 
 ``workers=1`` runs the tasks in order on the calling thread. A rule without ``traced`` (a
 user's own :class:`~lightning_bpk.interop.remap.Rule` subclass) makes the whole file one group.
@@ -31,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import safetensors
 import torch
@@ -40,10 +43,17 @@ from lightning_bpk import burnpack
 from lightning_bpk.interop.formats import _ST_BOOL, SAFETENSORS_INFO_KEY, _kind, read_content
 from lightning_bpk.interop.remap import Item, Items, KeyRemapper, Links, tracing
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
-from lightning_bpk.records.module import ALIAS_PREFIX, Adapter, ModuleRecord
+from lightning_bpk.records.module import (
+    ALIAS_PREFIX,
+    PARAM_ID_ATTR,
+    Adapter,
+    ModuleRecord,
+    _owner,
+)
 
 # transformers loads with min(4, cores) threads: more mostly contend for the same disk and memory.
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,7 +64,8 @@ class _Source:
     param_ids: dict[str, int]
     aliases: dict[str, str]
     metadata: dict[str, str]
-    read: Callable[[str], torch.Tensor]  # thread-safe; verifies checksums where the file has them
+    read: Callable[[str], torch.Tensor]  # thread-safe
+    verify: Callable[[str], object] | None = None  # checks a tensor's checksum (.bpk only)
 
 
 @contextmanager
@@ -107,6 +118,7 @@ def _open_bpk(path: Path) -> Iterator[_Source]:
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             pack.tensor,
+            pack.raw,
         )
 
 
@@ -178,6 +190,57 @@ def _groups(names: list[str], aliases: Mapping[str, str], links: Links) -> list[
     return list(groups.values())
 
 
+class _Shadow(nn.Module):
+    """``module`` as :meth:`ModuleRecord.apply` sees it (``state_dict`` and ``get_submodule``),
+    with meta tensors of the same shapes, dtypes, kinds and ties: applying a record of meta
+    tensors to it runs every check of ``apply`` and changes nothing."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_real", module)
+        twins: dict[int, torch.Tensor] = {}
+        state: dict[str, object] = {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                if id(value) not in twins:
+                    meta = torch.empty_like(value, device="meta")
+                    if isinstance(value, nn.Parameter):
+                        meta = nn.Parameter(meta, requires_grad=value.requires_grad)
+                    twins[id(value)] = meta
+                value = twins[id(value)]
+            state[name] = value
+        object.__setattr__(self, "_state", state)
+
+    def state_dict(self, *args: object, **kwargs: object) -> dict[str, object]:  # type: ignore[override]
+        return dict(self._state)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        return self._real.get_submodule(target)
+
+
+def _destinations(
+    module: nn.Module, planned: Items, adapter: Adapter | None
+) -> dict[str, torch.Tensor]:
+    """Record name -> the module tensor it is loaded into, as ``apply`` loads them: a tied
+    tensor only from the first of its names (in the module's order) that the record has."""
+    module_name = {
+        name: adapter.to_module(name, t, _owner(module, name))[0] if adapter else name
+        for name, (t, _) in planned.items()
+    }
+    wanted = set(module_name.values())
+    targets = module.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    for name, target in targets.items():
+        if name in wanted and isinstance(target, torch.Tensor):
+            first.setdefault(id(target), name)
+    out = {}
+    for name, mname in module_name.items():
+        target = targets.get(mname)
+        if isinstance(target, torch.Tensor) and first[id(target)] == mname:
+            out[name] = target
+    return out
+
+
 def load_remapped(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -185,7 +248,10 @@ def load_remapped(
     *,
     workers: int = DEFAULT_WORKERS,
     adapter: Adapter | None = None,
-    **apply_options: bool | str,
+    allow_partial: bool = False,
+    allow_unused: bool = False,
+    validate: bool = True,
+    dtype_policy: str = "from_record",
 ) -> list[str]:
     """Load a ``.bpk``, ``.safetensors`` or ``torch.save`` file into ``module`` through
     ``remapper`` (then ``adapter``), on up to ``workers`` threads (see the module docs); returns
@@ -195,8 +261,13 @@ def load_remapped(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
     remapper = remapper if remapper is not None else KeyRemapper([])
-    path = Path(path)
-    with _open(path) as source:
+    options = {
+        "allow_partial": allow_partial,
+        "allow_unused": allow_unused,
+        "validate": validate,
+        "dtype_policy": dtype_policy,
+    }
+    with _open(Path(path)) as source:
         names = list(source.specs) + list(source.aliases)
         meta: Items = {}
         for name in names:
@@ -208,12 +279,20 @@ def load_remapped(
             )
         with tracing() as links:
             plan = remapper.load(meta)
-        if all(rule.traced for rule in remapper.rules):
-            groups = _groups(names, source.aliases, links)
-        else:
-            groups = [names]
+        planned = ModuleRecord(
+            {n: t for n, (t, _) in plan.tensors.items()},
+            param_ids={n: p for n, (_, p) in plan.tensors.items() if p is not None},
+        )
+        planned.apply(_Shadow(module), adapter=adapter, **options)  # every check, no change
+        groups = (
+            _groups(names, source.aliases, links)
+            if all(rule.traced for rule in remapper.rules)
+            else [names]
+        )
+        destinations = _destinations(module, plan.tensors, adapter)
+        cast = dtype_policy == "cast_to_module"
 
-        def task(group: list[str]) -> Items:
+        def task(group: list[str]) -> None:
             read: dict[str, torch.Tensor] = {}
             items: dict[str, Item] = {}
             for name in group:
@@ -221,35 +300,50 @@ def load_remapped(
                 if stored not in read:
                     read[stored] = source.read(stored)
                 items[name] = (read[stored], source.param_ids.get(stored))
-            return remapper.load(items).tensors
+            for name, (tensor, pid) in remapper.load(items).tensors.items():
+                if name not in destinations:
+                    continue  # unused (allowed), or a tied tensor loaded under its first name
+                target = destinations[name]
+                if adapter is not None:
+                    tensor = adapter.to_module(name, tensor, _owner(module, name))[1]
+                if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
+                    _assign(target, tensor, pid, cast)
 
         try:
-            results = _run(task, groups, workers)
+            if source.verify is not None:  # checksums first: a damaged file changes nothing
+                _run(source.verify, list(source.specs), workers)
+            _run(task, groups, workers)
         except burnpack.BurnpackError as e:
             raise RecordError("io", str(e)) from e
-        tensors: Items = {}
-        for result in results:
-            tensors.update(result)
-        record = ModuleRecord(
-            {n: tensors[n][0] for n in plan.tensors},
-            param_ids={n: tensors[n][1] for n in plan.tensors if tensors[n][1] is not None},
-            metadata=source.metadata,
-        )
-        record.apply(module, adapter=adapter, **apply_options)
     return plan.unmatched
 
 
-def _run(task: Callable[[list[str]], Items], groups: list[list[str]], workers: int) -> list[Items]:
-    """``task`` on every group, on at most ``workers`` threads; results in the groups' order."""
+@torch.no_grad()
+def _assign(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
+    """Load ``tensor`` into ``target`` as :meth:`ModuleRecord.apply` does."""
+    if cast or tensor.dtype == target.dtype:
+        target.copy_(tensor)
+    else:
+        target.data = tensor.to(device=target.device, copy=True)
+    if pid is not None:
+        setattr(target, PARAM_ID_ATTR, pid)
+
+
+def _run(task: Callable[[T], object], groups: list[T], workers: int) -> None:
+    """``task`` on every group, on at most ``workers`` threads; the first error is raised after
+    the tasks already running finish, and the others are cancelled."""
     if workers == 1:
-        return [task(g) for g in groups]
+        for group in groups:
+            task(group)
+        return
     with ThreadPoolExecutor(workers, "lightning_bpk-load") as pool:
         futures = [pool.submit(task, g) for g in groups]
         try:
-            return [f.result() for f in futures]
+            for future in futures:
+                future.result()
         finally:
-            for f in futures:
-                f.cancel()
+            for future in futures:
+                future.cancel()
 
 
 __all__ = ["DEFAULT_WORKERS", "load_remapped"]
