@@ -127,9 +127,7 @@ def main() -> None:
             ),
             "safetensors: `load_remapped(workers=1)`": ours(st, 1),
             f"safetensors: `load_remapped(workers={n})`": ours(st, n),
-            ".bpk: `apply_remapped(load_module_record(...))` (sequential, before)": ours(
-                bpk, None
-            ),
+            ".bpk: `apply_remapped(load_module_record(...))` (sequential, before)": ours(bpk, None),
             ".bpk: `load_remapped(workers=1)`": ours(bpk, 1),
             f".bpk: `load_remapped(workers={n})`": ours(bpk, n),
             "transformers `from_pretrained` (its thread pool)": theirs(True),
