@@ -4,6 +4,7 @@ both ways, and the Mixtral and Qwen2-MoE mappings on tiny models built from conf
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -331,3 +332,14 @@ def test_mapping_matches_transformers_both_ways(tmp_path, model_type, build, map
     reloaded = _state(cls.from_pretrained(tmp_path / "ours"))
     for name, tensor in theirs.items():
         assert torch.equal(reloaded[name], tensor), name
+
+
+def test_docs_mixtral_example_runs_as_written(tmp_path, monkeypatch):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "interop.md").read_text()
+    block = page.split("<!-- mixtral-example -->", 1)[1].split("```python\n", 1)[1]
+    code = block.split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/interop.md", "exec"), {})
+    assert (tmp_path / "mixtral-again.safetensors").is_file()
+    reloaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
+    assert reloaded.model.layers[1].mlp.experts.down_proj.shape == (4, 16, 8)

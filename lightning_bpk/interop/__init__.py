@@ -8,6 +8,7 @@
   :class:`WeightRenaming` and :class:`WeightConverter` with the ops :class:`Chunk`,
   :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`, ``Transpose``,
   :class:`PermuteForRope`, :class:`Interleave`;
+- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 """
@@ -34,6 +35,7 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
+from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.remap import (
     KeyRemapper,
     RemapError,
@@ -75,6 +77,7 @@ __all__ = [
     "derive_inverse",
     "export_checkpoint",
     "load_module_record",
+    "load_remapped",
     "read_content",
     "record_remapped",
     "save_module_record",
