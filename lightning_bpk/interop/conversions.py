@@ -58,7 +58,7 @@ from lightning_bpk.interop.remap import (
     Items,
     RemapError,
     Rule,
-    _replace,
+    _replace_all,
     derived_param_id,
     trace_step,
 )
@@ -520,8 +520,8 @@ class WeightConverter(WeightTransform):
             converted.append(([n for ns in names.values() for n in ns], out))
         if problems:
             raise RemapError(f"{self}: " + "; ".join(problems))
-        for old, new in converted:
-            items = _replace(items, old, new, str(self))
+        if converted:
+            items = _replace_all(items, converted, str(self))
         return items, len(converted)
 
     def _check_group(

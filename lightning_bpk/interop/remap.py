@@ -279,14 +279,18 @@ def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
 
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
     """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
-    old = list(old)
-    trace_step([(old, list(new))])
-    first = old[0]
-    dropped = set(old)
+    return _replace_all(items, [(list(old), new)], where)
+
+
+def _replace_all(items: Items, replacements: list[tuple[list[str], Items]], where: str) -> Items:
+    """:func:`_replace` for several disjoint ``(old, new)`` replacements, in one pass."""
+    trace_step([(old, list(new)) for old, new in replacements])
+    at = {old[0]: new for old, new in replacements}
+    dropped = {name for old, _ in replacements for name in old}
     out: Items = {}
     for name, item in items.items():
-        if name == first:
-            for new_name, new_item in new.items():
+        if name in at:
+            for new_name, new_item in at[name].items():
                 if new_name in out or (new_name in items and new_name not in dropped):
                     raise RemapError(f"{where}: produces {new_name!r}, which already exists")
                 out[new_name] = new_item
