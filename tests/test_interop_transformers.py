@@ -3,6 +3,7 @@ both ways, and the Mixtral and Qwen2-MoE mappings on tiny models built from conf
 
 from __future__ import annotations
 
+import re
 import types
 from pathlib import Path
 
@@ -343,3 +344,54 @@ def test_docs_mixtral_example_runs_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "mixtral-again.safetensors").is_file()
     reloaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
     assert reloaded.model.layers[1].mlp.experts.down_proj.shape == (4, 16, 8)
+
+
+def _sample_key(pattern: str) -> str:
+    """A name a (regex) source pattern plausibly matches: its literal text, groups filled in."""
+    text = re.sub(r"\(\?<?[!=][^)]*\)", "", pattern.removeprefix("^"))
+    text = re.sub(r"\((?:\\d\+|\[0-9\]\+)\)|\\d\+", "3", text)
+    text = re.sub(r"\(\.[+*]\??\)|\.[+*]\??", "x", text)
+    text = re.sub(r"\(([^()|]*)\|[^()]*\)", r"\1", text)
+    return text.replace("*", "0").replace("\\", "")
+
+
+def _all_renamings() -> list:
+    """Every distinct plain WeightRenaming of transformers' tables."""
+    from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
+
+    distinct = {}
+    for rules in _build_checkpoint_conversion_mapping().values():
+        for rule in rules:
+            if type(rule) is hf.WeightRenaming:
+                key = (tuple(rule._original_source_patterns), tuple(rule._original_target_patterns))
+                distinct.setdefault(key, rule)
+    return list(distinct.values())
+
+
+def test_every_renaming_of_transformers_tables_renames_as_transformers():
+    """Every plain WeightRenaming of transformers' tables, ours built from the same patterns,
+    on names made from every table's patterns: the same new name (or none) both ways."""
+    renamings = _all_renamings()
+    assert len(renamings) > 100
+    samples = {}  # renaming -> names made from its own patterns
+    for rule in renamings:
+        names = set()
+        for pattern in rule._original_source_patterns + rule._original_target_patterns:
+            sample = _sample_key(pattern)
+            names |= {sample, f"model.layers.1.{sample.strip('.')}.weight"}
+        samples[id(rule)] = names
+    others = sorted(set().union(*samples.values()))[::25]  # and a spread of everyone else's
+    # built first: transformers' reverse_transform rewrites the pattern lists it was given, which
+    # tables share, in place
+    pairs = [
+        (WeightRenaming(t._original_source_patterns, t._original_target_patterns), t)
+        for t in renamings
+    ]
+    matched = 0
+    for ours, theirs in pairs:
+        back, their_back = ours.reverse_transform(), theirs.reverse_transform()
+        for key in samples[id(theirs)].union(others):
+            assert ours.rename_source_key(key) == theirs.rename_source_key(key), (theirs, key)
+            assert back.rename_source_key(key) == their_back.rename_source_key(key), (theirs, key)
+            matched += ours.rename_source_key(key)[1] is not None
+    assert matched > len(renamings)  # most renamings matched at least one name

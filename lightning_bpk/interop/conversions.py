@@ -468,7 +468,7 @@ class WeightConverter(WeightTransform):
                 raise TypeError(f"{self}: {op!r} is not a ConversionOps")
 
     def _name(self) -> str:
-        return f"{super()._name()[:-1]}, {self.operations!r})"
+        return f"{super()._name()[:-1]}, {getattr(self, 'operations', [])!r})"
 
     def reverse_transform(self) -> WeightConverter:
         ops = [op.reverse_op for op in reversed(self.operations)]
