@@ -200,3 +200,24 @@ def test_options_as_apply(tmp_path):
     assert torch.equal(net.bias, bias)
     load_remapped(path, net, validate=False, allow_unused=True)
     assert net.weight.dtype == torch.float64
+
+
+def test_safetensors_dtypes_and_empty_tensors(tmp_path):
+    """Zero-copy views of a safetensors file: bf16, bool, int64 and empty tensors load as the
+    official reader reads them."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 2).to(torch.bfloat16))
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+            self.register_buffer("steps", torch.tensor([7, -2], dtype=torch.int64))
+            self.register_buffer("nothing", torch.zeros(0, 4))
+
+    source = Mixed()
+    path = save_module_record(ModuleRecord.from_module(source), tmp_path / "m.safetensors")
+    target = Mixed()
+    assert load_remapped(path, target, workers=2) == []
+    for name, tensor in _state(source).items():
+        got = _state(target)[name]
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name

@@ -26,8 +26,11 @@ user's own :class:`~lightning_bpk.interop.remap.Rule` subclass) makes the whole 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -124,32 +127,56 @@ def _open_bpk(path: Path) -> Iterator[_Source]:
 
 @contextmanager
 def _open_safetensors(path: Path) -> Iterator[_Source]:
+    """The safetensors package validates the file (header, offsets, sizes); the tensors are then
+    zero-copy views of a copy-on-write mapping, as a ``.bpk`` file's, so loading copies each byte
+    once, into the module."""
     try:
-        handle = safetensors.safe_open(path, framework="pt")
-    except (OSError, safetensors.SafetensorError) as e:
+        with safetensors.safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            specs = {}
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sliced = f.get_slice(name)
+                dtype = sliced.get_dtype()
+                specs[name] = (
+                    tuple(sliced.get_shape()),
+                    torch.bool if dtype == _ST_BOOL else burnpack.torch_dtype(dtype),
+                )
+        with open(path, "rb") as file:
+            (size,) = struct.unpack("<Q", file.read(8))
+            offsets = {
+                n: v["data_offsets"]
+                for n, v in json.loads(file.read(size)).items()
+                if n != "__metadata__"
+            }
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, safetensors.SafetensorError, burnpack.BurnpackError) as e:
         raise RecordError("io", f"{path}: not a readable safetensors file: {e}") from e
-    with handle as f:
-        metadata = dict(f.metadata() or {})
-        names = list(f.keys())
-        specs = {}
-        for name in names:
-            sliced = f.get_slice(name)
-            dtype = sliced.get_dtype()
-            specs[name] = (
-                tuple(sliced.get_shape()),
-                torch.bool if dtype == _ST_BOOL else burnpack.torch_dtype(dtype),
-            )
-        info = json.loads(metadata.pop(SAFETENSORS_INFO_KEY, "{}"))
-        if info.get("order") and sorted(info["order"]) == sorted(specs):
-            specs = {n: specs[n] for n in info["order"]}
-        metadata.pop(RECORD_KIND_KEY, None)
+    buffer = memoryview(mapping)
+    start = 8 + size
+
+    def read(name: str) -> torch.Tensor:
+        shape, dtype = specs[name]
+        begin, end = offsets[name]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buffer[start + begin : start + end], dtype=dtype).reshape(shape)
+
+    info = json.loads(metadata.pop(SAFETENSORS_INFO_KEY, "{}"))
+    if info.get("order") and sorted(info["order"]) == sorted(specs):
+        specs = {n: specs[n] for n in info["order"]}
+    metadata.pop(RECORD_KIND_KEY, None)
+    try:
         yield _Source(
             specs,
             {n: int(v) for n, v in info.get("param_ids", {}).items()},
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
-            f.get_tensor,
+            read,
         )
+    finally:
+        with contextlib.suppress(BufferError):  # views still alive keep the mapping
+            buffer.release()
+            mapping.close()
 
 
 def _groups(names: list[str], aliases: Mapping[str, str], links: Links) -> list[list[str]]:
