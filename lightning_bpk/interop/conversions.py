@@ -249,8 +249,13 @@ class Transpose(ConversionOps):
 
 
 class Interleave(ConversionOps):
-    """Along ``dim``, ``[a0, a1, b0, b1, ...]`` -> ``[a0, b0, ..., a1, b1, ...]`` (split in pairs
-    and transposed); ``inverse=True`` undoes it, and is its reverse."""
+    """De-interleave along ``dim``: ``[g0, u0, g1, u1, ...]`` -> ``[g0, g1, ..., u0, u1, ...]``
+    (a fused gate/up stored interleaved becomes gate then up); ``inverse=True`` interleaves
+    back, and is its reverse.
+
+    >>> Interleave(0).convert({"w": torch.tensor([0, 10, 1, 11])}, ["w"], ["w"])["w"].tolist()
+    [0, 1, 10, 11]
+    """
 
     def __init__(self, dim: int = 0, inverse: bool = False) -> None:
         self.dim = dim
