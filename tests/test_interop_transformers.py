@@ -395,3 +395,84 @@ def test_every_renaming_of_transformers_tables_renames_as_transformers():
             assert back.rename_source_key(key) == their_back.rename_source_key(key), (theirs, key)
             matched += ours.rename_source_key(key)[1] is not None
     assert matched > len(renamings)  # most renamings matched at least one name
+
+
+def _their_load(rules: list, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' load path on a plain state dict, as convert_and_load_state_dict_in_model
+    runs it (renamings, then at most one converter per key, converters per target)."""
+    import copy
+
+    renamings = [r for r in rules if isinstance(r, hf.WeightRenaming)]
+    converters = [r for r in rules if isinstance(r, hf.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict[str, object] = {}
+    for key in sorted(state, key=hf.dot_natural_key):
+        renamed, pattern = hf.rename_source_key(key, renamings, converters)
+        if pattern is None:
+            mapping = pending.setdefault(renamed, hf.WeightRenaming(key, renamed))
+            pattern = key
+        else:
+            mapping = pending.setdefault(renamed, copy.deepcopy(by_pattern[pattern]))
+        mapping.add_tensor(renamed, key, pattern, state[key])
+    out = {}
+    for first, mapping in pending.items():
+        for name, value in mapping.convert(first, config=_config()).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+CHAINS = {
+    # inkling_mm_model's shared expert: one-to-many through a chain
+    "interleave-chunk": (
+        lambda m: [
+            m.WeightConverter(
+                "mlp.w13_dn.weight",
+                ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                [m.Interleave(dim=0), m.Chunk(dim=0)],
+            )
+        ],
+        {f"model.layers.{i}.mlp.w13_dn.weight": _rand(8, 3, seed=70 + i) for i in range(2)},
+    ),
+    # RoPE-permuted q and k fused into one projection, after a prefix renaming
+    "rope-fuse": (
+        lambda m: [
+            m.WeightRenaming(r"^transformer\.", "model."),
+            m.WeightConverter(
+                ["attn.q.weight", "attn.k.weight"],
+                "attn.qk.weight",
+                [m.PermuteForRope(**ROPE_ARGS[m is hf]), m.Concatenate(dim=0)],
+            ),
+        ],
+        {
+            f"transformer.h.{i}.attn.{p}.weight": _rand(HEADS * 4, 5, seed=80 + 2 * i + k)
+            for i in range(2)
+            for k, p in enumerate("qk")
+        },
+    ),
+}
+ROPE_ARGS = {True: {}, False: {"num_heads": HEADS}}  # transformers reads the heads from config
+OURS = types.SimpleNamespace(
+    WeightConverter=WeightConverter,
+    WeightRenaming=WeightRenaming,
+    Interleave=Interleave,
+    Chunk=Chunk,
+    PermuteForRope=PermuteForRope,
+    Concatenate=Concatenate,
+)
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_converter_chains_match_transformers_both_ways(chain):
+    build, state = CHAINS[chain]
+    theirs = _their_load(build(hf), state)
+    ours = KeyRemapper(build(OURS)).load({n: (t, None) for n, t in state.items()})
+    assert sorted(ours.tensors) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours.tensors[name][0], tensor), name
+    # saving: transformers' revert_weight_conversion, and ours
+    model = types.SimpleNamespace(_weight_conversions=build(hf), config=_config())
+    reverted = hf.revert_weight_conversion(model, dict(theirs))
+    saved = KeyRemapper(build(OURS)).save(ours.tensors).tensors
+    assert sorted(saved) == sorted(reverted) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(saved[name][0], tensor) and torch.equal(reverted[name], tensor), name
