@@ -2,6 +2,8 @@
 
 The package is layered; each layer only uses the ones listed before it:
 
+- :mod:`lightning_bpk.errors` and :mod:`lightning_bpk.layout`: the root of every error
+  (:class:`~lightning_bpk.errors.LightningBpkError`) and the names on disk, used by all layers;
 - :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
@@ -24,11 +26,13 @@ _EXPORTS = {
     "burnpack": "lightning_bpk.burnpack",
     "state": "lightning_bpk.state",
     "interop": "lightning_bpk.interop",
+    "LightningBpkError": "lightning_bpk.errors",
     "ModuleRecord": "lightning_bpk.records",
     "OptimizerRecord": "lightning_bpk.records",
     "LrSchedulerRecord": "lightning_bpk.records",
     "StateRecord": "lightning_bpk.records",
     "RecordError": "lightning_bpk.records",
+    "RecordChecksumError": "lightning_bpk.records",
     "load_record": "lightning_bpk.records",
     "param_ids": "lightning_bpk.records",
     "Checkpointer": "lightning_bpk.checkpointer",

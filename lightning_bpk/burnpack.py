@@ -51,6 +51,7 @@ import torch
 import xxhash
 
 from lightning_bpk import _fs
+from lightning_bpk.errors import LightningBpkError
 
 # --- Format constants (Burn's values; the reason for each is beside it) -------------------------
 
@@ -82,7 +83,7 @@ _I64_MIN, _I64_MAX, _U32_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**32 - 1, 2**64 -
 # --- Errors -------------------------------------------------------------------------------------
 
 
-class BurnpackError(Exception):
+class BurnpackError(LightningBpkError):
     """Base class of every error raised while reading or writing a burnpack."""
 
 
@@ -998,6 +999,7 @@ class Pack:
         self._validate_layout(entries, total)
         self.entries: dict[str, TensorInfo] = {k: entries[k] for k in sorted(entries)}
         self.names: list[str] = list(self.entries)
+        self._data_order = tuple(sorted(self.names, key=lambda n: self.entries[n].data_offsets))
         unknown = sorted(set(self.checksums) - set(entries))
         if unknown:
             raise ValidationError(f"checksums recorded for absent tensors: {unknown[:5]}")
@@ -1136,6 +1138,18 @@ class Pack:
                 bad.append(name)
         if bad:
             raise ChecksumError(f"{self.source}: tensors failing their checksum: {bad}")
+
+    @property
+    def data_order(self) -> list[str]:
+        """Tensor names in the order their bytes lie in the data section: the order the writer
+        was given them (Burn: the module's visiting order). :attr:`names` is sorted by name.
+
+        >>> import torch
+        >>> pack = loads(dumps({"b": torch.ones(1), "a": torch.zeros(1)}))
+        >>> pack.names, pack.data_order
+        (['a', 'b'], ['b', 'a'])
+        """
+        return list(self._data_order)
 
     @property
     def nbytes(self) -> int:

@@ -77,6 +77,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk import trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 
 log = logging.getLogger("lightning_bpk")
 
@@ -86,7 +88,7 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
 
 
@@ -142,8 +144,8 @@ class BurnpackCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
-        checkpoint_file_prefix: str = "ckpt",
-        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,

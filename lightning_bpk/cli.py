@@ -34,6 +34,7 @@ import torch
 
 from lightning_bpk import burnpack, checkpointer
 from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records.base import RecordError
 
 EXIT_OK = 0
@@ -59,7 +60,7 @@ def _json_value(scalar: burnpack.Scalar) -> bool | int | float | str:
 
 def describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         "file": pack.source,
         "header": {
@@ -427,8 +428,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         return parser
 
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
-        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+        parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
+        parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")

@@ -604,6 +604,13 @@ def test_mnist_fixture_reads_with_expected_layout(mnist):
     assert mnist.entries["fc1.weight"].shape == (1600, 128)
     assert mnist.entries["fc3.bias"].data_offsets == (1043200, 1043240)
     assert all(info.param_id is not None for info in mnist.entries.values())
+    # Burn wrote them in module order: weight before bias, gamma before beta
+    block = ["conv.weight", "conv.bias", "norm.gamma", "norm.beta", "norm.running_mean"]
+    linear = ["weight", "bias"]
+    assert mnist.data_order == [
+        *(f"conv{i}.{n}" for i in (1, 2) for n in [*block, "norm.running_var"]),
+        *(f"fc{i}.{n}" for i in (1, 2, 3) for n in linear),
+    ]
 
 
 def test_mnist_fixture_values_are_real_weights(mnist):
@@ -616,7 +623,7 @@ def test_mnist_fixture_values_are_real_weights(mnist):
 
 
 def _entries_in_data_order(pack: burnpack.Pack) -> dict[str, TensorEntry]:
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         n: TensorEntry(
             pack.entries[n].dtype, pack.entries[n].shape, pack.raw(n), pack.entries[n].param_id

@@ -13,6 +13,7 @@ from torch import nn
 from lightning_bpk import burnpack
 from lightning_bpk.records import (
     ModuleRecord,
+    RecordChecksumError,
     RecordError,
     StateRecord,
     default_param_id,
@@ -296,9 +297,12 @@ def test_wrong_kind_and_damaged_files(tmp_path: Path) -> None:
     data[-1] ^= 0xFF  # flip a bit inside the last tensor
     bad = tmp_path / "bad.bpk"
     bad.write_bytes(bytes(data))
-    with pytest.raises(RecordError) as info:
+    with pytest.raises(RecordChecksumError) as info:
         ModuleRecord.load(bad)
-    assert info.value.kind == "io" and "checksum" in str(info.value)
+    # a damaged tensor stays a checksum failure through the record layer, not an I/O error
+    assert info.value.kind == "checksum" and "checksum" in str(info.value)
+    assert isinstance(info.value, burnpack.ChecksumError)
+    assert not isinstance(info.value, burnpack.BurnpackIOError)
     (tmp_path / "trunc.bpk").write_bytes(bytes(data[:300]))
     with pytest.raises(RecordError) as info:
         ModuleRecord.load(tmp_path / "trunc.bpk")

@@ -61,6 +61,7 @@ import torch
 import xxhash
 from torch import nn
 
+from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records.module import Adapter, ModuleRecord
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
@@ -73,7 +74,7 @@ _META = frozenset(".^$*+?{}[]|()\\")
 INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
 
 
-class RemapError(ValueError):
+class RemapError(LightningBpkError, ValueError):
     """A rule cannot be applied or inverted; the message names the rule and the key."""
 
 

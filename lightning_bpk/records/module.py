@@ -323,8 +323,7 @@ class ModuleRecord(Record):
                     for n in quantized
                 ],
             )
-        # Data order is the writer's input order (Burn: the module's visiting order).
-        order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+        order = pack.data_order  # the writer's input order (Burn: the module's visiting order)
         tensors = {n: pack.tensor(n) for n in order}
         pids = {n: pack.entries[n].param_id for n in order if pack.entries[n].param_id is not None}
         metadata = user_metadata(pack)
