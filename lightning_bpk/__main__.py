@@ -4,4 +4,5 @@ import sys
 
 from lightning_bpk.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing it (pytest's doctest collection) must not run the CLI
+    sys.exit(main())

@@ -30,3 +30,10 @@ def test_py_typed_marker_ships() -> None:
     from importlib.resources import files
 
     assert files("lightning_bpk").joinpath("py.typed").is_file()
+
+
+def test_make_test_runs_the_docstring_examples(pytestconfig: pytest.Config) -> None:
+    """Every ``>>>`` line in the package is a test: ``pytest`` (``make test``) collects
+    ``lightning_bpk`` with ``--doctest-modules``."""
+    assert "lightning_bpk" in pytestconfig.getini("testpaths")
+    assert "--doctest-modules" in pytestconfig.getini("addopts")

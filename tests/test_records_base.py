@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import errno
 from pathlib import Path
 
@@ -22,15 +21,10 @@ from lightning_bpk.records import (
     StateRecord,
     load_record,
 )
-from lightning_bpk.records import base as base_mod
 
 from conftest import MNIST_BPK
 
 MNIST = MNIST_BPK
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(base_mod).failed == 0
 
 
 def test_record_error_sorts_and_lists_every_problem() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import sys
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from lightning_bpk.records import (
     load_record,
     param_ids,
 )
-from lightning_bpk.records import module as module_mod
 
 from conftest import MNIST_BPK, ROOT, run_process
 
@@ -60,10 +58,6 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
     for name in sa:
         assert sa[name].dtype == sb[name].dtype, name
         assert torch.equal(sa[name], sb[name]), name
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(module_mod).failed == 0
 
 
 def test_names_order_dtypes_and_buffers() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 import math
 import re
@@ -76,10 +75,6 @@ def test_every_node_kind_is_documented_in_the_format_page() -> None:
     documented = {kind for cell in cells for kind in re.findall(r'`\[?"?(\w+)', cell)}
     assert kinds == documented
     assert_exact(through_pack(value, as_scalar=lambda path: path == ("z",)), value)
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(state).failed == 0
 
 
 def test_nested_plain_data_keeps_exact_types() -> None:
