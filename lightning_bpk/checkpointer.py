@@ -119,6 +119,22 @@ from lightning_bpk.records.base import (
     load_record,
 )
 
+__all__ = [
+    "LEGACY_SENTINEL",
+    "LOCK_FILE_NAME",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "MAX_SENTINEL_SIZE",
+    "RECORD_SUFFIX",
+    "CheckpointEntry",
+    "CheckpointLockedError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "get_latest_checkpoint_number",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
+
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
 # either; hidden and never deleted (unlinking a flock target would let two holders coexist).
 LOCK_FILE_NAME = ".lightning_bpk.lock"
@@ -136,7 +152,7 @@ _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratc
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 _HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 class CheckpointLockedError(LightningBpkError, RuntimeError):
@@ -147,7 +163,7 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
 
 
-def _gin_configurable(fn_or_cls: T) -> T:
+def _gin_configurable(fn_or_cls: _T) -> _T:
     """``gin.configurable`` under this module's real name, tolerant of re-execution.
 
     A fixed selector means running this file as ``__main__`` or from a second import path does
@@ -732,7 +748,8 @@ class Checkpointer:
         target = self.checkpoint_path(n)
         sentinel = self.sentinel_path(n)
         staging, files = self._stage(n, data)
-        old_sentinel = old_data = None
+        old_sentinel: Path | None = None
+        old_data: Path | None = None
         swapped = False
         try:
             if os.path.lexists(target):
@@ -754,9 +771,9 @@ class Checkpointer:
         except BaseException:
             self._roll_back(staging, target, sentinel, swapped, old_data, old_sentinel)
             raise
-        for moved in (old_data, old_sentinel):
-            if moved is not None:
-                _remove(moved)
+        for leftover in (old_data, old_sentinel):
+            if leftover is not None:
+                _remove(leftover)
         return target
 
     def _roll_back(

@@ -50,6 +50,20 @@ from lightning_bpk import burnpack
 from lightning_bpk.burnpack import Scalar
 from lightning_bpk.errors import LightningBpkError
 
+__all__ = [
+    "MAX_DEPTH",
+    "RESERVED_PREFIX",
+    "ROOT_NAME",
+    "STRUCTURE_KEY",
+    "STRUCTURE_VERSION",
+    "Content",
+    "PathHook",
+    "ScalarHook",
+    "StateError",
+    "decode",
+    "encode",
+]
+
 # Metadata entry holding the JSON structure; the "/" keeps it apart from escaped leaf names.
 STRUCTURE_KEY = "lightning_bpk/state"
 # Names under this prefix belong to the package (record kind, checksums, aliases): leaf names

@@ -62,6 +62,28 @@ from lightning_bpk.records import (
     load_record,
 )
 
+__all__ = [
+    "DROPPED_KEY",
+    "HPARAM_KEYS",
+    "HPARAM_TYPE_KEYS",
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "PREEMPTED_KEY",
+    "RNG_KEY",
+    "SCHEDULER_KEY",
+    "TRAINER_KEY",
+    "capture_rng",
+    "file_record",
+    "from_records",
+    "load",
+    "numbered_key",
+    "restore_rng",
+    "save_file",
+    "storable",
+    "to_records",
+    "write_record",
+]
+
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
@@ -199,7 +221,7 @@ def to_records(
 
 
 def _numbered(data: Mapping[str, Any], base: str) -> list[Any]:
-    items = []
+    items: list[Any] = []
     while numbered_key(base, len(items)) in data:
         items.append(data[numbered_key(base, len(items))])
     return items

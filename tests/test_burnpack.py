@@ -1043,8 +1043,8 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "COPY_CHUNK", 1000)  # several chunks per tensor, one partial
-    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
+    monkeypatch.setattr(burnpack, "_COPY_CHUNK", 1000)  # several chunks per tensor, one partial
+    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
     source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
     path = burnpack.write(tmp_path / "m.bpk", source)
     targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
@@ -1083,7 +1083,7 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
+    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
     path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
@@ -1697,7 +1697,7 @@ def test_checksums_patched_in_place_around_user_metadata_and_scalars(tmp_path):
     run, multi-byte names, scalars, and big (hashed while written) and small tensors mixed."""
     tensors = {
         "é" * 30: torch.arange(300, dtype=torch.int16),
-        "big": torch.rand(2**18 + 5),  # over PARALLEL_HASH_MIN: hashed on the helper thread
+        "big": torch.rand(2**18 + 5),  # over _PARALLEL_HASH_MIN: hashed on the helper thread
         "b": torch.ones(3, dtype=torch.bool),
     }
     metadata = {"a": "0" * 16, "lightning_bpk/a": "x", "lightning_bpk/z": "0" * 16, "zz": "y"}

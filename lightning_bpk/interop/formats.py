@@ -45,6 +45,27 @@ from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
+__all__ = [
+    "BPK_SUFFIXES",
+    "CHECKPOINT_MODEL_FILE",
+    "SAFETENSORS_INFO_KEY",
+    "SAFETENSORS_SUFFIXES",
+    "TORCH_SUFFIXES",
+    "Content",
+    "Progress",
+    "convert",
+    "export_checkpoint",
+    "load_module_record",
+    "read_bpk",
+    "read_content",
+    "read_safetensors",
+    "read_torch",
+    "save_module_record",
+    "write_bpk",
+    "write_content",
+    "write_safetensors",
+]
+
 # Safetensors metadata entry (JSON) with what safetensors cannot hold; see the module docstring.
 SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
 BPK_SUFFIXES = (".bpk",)
@@ -216,7 +237,7 @@ def write_safetensors(
         "param_ids": {n: str(v) for n, v in content.param_ids.items()},
         "dtypes": content.dtypes,
         "scalars": {
-            n: [s.kind, s.value.hex() if s.kind == "Float" else s.value]
+            n: [s.kind, float(s.value).hex() if s.kind == "Float" else s.value]
             for n, s in content.scalars.items()
         },
     }

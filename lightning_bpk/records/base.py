@@ -16,6 +16,17 @@ from typing import Any, ClassVar, Literal, TypeVar
 from lightning_bpk import burnpack, state
 from lightning_bpk.errors import LightningBpkError
 
+__all__ = [
+    "RECORD_KIND_KEY",
+    "Record",
+    "RecordChecksumError",
+    "RecordError",
+    "RecordErrorKind",
+    "StateRecord",
+    "load_record",
+    "user_metadata",
+]
+
 RECORD_KIND_KEY = "lightning_bpk/record"
 
 R = TypeVar("R", bound="Record")
