@@ -3,8 +3,6 @@ saving back, and Burn's names (parity with transformers itself: test_interop_tra
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
 import torch
 from torch import nn
@@ -316,7 +314,3 @@ def test_burn_model_with_fused_layers_loads_into_separate_torch_layers_and_back(
     assert unmatched == []
     again = record.save(tmp_path / "again.bpk")
     assert again.read_bytes() == path.read_bytes()
-
-
-def test_doctests():
-    assert doctest.testmod(conversions).failed == 0

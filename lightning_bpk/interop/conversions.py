@@ -58,8 +58,8 @@ from lightning_bpk.interop.remap import (
     Items,
     RemapError,
     Rule,
+    _derived_param_id,
     _replace_all,
-    derived_param_id,
     trace_step,
 )
 
@@ -133,7 +133,13 @@ class Chunk(ConversionOps):
     def __init__(self, dim: int = 0) -> None:
         self.dim = dim
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
         if len(input_dict) > 1:
             raise _undefined(self, "more than one source")
         tensor = _first(next(iter(input_dict.values())))
@@ -152,7 +158,13 @@ class Concatenate(ConversionOps):
     def __init__(self, dim: int = 0) -> None:
         self.dim = dim
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
         if len(target_patterns) > 1:
             raise _undefined(self, "more than one target")
         parts: list[torch.Tensor] = []
@@ -175,8 +187,14 @@ class MergeModulelist(ConversionOps):
     def __init__(self, dim: int = 0) -> None:
         self.dim = dim
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        merged = {}
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
+        merged: dict[str, Tensors] = {}
         for pattern, tensors in input_dict.items():
             if len(input_dict) == 1:
                 if len(target_patterns) != 1:
@@ -199,8 +217,14 @@ class SplitModulelist(ConversionOps):
     def __init__(self, dim: int = 0) -> None:
         self.dim = dim
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        out = {}
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
+        out: dict[str, Tensors] = {}
         for pattern, tensors in input_dict.items():
             tensor = _first(tensors)
             if len(input_dict) == 1:
@@ -238,7 +262,13 @@ class Transpose(ConversionOps):
         self.dim0 = dim0
         self.dim1 = dim1
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
         target = _single_target(self, input_dict, source_patterns, target_patterns)
         tensor = _first(next(iter(input_dict.values())))
         return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
@@ -261,7 +291,13 @@ class Interleave(ConversionOps):
         self.dim = dim
         self.inverse = inverse
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
         tensor = _first(next(iter(input_dict.values())))
         shape = list(tensor.shape)
         if shape[self.dim] % 2:
@@ -311,11 +347,17 @@ class PermuteForRope(ConversionOps):
         out = tensor.reshape(self.num_heads, *head, *rest).transpose(1, 2)
         return out.reshape(rows, *rest)
 
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
         several = len(source_patterns) > 1 or len(target_patterns) > 1
         if len(source_patterns) > 1 and len(target_patterns) > 1:
             raise _undefined(self, "several sources and several targets")
-        out = {}
+        out: dict[str, Tensors] = {}
         for pattern, tensors in input_dict.items():
             target = pattern if several else target_patterns[0]
             names = self.permute_layer_names
@@ -352,10 +394,10 @@ class WeightTransform(Rule):
         groups = set()
         for i, pattern in enumerate(targets):
             pattern = _LOOKAROUND.sub("", pattern.removeprefix("^"))
-            group = _GROUP.search(pattern)
-            if group:
-                groups.add(group.group(0))
-                pattern = pattern.replace(group.group(0), r"\1", 1)
+            found = _GROUP.search(pattern)
+            if found:
+                groups.add(found.group(0))
+                pattern = pattern.replace(found.group(0), r"\1", 1)
             targets[i] = pattern.replace(r"\.", ".")
         if len(groups) > 1:
             raise RemapError(f"{self._name()}: different capture groups in targets {groups}")
@@ -578,7 +620,7 @@ class WeightConverter(WeightTransform):
         out: dict[str, Item] = {}
         for k, (name, value) in enumerate(tensors.items()):
             full_name = prefix + name + suffix
-            out[full_name] = (_first(value), pid if k == 0 else derived_param_id(pid, k))
+            out[full_name] = (_first(value), pid if k == 0 else _derived_param_id(pid, k))
         return out
 
 

@@ -47,8 +47,8 @@ from lightning_bpk.interop.formats import _ST_BOOL, SAFETENSORS_INFO_KEY, _kind,
 from lightning_bpk.interop.remap import Item, Items, KeyRemapper, Links, tracing
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import (
+    _PARAM_ID_ATTR,
     ALIAS_PREFIX,
-    PARAM_ID_ATTR,
     Adapter,
     ModuleRecord,
     _owner,
@@ -117,7 +117,7 @@ def _open_bpk(path: Path) -> Iterator[_Source]:
                 n: (pack.entries[n].shape, burnpack.torch_dtype(pack.entries[n].dtype))
                 for n in order
             },
-            {n: pack.entries[n].param_id for n in order if pack.entries[n].param_id is not None},
+            {n: pid for n in order if (pid := pack.entries[n].param_id) is not None},
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             pack.tensor,
@@ -222,6 +222,9 @@ class _Shadow(nn.Module):
     with meta tensors of the same shapes, dtypes, kinds and ties: applying a record of meta
     tensors to it runs every check of ``apply`` and changes nothing."""
 
+    _real: nn.Module
+    _state: dict[str, object]
+
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_real", module)
@@ -288,12 +291,6 @@ def load_remapped(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
     remapper = remapper if remapper is not None else KeyRemapper([])
-    options = {
-        "allow_partial": allow_partial,
-        "allow_unused": allow_unused,
-        "validate": validate,
-        "dtype_policy": dtype_policy,
-    }
     with _open(Path(path)) as source:
         names = list(source.specs) + list(source.aliases)
         meta: Items = {}
@@ -310,7 +307,14 @@ def load_remapped(
             {n: t for n, (t, _) in plan.tensors.items()},
             param_ids={n: p for n, (_, p) in plan.tensors.items() if p is not None},
         )
-        planned.apply(_Shadow(module), adapter=adapter, **options)  # every check, no change
+        planned.apply(  # every check of apply, and no change
+            _Shadow(module),
+            allow_partial=allow_partial,
+            allow_unused=allow_unused,
+            validate=validate,
+            dtype_policy=dtype_policy,
+            adapter=adapter,
+        )
         groups = (
             _groups(names, source.aliases, links)
             if all(rule.traced for rule in remapper.rules)
@@ -353,7 +357,7 @@ def _assign(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: b
     else:
         target.data = tensor.to(device=target.device, copy=True)
     if pid is not None:
-        setattr(target, PARAM_ID_ATTR, pid)
+        setattr(target, _PARAM_ID_ATTR, pid)
 
 
 def _run(task: Callable[[T], object], groups: list[T], workers: int) -> None:

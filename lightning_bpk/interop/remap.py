@@ -87,6 +87,8 @@ __all__ = [
     "apply_remapped",
     "derive_inverse",
     "record_remapped",
+    "trace_step",
+    "tracing",
 ]
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
@@ -411,7 +413,8 @@ class Transpose(Rule):
         if not isinstance(first, str):
             from lightning_bpk.interop.conversions import Transpose as TransposeOp
 
-            return TransposeOp(*args, **kwargs)  # type: ignore[return-value]
+            op: Any = TransposeOp
+            return op(*args, **kwargs)
         return super().__new__(cls)
 
     def __str__(self) -> str:
@@ -652,7 +655,8 @@ def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[
             origin = {new: origin.get(old, old) for new, old in zip(renamed, items, strict=True)}
             items = renamed
         else:
-            converter = rule if direction == "forward" else rule.reverse_transform()
+            transform: Any = rule  # a WeightConverter (conversions imports this module)
+            converter = transform if direction == "forward" else transform.reverse_transform()
             before = set(items)
             try:
                 items, touched = converter.convert_items(
