@@ -3,6 +3,9 @@ saving back, and Burn's names (parity with transformers itself: test_interop_tra
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -213,6 +216,10 @@ def test_transpose_is_the_rule_with_a_pattern_and_the_op_without():
     assert not isinstance(rule, conversions.ConversionOps)
     loaded = KeyRemapper([rule]).load({"a.w": (torch.zeros(2, 3), None)})
     assert loaded.tensors["a.w"][0].shape == (3, 2)
+    # copies and pickles stay what they were
+    for obj in (rule, Transpose(1, 2)):
+        for again in (copy.deepcopy(obj), pickle.loads(pickle.dumps(obj))):
+            assert type(again) is type(obj) and again == obj
 
 
 def test_transformers_rules_run_as_a_block_renamings_first():

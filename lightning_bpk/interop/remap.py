@@ -408,9 +408,10 @@ class Transpose(Rule):
 
     def __new__(cls, *args: object, **kwargs: object) -> Transpose:
         # Without a pattern (``Transpose(0, 1)``, ``Transpose(dim0=1, dim1=0)``) it is
-        # transformers' op of that name, for a WeightConverter's operations.
+        # transformers' op of that name, for a WeightConverter's operations. Without any
+        # argument it is copy's and pickle's call, which fill in the fields afterwards.
         first = args[0] if args else kwargs.get("pattern")
-        if not isinstance(first, str):
+        if (args or kwargs) and not isinstance(first, str):
             from lightning_bpk.interop.conversions import Transpose as TransposeOp
 
             op: Any = TransposeOp
