@@ -40,7 +40,9 @@ still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast c
 At the next ``on_train_batch_end`` all ranks agree on the flag (all-reduce MAX), save, and stop
 with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit``
 without code: exit status 0). A signal during validation is acted on at epoch end, after the
-regular save.
+regular save. From then on a repeated signal (schedulers send more than one) is ignored until the
+process has exited, so the exit status stays 0; a later ``fit`` in the same process brings the
+default handlers back.
 
 **What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
 saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
@@ -57,6 +59,7 @@ the marked checkpoint stays until garbage collection passes it).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -107,6 +110,33 @@ def _others(handler: object) -> list[Callable[..., Any]]:
     inner = getattr(handler, "signal_handlers", None)  # Lightning's _HandlersCompose
     handlers = list(inner) if isinstance(inner, list) else [handler]
     return [h for h in handlers if callable(h) and not _is_lightning_handler(h)]
+
+
+def _ignore_while_stopping(signum: int, frame: FrameType | None) -> None:
+    """Stands in for a default (fatal) disposition once a preemption stop has saved.
+
+    Schedulers repeat their signal (SLURM signals every step, a requeue sends SIGTERM, a user
+    presses twice); between the save and the process's exit that must not turn exit status 0
+    into death by signal.
+    """
+
+
+def _ignore_at_exit(signums: Sequence[int]) -> None:
+    """Interpreter finalization resets Python-level handlers to the default (fatal) one before
+    torch and the other modules are torn down, so for that last stretch ignore them outright."""
+    for signum in signums:
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _stop_ignoring(trainer: pl.Trainer, signums: Sequence[int]) -> None:
+    """A new fit in a process that survived a preemption stop: the defaults are back."""
+    originals = trainer._signal_connector._original_handlers  # reinstalled at Lightning's teardown
+    for signum in signums:
+        if originals.get(signum) is _ignore_while_stopping:
+            originals[signum] = signal.SIG_DFL
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 @gin.configurable(module="lightning_bpk")
@@ -172,6 +202,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._fit_started = False
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
+        self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
 
     @property
@@ -279,7 +310,7 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
-        self._install_signal_handlers()
+        self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -374,10 +405,12 @@ class BurnpackCheckpoint(Checkpoint):
         for handler in _others(self._previous_handlers.get(signum)):
             handler(signum, frame)
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self, trainer: pl.Trainer) -> None:
         self._preempt_requested = False
+        self._stopping = False
         if self._previous_handlers:
             return
+        _stop_ignoring(trainer, self.preemption_signals)
         for signum in self.preemption_signals:
             try:
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
@@ -402,12 +435,32 @@ class BurnpackCheckpoint(Checkpoint):
                 self.last_saved_number,
                 where,
             )
+        self._stopping = True
         raise SIGTERMException()
+
+    def _keep_ignoring_signals(self, trainer: pl.Trainer) -> None:
+        """After a preemption stop, no further preemption signal may kill the exiting process.
+
+        Our handler stays until Lightning's teardown reinstalls the handlers it found at fit
+        start; where that was the fatal default, it reinstalls :func:`_ignore_while_stopping`
+        instead (and :func:`_ignore_at_exit` covers interpreter finalization). Handlers the user
+        installed come back as they were.
+        """
+        originals = trainer._signal_connector._original_handlers
+        signums = [s for s in self._previous_handlers if originals.get(s) == signal.SIG_DFL]
+        for signum in signums:
+            originals[signum] = _ignore_while_stopping
+        atexit.unregister(_ignore_at_exit)
+        atexit.register(_ignore_at_exit, signums)
+        self._previous_handlers = {}
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._restore_signal_handlers()
+        if self._stopping and isinstance(exception, SIGTERMException):
+            self._keep_ignoring_signals(trainer)
+        else:
+            self._restore_signal_handlers()
         try:
             self._flush()
         except CheckpointSaveError as e:  # reported with, not instead of, the training error
