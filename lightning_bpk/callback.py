@@ -44,6 +44,11 @@ regular save. From then on a repeated signal (schedulers send more than one) is 
 process has exited, so the exit status stays 0; a later ``fit`` in the same process brings the
 default handlers back.
 
+**SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
+SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
+requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
+complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
+
 **What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
 saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
 after those ``k`` batches, but Lightning's loop counters as they were at the start of epoch E
@@ -77,7 +82,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import trainer_state
+from lightning_bpk import slurm, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 
@@ -161,6 +166,10 @@ class BurnpackCheckpoint(Checkpoint):
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write.
+        auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
+            default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
+            ``scontrol requeue`` once the preemption checkpoint is complete
+            (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
 
     Example::
 
@@ -181,6 +190,7 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
+        auto_requeue: bool = True,
     ) -> None:
         super().__init__()
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -193,6 +203,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
+        self.auto_requeue = auto_requeue
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
@@ -202,6 +213,9 @@ class BurnpackCheckpoint(Checkpoint):
         self._fit_started = False
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
+        self._requeue_signal: int | None = None  # set in setup when SLURM auto-requeue applies
+        self._requeue_requested = False  # that signal arrived (on this rank)
+        self._requeue_agreed = False  # ... on any rank, at the agreed step
         self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
 
@@ -237,6 +251,7 @@ class BurnpackCheckpoint(Checkpoint):
                 verify=self.verify,
             )
         self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
@@ -310,6 +325,8 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
+        if trainer.is_global_zero:
+            slurm.log_restart(trainer.ckpt_path)
         self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
@@ -402,16 +419,20 @@ class BurnpackCheckpoint(Checkpoint):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Never save here: the main thread may be anywhere (inside a collective, a write).
         self._preempt_requested = True
+        self._requeue_requested |= signum == self._requeue_signal
         for handler in _others(self._previous_handlers.get(signum)):
             handler(signum, frame)
 
     def _install_signal_handlers(self, trainer: pl.Trainer) -> None:
-        self._preempt_requested = False
+        self._preempt_requested = self._requeue_requested = False
         self._stopping = False
         if self._previous_handlers:
             return
-        _stop_ignoring(trainer, self.preemption_signals)
-        for signum in self.preemption_signals:
+        signums = list(self.preemption_signals)
+        if signums and self._requeue_signal is not None and self._requeue_signal not in signums:
+            signums.append(self._requeue_signal)  # SLURMEnvironment(requeue_signal=...)
+        _stop_ignoring(trainer, signums)
+        for signum in signums:
             try:
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
             except ValueError:  # not the main thread: signals cannot be handled here
@@ -424,12 +445,17 @@ class BurnpackCheckpoint(Checkpoint):
         self._previous_handlers = {}
 
     def _preemption_agreed(self, trainer: pl.Trainer) -> bool:
-        if trainer.world_size == 1:
-            return self._preempt_requested
-        return bool(_agree(trainer, int(self._preempt_requested)))
+        requested = int(self._preempt_requested) + int(self._requeue_requested)  # 0, 1 or 2
+        agreed = requested if trainer.world_size == 1 else _agree(trainer, requested)
+        self._requeue_agreed = agreed == 2  # a requeue signal reached some rank
+        return agreed > 0
 
     def _stop(self, trainer: pl.Trainer, where: str) -> None:
+        """Stop after the preemption save (complete and flushed on every rank by now)."""
         if trainer.is_global_zero:
+            if self._requeue_agreed:
+                assert self.checkpointer is not None
+                slurm.requeue(str(self.checkpointer.checkpoint_path(self.last_saved_number)))
             log.info(
                 "preemption signal: saved checkpoint %s %s; stopping (exit status 0)",
                 self.last_saved_number,
