@@ -378,11 +378,15 @@ def _fit_until_signal(root: Path, signum: int, callback: BurnpackCheckpoint, **k
     assert stop.value.code is None  # exit status 0
 
 
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2])
 def test_a_failed_requeue_is_logged_with_scontrols_output_and_loses_nothing(
-    tmp_path, slurm_env, caplog
+    tmp_path, slurm_env, caplog, signum
 ):
     caplog.set_level(logging.INFO, logger="lightning_bpk")
-    _fit_until_signal(tmp_path, signal.SIGUSR1, BurnpackCheckpoint())
+    kwargs = {}
+    if signum != signal.SIGUSR1:  # Lightning's requeue_signal option, handled like SIGUSR1
+        kwargs["plugins"] = [SLURMEnvironment(requeue_signal=signum)]
+    _fit_until_signal(tmp_path, signum, BurnpackCheckpoint(), **kwargs)
     checkpoint = tmp_path / "checkpoints" / "ckpt.1"
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, caplog.text
