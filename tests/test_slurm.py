@@ -32,10 +32,10 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import ModuleRecord
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from conftest import SCRIPTS
 from lightning_tiny import TinyModel, make_trainer
 
-SCRIPT = Path(__file__).parent / "scripts" / "slurm_job.py"
+SCRIPT = SCRIPTS / "slurm_job.py"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
 EPOCHS = 3
 PAUSE_EPOCH = 1
