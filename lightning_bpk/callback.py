@@ -160,7 +160,8 @@ class BurnpackCheckpoint(Checkpoint):
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
-        preemption_signals: signals that trigger a save-and-stop (empty: none).
+        preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
+            with auto-requeue, the environment's ``requeue_signal`` too.
         async_save: write checkpoints on a background thread
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import gin
 import lightning as L
 import pytest
 import torch
@@ -52,6 +53,16 @@ def test_job_id_names_an_array_task_as_lightning_does():
         slurm.job_id({"SLURM_JOB_ID": "1; rm"})
     assert slurm.restart_count({}) == 0
     assert slurm.restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
+
+
+def test_the_requeue_switch_is_gin_configurable():
+    assert BurnpackCheckpoint().auto_requeue is True
+    with gin.unlock_config():
+        gin.parse_config("lightning_bpk.BurnpackCheckpoint.auto_requeue = False")
+    try:
+        assert BurnpackCheckpoint().auto_requeue is False
+    finally:
+        gin.clear_config()
 
 
 # -- a one-node cluster ------------------------------------------------------------------------
