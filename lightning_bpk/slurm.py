@@ -79,26 +79,20 @@ def requeue(checkpoint: str) -> bool:
     named in the log) is complete. A failure is logged with scontrol's output and changes
     nothing on disk: submitting the job again continues from ``checkpoint``.
     """
-    job = job_id()
-    command = ["scontrol", "requeue", job]
     try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        outcome = f"could not run `{' '.join(command)}`: {e}"
+        job = job_id()
+    except (KeyError, ValueError) as e:
+        job, outcome = "?", f"no usable job id in the environment: {e!r}"
     else:
-        output = " ".join((result.stdout + result.stderr).split())
-        if result.returncode == 0:
+        outcome = _scontrol_requeue(job)
+        if outcome is None:
             log.info(
-                "requeued SLURM job %s (`%s`%s); it resumes from %s",
+                "requeued SLURM job %s (`scontrol requeue %s`); it resumes from %s",
                 job,
-                " ".join(command),
-                f": {output}" if output else "",
+                job,
                 checkpoint,
             )
             return True
-        outcome = f"`{' '.join(command)}` failed with exit status {result.returncode}: {output}"
     log.error(
         "requeueing SLURM job %s failed (%s); the checkpoint %s is saved: submit the job again "
         "to continue from it",
@@ -109,6 +103,21 @@ def requeue(checkpoint: str) -> bool:
     return False
 
 
+def _scontrol_requeue(job: str) -> str | None:
+    """Run ``scontrol requeue job``: ``None`` if it worked, else what went wrong."""
+    command = ["scontrol", "requeue", job]
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not run `{' '.join(command)}`: {e}"
+    if result.returncode == 0:
+        return None
+    output = " ".join((result.stdout + result.stderr).split())
+    return f"`{' '.join(command)}` failed with exit status {result.returncode}: {output}"
+
+
 def log_restart(resumed_from: str | None) -> None:
     """On a job SLURM has restarted (requeued), say so and what this run continues from.
 
@@ -116,11 +125,12 @@ def log_restart(resumed_from: str | None) -> None:
     Nothing is logged outside SLURM or on the job's first run.
     """
     count = restart_count()
-    if count <= 0 or "SLURM_JOB_ID" not in os.environ:
+    job = os.environ.get("SLURM_JOB_ID")
+    if count <= 0 or job is None:
         return
     start = (
         f"this run continues from {resumed_from}"
         if resumed_from
         else "no checkpoint to continue from: this run starts afresh"
     )
-    log.info("SLURM job %s was requeued (restart %d): %s", job_id(), count, start)
+    log.info("SLURM job %s was requeued (restart %d): %s", job, count, start)

@@ -389,20 +389,31 @@ def _fit_until_signal(root: Path, signum: int, callback: BurnpackCheckpoint, **k
     assert stop.value.code is None  # exit status 0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2])
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("unknown job", "(`scontrol requeue 987654` failed with exit status 1: "),
+        ("requeue_signal=SIGUSR2", "(`scontrol requeue 987654` failed with exit status 1: "),
+        ("no job id", "(no usable job id in the environment: KeyError('SLURM_JOB_ID')"),
+    ],
+)
 def test_a_failed_requeue_is_logged_with_scontrols_output_and_loses_nothing(
-    tmp_path, slurm_env, caplog, signum
+    tmp_path, slurm_env, caplog, monkeypatch, case, refusal
 ):
     caplog.set_level(logging.INFO, logger="lightning_bpk")
-    kwargs = {}
-    if signum != signal.SIGUSR1:  # Lightning's requeue_signal option, handled like SIGUSR1
+    signum, kwargs = signal.SIGUSR1, {}
+    if case == "requeue_signal=SIGUSR2":  # Lightning's option, handled like SIGUSR1
+        signum = signal.SIGUSR2
         kwargs["plugins"] = [SLURMEnvironment(requeue_signal=signum)]
+    if case == "no job id":
+        monkeypatch.delenv("SLURM_JOB_ID")
     _fit_until_signal(tmp_path, signum, BurnpackCheckpoint(), **kwargs)
     checkpoint = tmp_path / "checkpoints" / "ckpt.1"
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, caplog.text
-    assert errors[0].startswith("requeueing SLURM job 987654 failed (`scontrol requeue 987654` ")
-    assert "Invalid job id specified" in errors[0]  # scontrol's own words
+    assert refusal in errors[0]
+    if case != "no job id":
+        assert "Invalid job id specified" in errors[0]  # scontrol's own words
     assert f"the checkpoint {checkpoint} is saved: submit the job again" in errors[0]
     assert "stopping (exit status 0)" in caplog.text
     assert get_latest_checkpoint_number(tmp_path / "checkpoints", verify=True) == 1
