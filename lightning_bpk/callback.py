@@ -455,7 +455,7 @@ class BurnpackCheckpoint(Checkpoint):
         """Stop after the preemption save (complete and flushed on every rank by now)."""
         if trainer.is_global_zero:
             if self._requeue_agreed:
-                assert self.checkpointer is not None
+                assert self.checkpointer is not None and self.last_saved_number is not None
                 slurm.requeue(str(self.checkpointer.checkpoint_path(self.last_saved_number)))
             log.info(
                 "preemption signal: saved checkpoint %s %s; stopping (exit status 0)",

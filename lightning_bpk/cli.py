@@ -148,12 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-bpk", description="Inspect Burn burnpack (.bpk) files."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="show header, tensors, scalars and metadata")
-    inspect.add_argument("file", help="path to a .bpk file ('.bpk' is added if missing)")
-    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    inspect.set_defaults(func=_cmd_inspect)
-    _add_tool_commands(sub)
+    _add_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -426,8 +421,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_FOUND if different else EXIT_OK
 
 
-def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``ls``, ``verify``, ``convert`` and ``diff``."""
+def _add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register every command (``inspect``, ``ls``, ``verify``, ``convert``, ``diff``): the one
+    place a command is added."""
 
     def command(
         name: str, func: Callable[[argparse.Namespace], int], summary: str
@@ -441,6 +437,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
         parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
+    inspect = command("inspect", _cmd_inspect, "show header, tensors, scalars and metadata")
+    inspect.add_argument("file", help="path to a .bpk file ('.bpk' is added if missing)")
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")
     ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")
