@@ -61,7 +61,9 @@ import copy
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -77,6 +79,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk import trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.data_position import POSITION_KEY, DataPosition
 
 log = logging.getLogger("lightning_bpk")
 
@@ -84,6 +87,10 @@ log = logging.getLogger("lightning_bpk")
 # time limit; SIGUSR1: SLURM's --signal default for requeue).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
+# Top-level key of a checkpoint saved when the run ended (why, and the limit it reached).
+FINISHED_KEY = "lightning_bpk_finished"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -94,6 +101,54 @@ def _agree(trainer: pl.Trainer, value: int) -> int:
     """The maximum of ``value`` over all ranks (every rank must call this at the same point)."""
     tensor = torch.tensor(value, dtype=torch.int64, device=trainer.strategy.root_device)
     return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+
+
+def _agree_all(trainer: pl.Trainer, values: Sequence[int]) -> list[int]:
+    """Element-wise maximum of ``values`` over all ranks, in one collective."""
+    if trainer.world_size == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
+    return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]
+
+
+def _gather(trainer: pl.Trainer, value: Any) -> list[Any] | None:
+    """Every rank's ``value`` on rank 0 (``None`` on the others), in rank order."""
+    if trainer.world_size == 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def _finished(trainer: pl.Trainer, epoch_end: bool) -> dict | None:
+    """Why the fit loop stops after this point, or ``None`` while it goes on."""
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return {"by": "max_steps", "limit": trainer.max_steps}
+    epochs = trainer.current_epoch + int(epoch_end)
+    if epoch_end and trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
+        return {"by": "max_epochs", "limit": trainer.max_epochs}
+    min_ok = epochs >= (trainer.min_epochs or 0) and trainer.global_step >= (trainer.min_steps or 0)
+    if trainer.should_stop and min_ok:
+        return {"by": "should_stop", "limit": -1}
+    return None
+
+
+def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
+    """Whether a run that ``finished`` is still finished under this trainer's limits."""
+    by, limit = finished["by"], finished["limit"]
+    if by == "max_steps":
+        return trainer.max_steps not in (None, -1) and limit >= trainer.max_steps
+    if by == "max_epochs":
+        return trainer.max_epochs not in (None, -1) and limit >= trainer.max_epochs
+    return True  # stopped early (EarlyStopping, should_stop): a decision, not a limit
+
+
+def _describe(finished: dict) -> str:
+    if finished["by"] == "should_stop":
+        return "it was stopped early (trainer.should_stop, e.g. by EarlyStopping)"
+    return f"{finished['by']}={finished['limit']} was reached"
 
 
 def _is_lightning_handler(handler: object) -> bool:
@@ -126,6 +181,10 @@ class BurnpackCheckpoint(Checkpoint):
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
         preemption_signals: signals that trigger a save-and-stop (empty: none).
+        every_n_train_steps: also save every this many optimizer steps (global steps), as
+            Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
+        train_time_interval: also save when this much wall-clock time passed since the last
+            save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
@@ -151,8 +210,32 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
     ) -> None:
         super().__init__()
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool)
+            or not isinstance(every_n_train_steps, int)
+            or every_n_train_steps < 1
+        ):
+            raise ValueError(
+                f"every_n_train_steps must be a positive int or None, got {every_n_train_steps!r}"
+            )
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, timedelta)
+            or train_time_interval.total_seconds() <= 0
+        ):
+            raise ValueError(
+                "train_time_interval must be a positive timedelta or None, "
+                f"got {train_time_interval!r}"
+            )
+        step_numbered = every_n_train_steps is not None or train_time_interval is not None
+        if step_numbered and checkpoint_frequency != 1:
+            raise ValueError(
+                "checkpoint_frequency selects epochs; with every_n_train_steps or "
+                "train_time_interval checkpoints are numbered by global step, so leave it at 1"
+            )
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.checkpoint_file_prefix = checkpoint_file_prefix
         self.sentinel_file_identifier = sentinel_file_identifier
@@ -163,16 +246,30 @@ class BurnpackCheckpoint(Checkpoint):
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
+        self.every_n_train_steps = every_n_train_steps
+        self.train_time_interval = train_time_interval
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
         self.last_saved_number: int | None = None
         self._resume_number = -1
-        self._rng: dict | None = None  # RNG states to restore at fit start
-        self._fit_started = False
+        self._position = DataPosition()
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
+        self._preempt_agreed = False  # all ranks agreed; acted on at the next step boundary
+        self._due: int | None = None  # batches consumed when a save fell due after validation
+        self._step_before = 0  # global step when the current batch started
+        self._last_save_time = time.monotonic()
+        self._replay_floor = -1  # step-numbered saves up to this number repeat a replayed epoch
+        self._finished: str | None = None  # why a resumed run has nothing left to train
+        self._saved_step = -1  # global step of the last save
+        self._resumed_batches = 0
         self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def step_numbered(self) -> bool:
+        """Checkpoints are numbered by global step (a step or time trigger is set), not epoch."""
+        return self.every_n_train_steps is not None or self.train_time_interval is not None
 
     @property
     def state_key(self) -> str:
@@ -193,9 +290,13 @@ class BurnpackCheckpoint(Checkpoint):
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
-        self._fit_started = False
-        self._rng = None
+        self._position = DataPosition()
+        self._position.attach(trainer)
         self._boundary_loops = None
+        self._preempt_agreed = False
+        self._due = None
+        self._replay_floor = -1
+        self._finished = None
         self.restored_number = None
         number = -1
         if self.resume and trainer.is_global_zero:
@@ -216,6 +317,8 @@ class BurnpackCheckpoint(Checkpoint):
             checkpoint_duration=self.checkpoint_duration,
             keep_every=self.keep_every,
         )
+        if self.step_numbered:  # the triggers choose the steps; the checkpointer keeps them all
+            settings["checkpoint_frequency"] = 1
         settings.update(overrides)
         return Checkpointer(dirpath, **settings)
 
@@ -245,43 +348,81 @@ class BurnpackCheckpoint(Checkpoint):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._rng = checkpoint.get(trainer_state.RNG_KEY)
-        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
-            self._restore_rng()
+        # This rank's RNG states and data position, restored now: before configure_optimizers
+        # (which may read estimated_stepping_batches, and so build and iterate the data) and
+        # before anything else can draw from them.
+        ranks = checkpoint.get(POSITION_KEY)
+        if isinstance(ranks, list) and len(ranks) == trainer.world_size:
+            self._position.resume_from(ranks[trainer.global_rank])
+        else:
+            if isinstance(ranks, list) and trainer.is_global_zero:
+                log.warning(
+                    "checkpoint %s was saved by %d ranks and is resumed on %d: every rank "
+                    "continues with rank 0's RNG states and the data restarts its epoch",
+                    trainer.ckpt_path,
+                    len(ranks),
+                    trainer.world_size,
+                )
+            rng = checkpoint.get(trainer_state.RNG_KEY)
+            self._position.resume_from(None if rng is None else {"rng": rng})
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
         preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
+        self._resumed_batches = 0  # batches of the current epoch the restored run consumed
         if preempted:
             batches = preempted["batches"]
-            where = (
-                f"epoch {checkpoint.get('epoch')}, preempted after {batches} "
-                f"batch{'es' if batches != 1 else ''} (that epoch is replayed from its first batch)"
-            )
+            where = f"epoch {checkpoint.get('epoch')}, after {batches} batch"
+            where += "es" if batches != 1 else ""
+            if preempted.get("replay", True):
+                where += " (that epoch is replayed from its first batch)"
+            else:
+                self._resumed_batches = batches
+                if self.step_numbered and self.restored_number is not None:
+                    self._replay_floor = self.restored_number
         else:
             where = f"the end of epoch {checkpoint.get('epoch')}"
+        finished = checkpoint.get(FINISHED_KEY)
+        if (
+            finished
+            and self.restored_number is not None
+            and _still_finished(trainer, finished, checkpoint)
+        ):
+            self._finished = _describe(finished)
         if trainer.is_global_zero:
             log.info("restored %s, saved at %s", trainer.ckpt_path, where)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_started = True
-        self._restore_rng()
-
-    def _restore_rng(self) -> None:
-        if self._rng is not None:
-            trainer_state.restore_rng(self._rng)
-            self._rng = None
+        if self._finished is not None:
+            # Lightning's fit loop stops before its first batch when should_stop is set.
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                log.info(
+                    "the run in %s already finished at checkpoint %s (%s); nothing to train "
+                    "(resume=False or another directory trains again)",
+                    self.checkpointer.base_directory if self.checkpointer else "?",
+                    self.restored_number,
+                    self._finished,
+                )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.restored_number is not None:
             log.info(
-                "continuing training at epoch %d (global step %d) after checkpoint %d",
+                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
                 trainer.current_epoch,
+                f", batch {self._resumed_batches}" if self._resumed_batches else "",
                 trainer.global_step,
                 self.restored_number,
             )
+        self._last_save_time = time.monotonic()
         self._install_signal_handlers()
 
     # -- saving --------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+        self._position.before_batch()
 
     def on_train_batch_end(
         self,
@@ -291,36 +432,113 @@ class BurnpackCheckpoint(Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._preemption_agreed(trainer):
+        preempt, timed = _agree_all(
+            trainer,
+            [int(self._preempt_requested), int(trainer.is_global_zero and self._time_due())],
+        )
+        self._preempt_agreed = self._preempt_agreed or bool(preempt)
+        if trainer.global_step == self._step_before:
+            return  # inside gradient accumulation: saves happen at optimizer-step boundaries
+        n = self.every_n_train_steps
+        stepped = n is not None and trainer.global_step % n == 0
+        if not (self._preempt_agreed or timed or stepped):
             return
+        self._due = batch_idx + 1
+        if self._epoch_ends_here(trainer):
+            return  # on_train_epoch_end saves, after the validation that follows this batch
+        if trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            return  # on_validation_end saves, so the resumed run does not validate again
+        self._save_due(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        due = self._due is not None and not trainer.sanity_checking
+        if due and not self._epoch_ends_here(trainer):
+            self._save_due(trainer)
+
+    @staticmethod
+    def _epoch_ends_here(trainer: pl.Trainer) -> bool:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        max_steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
+        return bool(epoch_loop.batch_progress.is_last_batch or max_steps or trainer.should_stop)
+
+    def _time_due(self) -> bool:
+        interval = self.train_time_interval
+        return interval is not None and time.monotonic() - self._last_save_time >= (
+            interval.total_seconds()
+        )
+
+    def _save_due(self, trainer: pl.Trainer) -> None:
+        """Save the mid-epoch checkpoint that fell due (and stop, if preempted)."""
+        consumed, self._due = self._due, None
+        assert consumed is not None
         epoch = trainer.current_epoch
-        preempted = {"epoch": epoch, "batches": batch_idx + 1}
-        self._save(trainer, epoch, preempted=preempted, flush=True)
-        self._stop(trainer, f"after batch {batch_idx} of epoch {epoch}")
+        number = trainer.global_step if self.step_numbered else epoch
+        preempted = self._preempt_agreed
+        self._save(trainer, number, consumed=consumed, preempted=preempted, flush=preempted)
+        if preempted:
+            self._stop(trainer, f"after batch {consumed - 1} of epoch {epoch}")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
-        preempted = self._preemption_agreed(trainer)
-        if preempted or epoch % self.checkpoint_frequency == 0:
-            self._save(trainer, epoch, flush=preempted)
+        self._preempt_agreed = self._preempt_agreed or self._preemption_agreed(trainer)
+        preempted = self._preempt_agreed
+        finished = _finished(trainer, epoch_end=True)
+        if self.step_numbered:
+            due = self._due is not None or preempted or finished is not None
+            number = trainer.global_step
+        else:
+            due = preempted or finished is not None or epoch % self.checkpoint_frequency == 0
+            number = epoch
+        self._due = None
+        if due and not (
+            self.last_saved_number == number and self._saved_step == trainer.global_step
+        ):
+            self._save(trainer, number, preempted=preempted, flush=preempted)
         self._boundary_loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
     def _save(
-        self, trainer: pl.Trainer, number: int, preempted: dict | None = None, flush: bool = False
+        self,
+        trainer: pl.Trainer,
+        number: int,
+        consumed: int | None = None,
+        preempted: bool = False,
+        flush: bool = False,
     ) -> None:
         """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result).
 
-        ``flush`` waits for an asynchronous write to be durable (before stopping on preemption).
+        ``consumed`` is the number of batches of this epoch a mid-epoch save comes after
+        (``None``: the epoch's end). ``flush`` waits for an asynchronous write to be durable.
         """
+        self._last_save_time = time.monotonic()
+        epoch_end = consumed is None
+        if number <= self._replay_floor:
+            return  # this replayed epoch has not yet passed the checkpoint it resumed from
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
+        extra: dict[str, Any] = {POSITION_KEY: ranks}
+        finished = _finished(trainer, epoch_end)
+        if finished is not None:
+            extra[FINISHED_KEY] = finished
+        if not epoch_end:
+            replay = not self._position.exact
+            extra[trainer_state.PREEMPTED_KEY] = {
+                "epoch": trainer.current_epoch,
+                "batches": consumed,
+                "replay": replay,
+            }
+            if replay:  # the data restarts its epoch: so do the loop counters
+                checkpoint.pop("loops")
+                if self._boundary_loops is not None:
+                    checkpoint["loops"] = self._boundary_loops
+        forced = preempted or finished is not None or not epoch_end
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
-                self._write(trainer, number, checkpoint, preempted)
+                self._write(trainer, number, dict(checkpoint, **extra), forced)
                 if flush and self._saver is not None:
                     self._saver.wait()
             except Exception as e:
@@ -335,17 +553,12 @@ class BurnpackCheckpoint(Checkpoint):
                 ) from error
             raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
         self.last_saved_number = number
+        self._saved_step = trainer.global_step
 
-    def _write(
-        self, trainer: pl.Trainer, number: int, checkpoint: dict, preempted: dict | None
-    ) -> None:
+    def _write(self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
-        if preempted is not None:
-            checkpoint = dict(checkpoint, **{trainer_state.PREEMPTED_KEY: preempted})
-            checkpoint.pop("loops")
-            if self._boundary_loops is not None:
-                checkpoint["loops"] = self._boundary_loops
+        if forced and number % checkpointer.checkpoint_frequency:
             # Saved whatever the frequency; the same retention (the last d, the same milestones).
             f, k = self.checkpoint_frequency, self.keep_every
             checkpointer = self._make_checkpointer(
@@ -429,6 +642,7 @@ class BurnpackCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
+        self._position.detach(trainer)
         connector = trainer._checkpoint_connector
         if "resume_start" in vars(connector):  # fit failed before Lightning restored anything
             del connector.resume_start
