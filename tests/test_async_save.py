@@ -385,7 +385,7 @@ def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
     assert checkpointer.latest_checkpoint_number(verify=True) == 1  # epoch 1, mid-epoch save
     assert load_record(checkpointer.checkpoint_path(1) / "trainer.bpk").value[
         "lightning_bpk_preempted"
-    ] == {"epoch": 1, "batches": 3}
+    ] == {"epoch": 1, "batches": 3, "replay": False}
 
 
 def test_async_checkpoint_io_matches_sync_with_model_checkpoint_top_k(tmp_path):
