@@ -40,18 +40,9 @@ def _ids_from(path: Path, step: int) -> list[str]:
 def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(tmp_path):
     # num_workers=2: the data order must not depend on what the workers had prefetched
     common = ["--epochs", "4", "--workers", "2"]
+    outputs = ["--ids", str(tmp_path / "ref.ids"), "--out", str(tmp_path / "ref.bpk")]
     reference = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--root",
-            str(tmp_path / "ref"),
-            *common,
-            "--ids",
-            str(tmp_path / "ref.ids"),
-            "--out",
-            str(tmp_path / "ref.bpk"),
-        ],
+        [sys.executable, str(SCRIPT), "--root", str(tmp_path / "ref"), *common, *outputs],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,
