@@ -60,6 +60,12 @@ def _generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def _set_states(generators: list[torch.Generator], states: list[torch.Tensor]) -> None:
+    if len(generators) == len(states):  # the same loader set-up as at the save
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
+
+
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
@@ -117,10 +123,7 @@ class _Tracker:
 
     def _apply(self, snapshot: dict) -> None:
         trainer_state.restore_rng(snapshot["rng"])
-        generators = _generators(self.loader)
-        if len(generators) == len(snapshot["generators"]):
-            for generator, state in zip(generators, snapshot["generators"], strict=True):
-                generator.set_state(state)
+        _set_states(_generators(self.loader), snapshot["generators"])
         sampler = getattr(self.loader, "sampler", None)
         if "sampler" in snapshot and _stateful(sampler):
             sampler.load_state_dict(snapshot["sampler"])
@@ -219,6 +222,10 @@ class DataPosition:
             return
         self.kind, self._loader, self._tracker = loader_kind(loader), loader, None
         pending, self._pending = self._pending, None
+        if pending is not None and self._rng is not None:
+            # Building the loader may have drawn from the RNGs (torchdata's RandomSampler seeds
+            # its generator then); the original run did that before the save point.
+            trainer_state.restore_rng(self._rng)
         if pending is not None and pending.get("kind") != self.kind:
             pending = None  # another kind of loader than at the save: nothing to carry over
         if self.kind == SAMPLER:
@@ -229,10 +236,12 @@ class DataPosition:
             # one can (through the wrapper above), so it gets an empty state for Lightning.
             loader.state_dict = dict
             loader.load_state_dict = _ignore
-        elif self.kind == STATEFUL:
-            if pending is not None and pending.get(STATEFUL) is not None:
+        elif self.kind == STATEFUL and pending is not None:
+            if pending.get(STATEFUL) is not None:  # mid-epoch: through its own state
                 loader.load_state_dict(pending[STATEFUL])
-                self._rng_at_first_batch = self._rng
+                self._rng_at_first_batch = self._rng  # its iterator draws differently
+            else:  # at an epoch's end: a new epoch from the save point's generator states
+                _set_states(_generators(loader), pending.get("generators", []))
         else:
             self._warn(loader)
 
@@ -272,6 +281,8 @@ class DataPosition:
             position[SAMPLER] = {"batches": position["batches"], "start": start}
         elif self.kind == STATEFUL and not epoch_end:
             position[STATEFUL] = self._loader.state_dict()
+        elif self.kind == STATEFUL:  # its generators may live across epochs (torchdata's do)
+            position["generators"] = [g.get_state() for g in _generators(self._loader)]
         position["rng"] = trainer_state.capture_rng()
         return position
 
