@@ -167,7 +167,7 @@ def test_a_finished_run_stays_finished_and_says_so(tmp_path, how, caplog):
         callbacks = [EarlyStopping("val_loss", patience=0, mode="max", stopping_threshold=None)]
         options = dict(epochs=10)
     every = 4 if how == "max_steps" else None  # step-numbered, or the default per epoch
-    _, first, lines = fit(tmp_path / "run", callbacks=callbacks, every=every, **dict(options))
+    _, first, _ = fit(tmp_path / "run", callbacks=callbacks, every=every, **dict(options))
     saved = first.last_saved_number
     with caplog.at_level("INFO", logger="lightning_bpk"):
         _, again, more = fit(tmp_path / "run", callbacks=callbacks, every=every, **dict(options))
