@@ -145,9 +145,11 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
 
-    L.seed_everything(SEED, workers=True)
-    model = TinyModel(one_cycle=args.one_cycle, workers=args.workers)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Under DDP each rank gets its own RNG stream (different dropout masks), as a resume must
+    # restore every rank's own states; DDP broadcasts rank 0's initial weights.
+    L.seed_everything(SEED + rank, workers=True)
+    model = TinyModel(one_cycle=args.one_cycle, workers=args.workers)
     if args.ids:
         model.ids_file = Path(args.ids + (f".rank{rank}" if args.devices > 1 else ""))
 
