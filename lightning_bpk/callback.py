@@ -1,4 +1,4 @@
-"""``BurnpackCheckpoint``: save every epoch, resume by itself, survive preemption.
+"""``BurnpackCheckpoint``: save every epoch (or k steps), resume exactly, survive preemption.
 
 One line of setup::
 
@@ -21,38 +21,51 @@ and ``trainer.bpk`` (with the RNG states), and saved as checkpoint N by a
 Only global rank 0 writes; all ranks then agree on the outcome, so a failed save (a full disk)
 raises :class:`CheckpointSaveError` on every rank and leaves every earlier checkpoint intact.
 
+**Step and time triggers.** ``every_n_train_steps=k`` also saves after every k-th optimizer
+step, ``train_time_interval=timedelta(...)`` when that much time passed since the last save (rank
+0's clock; the decision reaches every rank in the all-reduce the preemption flag already uses).
+Saves happen only at optimizer-step boundaries, never inside gradient accumulation; a save that
+falls due right before a validation run waits until after it, and one on an epoch's last batch
+becomes that epoch's end save. With either trigger set, **checkpoint N is the one saved after
+global step N** (epoch-end, preemption and final saves too); without, N is the epoch.
+
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
 falls back past damaged ones and honours gin's ``override_number``); the number is shared with
 every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the callback
 intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
 ``ckpt_path`` it loads checkpoint N there, and Lightning restores everything in its own order
-(model, callbacks, precision, loops, optimizers, schedulers), continuing at epoch N+1. An
-explicit ``ckpt_path`` wins (a checkpoint directory of ours works there too, without the IO
-plugin); ``resume=False`` starts fresh. The RNG states are restored at ``on_fit_start``, the
-last hook before Lightning creates the training DataLoader iterator (sanity validation runs in
-``isolate_rng``), so the continued run is bit-identical to one that never stopped. Under DDP
-rank 0's states are saved and every rank restores them (exact when all ranks were seeded alike,
-as ``seed_everything`` does; per-rank streams that differ are not captured).
+(model, callbacks, precision, loops, optimizers, schedulers). An explicit ``ckpt_path`` wins (a
+checkpoint directory of ours works there too, without the IO plugin); ``resume=False`` starts
+fresh.
+
+**Exactly where it stopped.** Every save records, per rank, the RNG states (Python, NumPy,
+torch, CUDA) and the training data's position (:mod:`lightning_bpk.data_position`): for a plain
+DataLoader the RNG and generator states its sampler shuffled from and the number of batches the
+model consumed; for a ``StatefulDataLoader`` its own state. Each rank restores its own when the
+checkpoint is loaded, before ``configure_optimizers`` (which may set the data up early through
+``estimated_stepping_batches``), and the data resumes with the next batch of the same order, its
+consumed indices skipped without loading their samples. Loop counters, ``global_step`` and
+per-step schedulers are Lightning's own, saved mid-epoch as they were: the continued run is
+bit-identical to one that never stopped. Where that is impossible (an iterable dataset without
+state) one warning says so and a mid-epoch checkpoint holds the loop counters of the start of its
+epoch instead, which that resume replays; step-numbered saves then wait until the replay passes
+the checkpoint it resumed from.
 
 **Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
-At the next ``on_train_batch_end`` all ranks agree on the flag (all-reduce MAX), save, and stop
-with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit``
-without code: exit status 0). A signal during validation is acted on at epoch end, after the
-regular save.
+At the next ``on_train_batch_end`` at an optimizer-step boundary all ranks agree on the flag
+(all-reduce MAX), save as above (by epoch number E, whatever the frequency, without a step
+trigger; a later save of E replaces it), and stop with
+:class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit`` without
+code: exit status 0). A signal during validation is acted on at the next batch end or the
+epoch's end. A mid-epoch checkpoint is marked in ``trainer.bpk`` under
+``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays).
 
-**What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
-saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
-after those ``k`` batches, but Lightning's loop counters as they were at the start of epoch E
-(those of checkpoint E-1; none for E = 0). It is saved as number E (forced, whatever the
-frequency) and marked in ``trainer.bpk`` under ``lightning_bpk_preempted``. Resuming from it
-runs epoch E again from its first batch, with the next shuffle of the RNG stream: the ``k``
-batches' updates are kept and all of epoch E's data is seen once more; ``global_step`` goes back
-to its value at the start of epoch E (the optimizer's own step counts, e.g. Adam's, keep the
-``k`` steps), and a per-step scheduler keeps its ``k`` steps. The end-of-epoch save of E then
-replaces the marked checkpoint (with ``checkpoint_frequency > 1`` and E not a multiple of it,
-the marked checkpoint stays until garbage collection passes it).
+**A finished run stays finished.** The save at the end of training (``max_epochs`` or
+``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
+whatever the frequency, and marked. Run again with the same limits, the callback says the run
+already finished and Lightning trains nothing; raise ``max_epochs``/``max_steps`` to continue.
 """
 
 from __future__ import annotations

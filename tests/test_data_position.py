@@ -6,6 +6,8 @@ test_ddp.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -63,20 +65,29 @@ class Iterable(TinyModel):
         return DataLoader(Stream(self._data(0, 48)), batch_size=BATCH_SIZE)
 
 
+class TermAt(CrashAt):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)  # the callback saves at the next batch end
+
+
 def fit(root: Path, crash: int | None = None, model_type=TinyModel, callbacks=(), **options):
-    """One run (fresh or resumed): returns (weights or None if it crashed, callback, id lines)."""
+    """One run (fresh or resumed): returns (weights or None if it stopped, callback, id lines).
+
+    ``crash``: stop dead after that global step; ``term=True``: send SIGTERM there instead."""
     L.seed_everything(SEED)
     model = model_type(one_cycle=options.pop("one_cycle", False))
     model.ids_file = root.with_suffix(".ids")
     before = model.ids_file.read_text().splitlines() if model.ids_file.exists() else []
     callback = BurnpackCheckpoint(every_n_train_steps=options.pop("every", None))
-    extra = [CrashAt(crash)] if crash is not None else []
+    stopper = TermAt if options.pop("term", False) else CrashAt
+    extra = [stopper(crash)] if crash is not None else []
     trainer = make_trainer(
         str(root), options.pop("epochs", 4), [callback, *extra, *callbacks], **options
     )
     try:
         trainer.fit(model)
-    except Crash:
+    except (Crash, SystemExit):
         weights = None
     else:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
@@ -120,6 +131,8 @@ def resume_case(tmp_path, crashes, model_type=TinyModel, **options):
         # a per-step OneCycleLR sized from estimated_stepping_batches (the data is set up inside
         # configure_optimizers, before the checkpoint is applied); an epoch-end resume included
         (dict(one_cycle=True), [8, 13]),
+        # the same after SIGTERM: it used to replay the epoch and step OneCycleLR past its end
+        (dict(one_cycle=True, term=True), [8, 15]),
         # gradient accumulation 2: saves only at optimizer steps, never inside a window
         (dict(every=2, accumulate_grad_batches=2, epochs=3), [4, 7]),
         # validation twice per epoch: a save due before a validation waits until after it
@@ -127,7 +140,7 @@ def resume_case(tmp_path, crashes, model_type=TinyModel, **options):
         # max_steps instead of max_epochs, ending mid-epoch
         (dict(every=4, max_steps=21, epochs=-1), [9]),
     ],
-    ids=["one_cycle", "accumulate", "val_check_interval", "max_steps"],
+    ids=["one_cycle", "one_cycle_sigterm", "accumulate", "val_check_interval", "max_steps"],
 )
 def test_crash_and_resume_is_exact(tmp_path, options, crashes):
     resume_case(tmp_path, crashes, **options)
