@@ -110,6 +110,16 @@ class _Tracker:
         attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         # DataLoader forbids reassigning its sampler after __init__; the wrapper is transparent.
         object.__setattr__(loader, attribute, _PositionedSampler(getattr(loader, attribute), self))
+        create = loader._get_iterator
+
+        def get_iterator() -> Any:
+            # An epoch-end checkpoint: the epoch's iterator is created from its RNG states (its
+            # worker base seed is drawn here), however often Lightning creates one before use.
+            if self.pending is not None and self.pending["batches"] == 0:
+                self._apply(self.pending["start"])
+            return create()
+
+        loader._get_iterator = get_iterator
 
     def snapshot(self) -> dict:
         sampler = getattr(self.loader, "sampler", None)
@@ -132,17 +142,14 @@ class _Tracker:
         """The index iterator of a new DataLoader iterator (a new epoch, or a multi-worker
         loader's second call in its constructor, whose first iterator is never used)."""
         pending = self.pending
-        if pending is None:
-            return self._fresh(inner)
-        if pending["batches"] == 0:  # an epoch-end checkpoint: this epoch starts from its RNG
-            self.pending = None
-            self._apply(pending["start"])
+        if pending is None or pending["batches"] == 0:
             return self._fresh(inner)
         return self._resume(inner, pending)
 
     def _fresh(self, inner: Any) -> Iterator[Any]:
         # Runs at the first pull: the state the sampler's shuffle is drawn from (the loader
         # drew its worker base seed before, when it created its iterator).
+        self.pending = None
         self.start = self.snapshot()
         yield from inner
 

@@ -137,8 +137,8 @@ def resume_case(tmp_path, crashes, model_type=TinyModel, **options):
         (dict(every=2, accumulate_grad_batches=2, epochs=3), [4, 7]),
         # validation twice per epoch: a save due before a validation waits until after it
         (dict(every=3, val_check_interval=0.5), [4, 10]),
-        # max_steps instead of max_epochs, ending mid-epoch
-        (dict(every=4, max_steps=21, epochs=-1), [9]),
+        # max_steps instead of max_epochs (per-epoch checkpoints), ending mid-epoch
+        (dict(max_steps=16, epochs=-1), [10]),
     ],
     ids=["one_cycle", "one_cycle_sigterm", "accumulate", "val_check_interval", "max_steps"],
 )
