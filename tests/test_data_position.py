@@ -188,3 +188,29 @@ def test_a_finished_run_stays_finished_and_says_so(tmp_path, how, caplog):
     assert again.restored_number == saved and again.last_saved_number is None
     assert "already finished" in caplog.text
     assert get_latest_checkpoint_number(tmp_path / "run" / "checkpoints") == saved
+
+
+def test_time_trigger_saves_at_step_boundaries_numbered_by_global_step(tmp_path):
+    from datetime import timedelta
+
+    L.seed_everything(SEED)
+    callback = BurnpackCheckpoint(train_time_interval=timedelta(microseconds=1))
+    trainer = make_trainer(str(tmp_path), 1, [callback], accumulate_grad_batches=2)
+    trainer.fit(TinyModel())
+    # due after every batch, saved only after the 3 optimizer steps (6 batches, accumulating 2)
+    numbers = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "checkpoints").glob("ckpt.*"))
+    assert numbers == [1, 2, 3] and callback.last_saved_number == 3
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(every_n_train_steps=0),
+        dict(every_n_train_steps=2.5),
+        dict(train_time_interval=60),
+        dict(every_n_train_steps=10, checkpoint_frequency=2),
+    ],
+)
+def test_invalid_triggers_are_refused_at_construction(settings):
+    with pytest.raises(ValueError, match=r"every_n_train_steps|train_time_interval|frequency"):
+        BurnpackCheckpoint(**settings)
