@@ -93,6 +93,7 @@ from lightning_bpk import trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
+from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 log = logging.getLogger("lightning_bpk")
 
@@ -277,6 +278,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._finished: str | None = None  # why a resumed run has nothing left to train
         self._saved_step = -1  # global step of the last save
         self._resumed_batches = 0
+        self._reserved = False  # the async saver's staging buffers were requested
         self._previous_handlers: dict[int, Any] = {}
 
     @property
@@ -305,6 +307,7 @@ class BurnpackCheckpoint(Checkpoint):
             self.checkpointer = self._make_checkpointer(dirpath)
         self._position = DataPosition()
         self._position.attach(trainer)
+        self._reserved = False
         self._boundary_loops = None
         self._preempt_agreed = False
         self._due = None
@@ -445,6 +448,8 @@ class BurnpackCheckpoint(Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if self._saver is not None and not self._reserved and trainer.global_step > 0:
+            self._reserve_staging(trainer)
         preempt, timed = _agree_all(
             trainer,
             [int(self._preempt_requested), int(trainer.is_global_zero and self._time_due())],
@@ -462,6 +467,18 @@ class BurnpackCheckpoint(Checkpoint):
         if trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
             return  # on_validation_end saves, so the resumed run does not validate again
         self._save_due(trainer)
+
+    def _reserve_staging(self, trainer: pl.Trainer) -> None:
+        """After the first optimizer step (its state exists now), let the async saver allocate
+        the model's and optimizers' staging buffers on its own thread, before any save."""
+        self._reserved = True
+        if trainer.is_global_zero and self._saver is not None:
+            module = trainer.lightning_module
+            data: dict[str, Any] = {trainer_state.MODEL_KEY: ModuleRecord.from_module(module)}
+            for i, optimizer in enumerate(trainer.optimizers):
+                key = trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)
+                data[key] = OptimizerRecord.from_optimizer(optimizer, module)
+            self._saver.reserve(data)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         due = self._due is not None and not trainer.sanity_checking
