@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import signal
 import time
@@ -103,6 +104,8 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
+# every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
+AUTO_FIRST_SAVE = 10
 # Top-level key of a checkpoint saved when the run ended (why, and the limit it reached).
 FINISHED_KEY = "lightning_bpk_finished"
 
@@ -197,6 +200,11 @@ class BurnpackCheckpoint(Checkpoint):
         preemption_signals: signals that trigger a save-and-stop (empty: none).
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
+            ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
+            a save costs the training thread, and saves as often as keeps that cost under
+            ``max_overhead`` of training time (re-measured at every save, logged when it
+            changes; ``train_time_interval`` still bounds the time between saves).
+        max_overhead: the share of training time ``"auto"`` may spend in saves.
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread
@@ -224,17 +232,25 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
-        every_n_train_steps: int | None = None,
+        every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
+        max_overhead: float = 0.02,
     ) -> None:
         super().__init__()
-        if every_n_train_steps is not None and (
-            isinstance(every_n_train_steps, bool)
-            or not isinstance(every_n_train_steps, int)
-            or every_n_train_steps < 1
+        if not isinstance(max_overhead, (int, float)) or not 0 < max_overhead <= 1:
+            raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead!r}")
+        if (
+            every_n_train_steps is not None
+            and every_n_train_steps != "auto"
+            and (
+                isinstance(every_n_train_steps, bool)
+                or not isinstance(every_n_train_steps, int)
+                or every_n_train_steps < 1
+            )
         ):
             raise ValueError(
-                f"every_n_train_steps must be a positive int or None, got {every_n_train_steps!r}"
+                "every_n_train_steps must be a positive int, 'auto' or None, "
+                f"got {every_n_train_steps!r}"
             )
         if train_time_interval is not None and (
             not isinstance(train_time_interval, timedelta)
@@ -261,6 +277,11 @@ class BurnpackCheckpoint(Checkpoint):
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
         self.every_n_train_steps = every_n_train_steps
+        self.max_overhead = float(max_overhead)
+        self.auto_interval: int | None = None  # what "auto" chose last (rank 0)
+        self._step_time: float | None = None  # moving average of an optimizer step (seconds)
+        self._save_cost: float | None = None  # the training thread's time in the last save
+        self._last_step_end: float | None = None
         self.train_time_interval = train_time_interval
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
@@ -430,6 +451,7 @@ class BurnpackCheckpoint(Checkpoint):
                 self.restored_number,
             )
         self._last_save_time = time.monotonic()
+        self._saved_step = trainer.global_step  # intervals count from here
         self._install_signal_handlers()
 
     # -- saving --------------------------------------------------------------------------------
@@ -452,13 +474,16 @@ class BurnpackCheckpoint(Checkpoint):
             self._reserve_staging(trainer)
         preempt, timed = _agree_all(
             trainer,
-            [int(self._preempt_requested), int(trainer.is_global_zero and self._time_due())],
+            [
+                int(self._preempt_requested),
+                int(trainer.is_global_zero and self._rank0_due(trainer)),
+            ],
         )
         self._preempt_agreed = self._preempt_agreed or bool(preempt)
         if trainer.global_step == self._step_before:
             return  # inside gradient accumulation: saves happen at optimizer-step boundaries
         n = self.every_n_train_steps
-        stepped = n is not None and trainer.global_step % n == 0
+        stepped = isinstance(n, int) and trainer.global_step % n == 0
         if not (self._preempt_agreed or timed or stepped):
             return
         self._due = batch_idx + 1
@@ -490,6 +515,35 @@ class BurnpackCheckpoint(Checkpoint):
         epoch_loop = trainer.fit_loop.epoch_loop
         max_steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
         return bool(epoch_loop.batch_progress.is_last_batch or max_steps or trainer.should_stop)
+
+    def _rank0_due(self, trainer: pl.Trainer) -> bool:
+        """Rank 0's decisions: the time interval passed, or "auto" wants a save now."""
+        if self.every_n_train_steps == "auto":
+            now = time.perf_counter()
+            if self._last_step_end is not None and trainer.global_step != self._step_before:
+                step = now - self._last_step_end
+                average = self._step_time
+                self._step_time = step if average is None else 0.9 * average + 0.1 * step
+            self._last_step_end = now
+            if self._auto_due(trainer):
+                return True
+        return self._time_due()
+
+    def _auto_due(self, trainer: pl.Trainer) -> bool:
+        if self._save_cost is None or self._step_time is None:
+            return trainer.global_step >= AUTO_FIRST_SAVE  # measure a save early
+        interval = max(1, math.ceil(self._save_cost / (self.max_overhead * self._step_time)))
+        if self.auto_interval is None or not 0.5 <= interval / self.auto_interval <= 2:
+            log.info(
+                "every_n_train_steps='auto': a save costs the training thread %.1f ms, an "
+                "optimizer step %.1f ms; saving every %d steps keeps it under %g%%",
+                self._save_cost * 1000,
+                self._step_time * 1000,
+                interval,
+                self.max_overhead * 100,
+            )
+            self.auto_interval = interval
+        return trainer.global_step - max(self._saved_step, 0) >= self.auto_interval
 
     def _time_due(self) -> bool:
         interval = self.train_time_interval
@@ -542,6 +596,7 @@ class BurnpackCheckpoint(Checkpoint):
         (``None``: the epoch's end). ``flush`` waits for an asynchronous write to be durable.
         """
         self._last_save_time = time.monotonic()
+        started = time.perf_counter()
         epoch_end = consumed is None
         if number <= self._replay_floor:
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
@@ -584,6 +639,8 @@ class BurnpackCheckpoint(Checkpoint):
             raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
         self.last_saved_number = number
         self._saved_step = trainer.global_step
+        self._save_cost = time.perf_counter() - started
+        self._last_step_end = None  # the next step's time does not include this save
 
     def _write(self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool) -> None:
         assert self.checkpointer is not None

@@ -214,3 +214,20 @@ def test_time_trigger_saves_at_step_boundaries_numbered_by_global_step(tmp_path)
 def test_invalid_triggers_are_refused_at_construction(settings):
     with pytest.raises(ValueError, match=r"every_n_train_steps|train_time_interval|frequency"):
         BurnpackCheckpoint(**settings)
+
+
+@pytest.mark.parametrize("budget", [1.0, 1e-6])
+def test_auto_interval_keeps_saves_under_the_overhead_budget(tmp_path, caplog, budget):
+    L.seed_everything(SEED)
+    callback = BurnpackCheckpoint(
+        every_n_train_steps="auto", max_overhead=budget, checkpoint_duration=100
+    )
+    with caplog.at_level("INFO", logger="lightning_bpk"):
+        make_trainer(str(tmp_path), 6, [callback], num_sanity_val_steps=0).fit(TinyModel())
+    # the first save (after 10 steps) measured the cost; the interval follows from it
+    assert "every_n_train_steps='auto'" in caplog.text and callback.auto_interval is not None
+    numbers = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "checkpoints").glob("ckpt.*"))
+    saved_between = [n for n in numbers if 10 < n < 36]  # 36: the final save
+    # a 100 % budget saves every few steps (a save costs a few steps' time here); a budget of
+    # a millionth never again
+    assert len(saved_between) >= 3 if budget == 1.0 else saved_between == []
