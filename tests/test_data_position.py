@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -22,7 +21,6 @@ from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, REPLAY, SAMPLER, STATEFUL, loader_kind
 from lightning_bpk.records import StateRecord
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from lightning_tiny import BATCH_SIZE, SEED, TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,10 +17,10 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import ModuleRecord, StateRecord
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from conftest import SCRIPTS, run_process
 from lightning_tiny import TinyModel, make_trainer
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 90
 BATCHES_PER_EPOCH = 6
 
@@ -41,22 +40,15 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(
     # num_workers=2: the data order must not depend on what the workers had prefetched
     common = ["--epochs", "4", "--workers", "2"]
     outputs = ["--ids", str(tmp_path / "ref.ids"), "--out", str(tmp_path / "ref.bpk")]
-    reference = subprocess.run(
-        [sys.executable, str(SCRIPT), "--root", str(tmp_path / "ref"), *common, *outputs],
-        capture_output=True,
-        text=True,
+    reference = run_process(
+        [sys.executable, SCRIPT, "--root", tmp_path / "ref", *common, *outputs],
         timeout=RUN_TIMEOUT,
     )
     assert reference.returncode == 0, reference.stderr
-    command = [sys.executable, str(SCRIPT), "--root", str(tmp_path), *common]
+    command = [sys.executable, SCRIPT, "--root", tmp_path, *common]
     command += ["--ids", str(tmp_path / "run.ids")]
     term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 2 of epoch 2
-    stopped = subprocess.run(
-        [*command, "--term-at-step", str(term_step)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
+    stopped = run_process([*command, "--term-at-step", term_step], timeout=RUN_TIMEOUT)
     assert stopped.returncode == 0, stopped.stderr
     assert "FINISHED" not in stopped.stdout  # fit did not return: the process stopped
     assert "saved checkpoint 2 after batch 2 of epoch 2" in stopped.stderr
@@ -68,12 +60,7 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(
     progress = value["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
     assert progress["processed"] == 3
 
-    resumed = subprocess.run(
-        [*command, "--out", str(tmp_path / "resumed.bpk")],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
+    resumed = run_process([*command, "--out", tmp_path / "resumed.bpk"], timeout=RUN_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
     assert "saved at epoch 2, after 3 batches" in resumed.stderr
     assert "replayed" not in resumed.stderr
