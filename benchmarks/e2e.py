@@ -162,6 +162,7 @@ class StepOverhead:
     times: dict[str, list[float]]
     blocked: list[float]  # seconds the training thread spent in each async save
     auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
+    epochs: int = STEP_EPOCHS
     repeat: int = REPEAT
     what: str = f"training with async checkpoints every {STEP_INTERVAL} steps: overhead"
 
@@ -173,7 +174,8 @@ class StepOverhead:
         base = statistics.median(self.times["none"])
         lines = [
             f"`examples/train_digits.py` model, data passed {self.repeat}x per epoch, "
-            f"{STEP_EPOCHS} epochs ({STEP_EPOCHS * 25 * self.repeat} optimizer steps), a "
+            f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} "
+            f"({self.epochs * 25 * self.repeat} optimizer steps), a "
             f"checkpoint every {STEP_INTERVAL} steps, {len(self.times['none'])} interleaved runs "
             "per variant. Each async save blocks the training thread for "
             f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}):",
@@ -251,4 +253,4 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
         with tempfile.TemporaryDirectory(dir=directory) as root:
             _fit(Path(root), epochs, [callback], REPEAT)
         auto[budget] = (callback.auto_interval, callback.saves)
-    return StepOverhead(times, blocked, auto)
+    return StepOverhead(times, blocked, auto, epochs)
