@@ -87,21 +87,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import trainer_state
+from lightning_bpk import _lightning_compat, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
+
+__all__ = [
+    "FINISHED_KEY",
+    "PREEMPTION_SIGNALS",
+    "BurnpackCheckpoint",
+    "CheckpointSaveError",
+]
 
 log = logging.getLogger("lightning_bpk")
 
 # Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
 # time limit; SIGUSR1: SLURM's --signal default for requeue).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
 # every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
@@ -110,7 +117,7 @@ AUTO_FIRST_SAVE = 10
 FINISHED_KEY = "lightning_bpk_finished"
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
 
 
@@ -168,17 +175,12 @@ def _describe(finished: dict) -> str:
     return f"{finished['by']}={finished['limit']} was reached"
 
 
-def _is_lightning_handler(handler: object) -> bool:
-    """Lightning's own signal-connector handlers (bound methods), which we take over."""
-    owner = getattr(handler, "__self__", None)
-    return type(owner).__module__ == _LIGHTNING_SIGNAL_CONNECTOR
-
-
 def _others(handler: object) -> list[Callable[..., Any]]:
     """The callables a previously installed handler runs, without Lightning's own ones."""
-    inner = getattr(handler, "signal_handlers", None)  # Lightning's _HandlersCompose
-    handlers = list(inner) if isinstance(inner, list) else [handler]
-    return [h for h in handlers if callable(h) and not _is_lightning_handler(h)]
+    handlers = _lightning_compat.composed_signal_handlers(handler)
+    return [
+        h for h in handlers if callable(h) and not _lightning_compat.is_lightning_signal_handler(h)
+    ]
 
 
 @gin.configurable(module="lightning_bpk")
@@ -223,8 +225,8 @@ class BurnpackCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
-        checkpoint_file_prefix: str = "ckpt",
-        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
@@ -309,7 +311,8 @@ class BurnpackCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
+        return _lightning_compat.generate_state_key(
+            self,
             dirpath=None if self.dirpath is None else str(self.dirpath),
             checkpoint_file_prefix=self.checkpoint_file_prefix,
         )
@@ -347,7 +350,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._intercept_resume(trainer)
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
-        settings = dict(
+        settings: dict[str, Any] = dict(
             checkpoint_file_prefix=self.checkpoint_file_prefix,
             sentinel_file_identifier=self.sentinel_file_identifier,
             checkpoint_frequency=self.checkpoint_frequency,
@@ -361,26 +364,23 @@ class BurnpackCheckpoint(Checkpoint):
 
     def _intercept_resume(self, trainer: pl.Trainer) -> None:
         """Make the next ``resume_start`` load our checkpoint when ``fit`` got no ckpt_path."""
-        connector = trainer._checkpoint_connector
-        original = type(connector).resume_start.__get__(connector)
 
-        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            del connector.resume_start  # one shot: back to the class method
+        def resume_start(
+            original: Any, checkpoint_path: Any, weights_only: bool | None
+        ) -> tuple[Any, dict[str, Any]] | None:
             path = checkpoint_path
             if path is None and self._resume_number >= 0:
                 assert self.checkpointer is not None
                 path = self.checkpointer.checkpoint_path(self._resume_number)
             if path is None or not Path(path).is_dir():
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
-                return
+                return None
             if checkpoint_path is None:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            loaded = trainer_state.load(path)
-            connector._ckpt_path = path
-            connector._loaded_checkpoint = _pl_migrate_checkpoint(loaded, path)
+            return path, trainer_state.load(path)
 
-        connector.resume_start = resume_start
+        _lightning_compat.intercept_resume_start(trainer, resume_start)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -489,7 +489,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._due = batch_idx + 1
         if self._epoch_ends_here(trainer):
             return  # on_train_epoch_end saves, after the validation that follows this batch
-        if trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        if _lightning_compat.validation_follows(trainer):
             return  # on_validation_end saves, so the resumed run does not validate again
         self._save_due(trainer)
 
@@ -512,9 +512,9 @@ class BurnpackCheckpoint(Checkpoint):
 
     @staticmethod
     def _epoch_ends_here(trainer: pl.Trainer) -> bool:
-        epoch_loop = trainer.fit_loop.epoch_loop
         max_steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
-        return bool(epoch_loop.batch_progress.is_last_batch or max_steps or trainer.should_stop)
+        last = _lightning_compat.is_last_batch(trainer)
+        return bool(last or max_steps or trainer.should_stop)
 
     def _rank0_due(self, trainer: pl.Trainer) -> bool:
         """Rank 0's decisions: the time interval passed, or "auto" wants a save now."""
@@ -578,7 +578,7 @@ class BurnpackCheckpoint(Checkpoint):
             self.last_saved_number == number and self._saved_step == trainer.global_step
         ):
             self._save(trainer, number, preempted=preempted, flush=preempted)
-        self._boundary_loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+        self._boundary_loops = copy.deepcopy(_lightning_compat.loops_state_dict(trainer))
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
@@ -602,7 +602,7 @@ class BurnpackCheckpoint(Checkpoint):
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = _lightning_compat.dump_checkpoint(trainer)
         ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
         extra: dict[str, Any] = {POSITION_KEY: ranks}
         finished = _finished(trainer, epoch_end)
@@ -632,6 +632,7 @@ class BurnpackCheckpoint(Checkpoint):
             if error is not None:
                 # an asynchronous save's error says which earlier save it comes from in a note
                 detail = " ".join([str(error), *getattr(error, "__notes__", [])])
+                assert self.checkpointer is not None  # rank 0's, made in setup
                 raise CheckpointSaveError(
                     f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
                     f"({detail}); earlier checkpoints are untouched"
@@ -730,7 +731,6 @@ class BurnpackCheckpoint(Checkpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
         self._position.detach(trainer)
-        connector = trainer._checkpoint_connector
-        if "resume_start" in vars(connector):  # fit failed before Lightning restored anything
-            del connector.resume_start
+        # fit may have failed before Lightning restored anything
+        _lightning_compat.release_resume_start(trainer)
         self._flush()  # the last checkpoint is complete when fit returns

@@ -34,7 +34,16 @@ import torch
 
 from lightning_bpk import burnpack, checkpointer
 from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records.base import RecordError
+
+__all__ = [
+    "EXIT_BAD_FILE",
+    "EXIT_FOUND",
+    "EXIT_OK",
+    "build_parser",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
@@ -57,9 +66,9 @@ def _json_value(scalar: burnpack.Scalar) -> bool | int | float | str:
     return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
 
 
-def describe(pack: burnpack.Pack) -> dict[str, Any]:
+def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         "file": pack.source,
         "header": {
@@ -93,8 +102,8 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def format_text(info: dict[str, Any]) -> str:
-    """The human-readable ``inspect`` report of :func:`describe`'s output."""
+def _format_text(info: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report of :func:`_describe`'s output."""
     h = info["header"]
     lines = [
         f"file: {info['file']}",
@@ -126,11 +135,11 @@ def format_text(info: dict[str, Any]) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with burnpack.read(args.file) as pack:
-        info = describe(pack)
+        info = _describe(pack)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(format_text(info))
+        print(_format_text(info))
     return EXIT_OK
 
 
@@ -180,7 +189,7 @@ def _progress(label: str) -> Callable[[int, int, str], None] | None:
     return report
 
 
-def _size_text(n: int) -> str:
+def _size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -203,7 +212,9 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
     print(json.dumps(info, indent=2) if args.json else text)
 
 
-def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> list[dict[str, Any]]:
+def _checkpoint_rows(
+    base: Path, identifier: str, prefix: str, verify: bool
+) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
     problems. ``verified`` is None when ``verify`` is off."""
     rows = []
@@ -220,7 +231,7 @@ def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> l
                 "complete": complete,
                 "verified": (not problems) if verify and complete else None,
                 "size": _tree_size(entry.data) if entry.data is not None else 0,
-                "time": _mtime(entry.sentinel or entry.data),
+                "time": _mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
             }
@@ -236,7 +247,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     base = Path(args.dir)
     if not base.is_dir():
         raise OSError(f"{base}: not a directory")
-    rows = checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
+    rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
     table += [
         [
@@ -287,7 +298,7 @@ def _verify_file(path: Path) -> dict[str, Any]:
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir():
-        rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
+        rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
                 {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
@@ -340,7 +351,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
-def diff_contents(
+def _diff_contents(
     a: Content, b: Content, progress: Callable[[int, int, str], None] | None = None
 ) -> list[dict[str, Any]]:
     """Tensor-by-tensor comparison of two :class:`~lightning_bpk.interop.Content` objects."""
@@ -383,7 +394,7 @@ def diff_contents(
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = read_content(args.a), read_content(args.b)
-    rows = diff_contents(a, b, _progress("diff"))
+    rows = _diff_contents(a, b, _progress("diff"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
         different = [
@@ -427,8 +438,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         return parser
 
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
-        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+        parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
+        parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")

@@ -41,7 +41,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk import trainer_state
+from lightning_bpk import _lightning_compat, trainer_state
+
+__all__ = ["POSITION_KEY", "REPLAY", "SAMPLER", "STATEFUL", "DataPosition", "loader_kind"]
 
 # Top-level key of Lightning's dict holding every rank's position and RNG states.
 POSITION_KEY = "lightning_bpk_data"
@@ -186,39 +188,12 @@ class DataPosition:
         self._warned = False
 
     def attach(self, trainer: pl.Trainer) -> None:
-        """Take over the training loaders Lightning creates from now on (this trainer only).
-
-        Lightning creates them in ``fit_loop.setup_data`` (maybe early, when the module reads
-        ``estimated_stepping_batches``) and iterates them at once; the strategy's
-        ``process_dataloader`` is the last step before that, so while ``setup_data`` runs it
-        is intercepted to install the position tracking.
-        """
-        fit_loop, strategy = trainer.fit_loop, trainer.strategy
-        original_setup = type(fit_loop).setup_data.__get__(fit_loop)
-        original_process = type(strategy).process_dataloader.__get__(strategy)
-
-        def setup_data() -> None:
-            count = 0
-
-            def process_dataloader(dataloader: Any) -> Any:
-                nonlocal count
-                dataloader = original_process(dataloader)
-                count += 1
-                self._install(dataloader, count)
-                return dataloader
-
-            strategy.process_dataloader = process_dataloader
-            try:
-                original_setup()
-            finally:
-                del strategy.process_dataloader
-
-        fit_loop.setup_data = setup_data
+        """Take over the training loaders Lightning sets up from now on (this trainer only)."""
+        _lightning_compat.intercept_train_dataloaders(trainer, self._install)
 
     def detach(self, trainer: pl.Trainer) -> None:
         """Undo :meth:`attach`."""
-        if "setup_data" in vars(trainer.fit_loop):
-            del trainer.fit_loop.setup_data
+        _lightning_compat.release_train_dataloaders(trainer)
 
     def _install(self, loader: Any, count: int) -> None:
         if count > 1:  # several training loaders: none of them resumes exactly

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.async_save import WRITER_THREAD_NAME, AsyncCheckpointSaver, StagingArea, freeze
+from lightning_bpk.async_save import (
+    _WRITER_THREAD_NAME,
+    AsyncCheckpointSaver,
+    _freeze,
+    _StagingArea,
+)
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
 
@@ -122,7 +127,7 @@ def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(t
         saver.wait()
         reserved = saver.staging.allocations
         assert reserved == len(net.state_dict())
-        assert threads and threads[0].startswith(WRITER_THREAD_NAME)
+        assert threads and threads[0].startswith(_WRITER_THREAD_NAME)
         saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
         assert saver.staging.allocations == reserved  # nothing allocated on this thread
     saved = checkpointer.load_checkpoint(0)["model"].tensors
@@ -130,7 +135,7 @@ def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(t
 
 
 def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
-    area = StagingArea()
+    area = _StagingArea()
     first = area.copy("m", "a", torch.ones(4))
     area.copy("m", "b", torch.ones(2))
     area.prune()
@@ -258,7 +263,7 @@ def test_save_record_writes_a_snapshot_at_the_path(tmp_path):
 
 
 def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
-    area = StagingArea()
+    area = _StagingArea()
     live = torch.arange(4, dtype=torch.float32)
     raw = bytearray(b"\x01\x02")
     calls = []
@@ -278,7 +283,7 @@ def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
                 {},
             )
 
-    frozen = freeze(area, "m", Deferred({}))
+    frozen = _freeze(area, "m", Deferred({}))
     assert calls == [1]
     live.add_(100)
     raw[0] = 9

@@ -1,0 +1,150 @@
+"""Every use of Lightning's private API, in one place.
+
+Lightning offers no public hook for what the callback needs in three spots: building the
+checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
+``ckpt_path`` (Lightning chooses the path before any callback runs), and telling Lightning's own
+signal handlers from a user's. Each function here wraps one such touch;
+``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
+that moves one fails there, by name, instead of somewhere inside a training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+__all__ = [
+    "SIGNAL_CONNECTOR_MODULE",
+    "composed_signal_handlers",
+    "dump_checkpoint",
+    "generate_state_key",
+    "intercept_resume_start",
+    "intercept_train_dataloaders",
+    "is_last_batch",
+    "is_lightning_signal_handler",
+    "loops_state_dict",
+    "release_resume_start",
+    "release_train_dataloaders",
+    "validation_follows",
+]
+
+# The module whose handlers Lightning installs for SIGTERM (and SIGUSR1 under SLURM).
+SIGNAL_CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
+
+ResumeStart = Callable[[Any, "bool | None"], None]
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's own checkpoint dict (loops, callback states, hooks), as ``ModelCheckpoint``
+    gets it; ``weights_only=False`` means "with optimizers and schedulers", not unpickling."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def intercept_resume_start(
+    trainer: pl.Trainer,
+    resume_start: Callable[[ResumeStart, Any, bool | None], tuple[Any, dict[str, Any]] | None],
+) -> None:
+    """Route the trainer's next ``resume_start(checkpoint_path, weights_only)`` through
+    ``resume_start(original, checkpoint_path, weights_only)``, once.
+
+    It returns ``None`` after calling ``original`` itself (Lightning's own path), or
+    ``(path, checkpoint)``: Lightning then restores that dict exactly as one it read itself
+    (migrated first) and reports ``path`` as ``trainer.ckpt_path``.
+    """
+    connector = trainer._checkpoint_connector
+    original = type(connector).resume_start.__get__(connector)
+
+    def one_shot(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        del connector.resume_start  # back to the class method
+        loaded = resume_start(original, checkpoint_path, weights_only)
+        if loaded is not None:
+            path, checkpoint = loaded
+            connector._ckpt_path = path
+            connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
+
+    connector.resume_start = one_shot  # type: ignore[method-assign]
+
+
+def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
+    """The loops' state as ``dump_checkpoint`` stores it under ``"loops"`` (progress counters)."""
+    return trainer._checkpoint_connector._get_loops_state_dict()
+
+
+def release_resume_start(trainer: pl.Trainer) -> None:
+    """Undo :func:`intercept_resume_start` if ``fit`` ended before Lightning called it."""
+    connector = trainer._checkpoint_connector
+    if "resume_start" in vars(connector):
+        del connector.resume_start
+
+
+def is_lightning_signal_handler(handler: object) -> bool:
+    """Lightning's own signal-connector handlers (bound methods of its signal connector)."""
+    owner = getattr(handler, "__self__", None)
+    return type(owner).__module__ == SIGNAL_CONNECTOR_MODULE
+
+
+def composed_signal_handlers(handler: object) -> list[Any]:
+    """The callables a handler runs: the list inside Lightning's ``_HandlersCompose``, or the
+    handler itself."""
+    inner = getattr(handler, "signal_handlers", None)
+    return list(inner) if isinstance(inner, list) else [handler]
+
+
+def generate_state_key(callback: Callback, **kwargs: Any) -> str:
+    """``Callback._generate_state_key``: the key of a callback's state in the checkpoint."""
+    return callback._generate_state_key(**kwargs)
+
+
+def intercept_train_dataloaders(trainer: pl.Trainer, install: Callable[[Any, int], None]) -> None:
+    """Call ``install(dataloader, n)`` on each training dataloader the fit loop sets up from now
+    on (the n-th of this set-up), after Lightning processed it (distributed sampler injected)
+    and before it is first iterated.
+
+    Lightning builds them in ``fit_loop.setup_data`` (early, when the module reads
+    ``estimated_stepping_batches``) and iterates them at once; the strategy's
+    ``process_dataloader`` is the last step in between, so it is intercepted while
+    ``setup_data`` runs (evaluation loaders are set up elsewhere and are not seen).
+    """
+    fit_loop, strategy = trainer.fit_loop, trainer.strategy
+    original_setup = type(fit_loop).setup_data.__get__(fit_loop)
+    original_process = type(strategy).process_dataloader.__get__(strategy)
+
+    def setup_data() -> None:
+        count = 0
+
+        def process_dataloader(dataloader: Any) -> Any:
+            nonlocal count
+            dataloader = original_process(dataloader)
+            count += 1
+            install(dataloader, count)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        try:
+            original_setup()
+        finally:
+            del strategy.process_dataloader
+
+    fit_loop.setup_data = setup_data  # type: ignore[method-assign]
+
+
+def release_train_dataloaders(trainer: pl.Trainer) -> None:
+    """Undo :func:`intercept_train_dataloaders`."""
+    if "setup_data" in vars(trainer.fit_loop):
+        del trainer.fit_loop.setup_data
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch loop runs validation right after the current batch (what it
+    asks itself next, in ``on_advance_end``)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch is the epoch's last (as the epoch loop knows it)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
