@@ -60,7 +60,14 @@ trigger; a later save of E replaces it), and stop with
 :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit`` without
 code: exit status 0). A signal during validation is acted on at the next batch end or the
 epoch's end. A mid-epoch checkpoint is marked in ``trainer.bpk`` under
-``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays).
+``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays). From then on a
+repeated signal (schedulers send more than one) is ignored until the process has exited, so the
+exit status stays 0; a later ``fit`` in the same process brings the default handlers back.
+
+**SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
+SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
+requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
+complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
 
 **A finished run stays finished.** The save at the end of training (``max_epochs`` or
 ``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
@@ -70,6 +77,7 @@ already finished and Lightning trains nothing; raise ``max_epochs``/``max_steps`
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import math
@@ -89,7 +97,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _lightning_compat, trainer_state
+from lightning_bpk import _lightning_compat, slurm, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
@@ -183,6 +191,33 @@ def _others(handler: object) -> list[Callable[..., Any]]:
     ]
 
 
+def _ignore_while_stopping(signum: int, frame: FrameType | None) -> None:
+    """Stands in for a default (fatal) disposition once a preemption stop has saved.
+
+    Schedulers repeat their signal (SLURM signals every step, a requeue sends SIGTERM, a user
+    presses twice); between the save and the process's exit that must not turn exit status 0
+    into death by signal.
+    """
+
+
+def _ignore_at_exit(signums: Sequence[int]) -> None:
+    """Interpreter finalization resets Python-level handlers to the default (fatal) one before
+    torch and the other modules are torn down, so for that last stretch ignore them outright."""
+    for signum in signums:
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _stop_ignoring(trainer: pl.Trainer, signums: Sequence[int]) -> None:
+    """A new fit in a process that survived a preemption stop: the defaults are back."""
+    originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+    for signum in signums:
+        if originals.get(signum) is _ignore_while_stopping:
+            originals[signum] = signal.SIG_DFL
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_DFL)
+
+
 @gin.configurable(module="lightning_bpk")
 class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
@@ -199,7 +234,8 @@ class BurnpackCheckpoint(Checkpoint):
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
-        preemption_signals: signals that trigger a save-and-stop (empty: none).
+        preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
+            with auto-requeue, the environment's ``requeue_signal`` too.
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
             ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
@@ -214,6 +250,10 @@ class BurnpackCheckpoint(Checkpoint):
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write.
+        auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
+            default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
+            ``scontrol requeue`` once the preemption checkpoint is complete
+            (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
 
     Example::
 
@@ -237,6 +277,7 @@ class BurnpackCheckpoint(Checkpoint):
         every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
         max_overhead: float = 0.02,
+        auto_requeue: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(max_overhead, (int, float)) or not 0 < max_overhead <= 1:
@@ -285,6 +326,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._save_cost: float | None = None  # the training thread's time in the last save
         self._last_step_end: float | None = None
         self.train_time_interval = train_time_interval
+        self.auto_requeue = auto_requeue
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
@@ -302,6 +344,10 @@ class BurnpackCheckpoint(Checkpoint):
         self._saved_step = -1  # global step of the last save
         self._resumed_batches = 0
         self._reserved = False  # the async saver's staging buffers were requested
+        self._requeue_signal: int | None = None  # set in setup when SLURM auto-requeue applies
+        self._requeue_requested = False  # that signal arrived (on this rank)
+        self._requeue_agreed = False  # ... on any rank, at the agreed step
+        self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
 
     @property
@@ -333,7 +379,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._position.attach(trainer)
         self._reserved = False
         self._boundary_loops = None
-        self._preempt_agreed = False
+        self._preempt_agreed = self._requeue_agreed = False
         self._due = None
         self._replay_floor = -1
         self._finished = None
@@ -347,6 +393,7 @@ class BurnpackCheckpoint(Checkpoint):
                 verify=self.verify,
             )
         self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
@@ -452,7 +499,9 @@ class BurnpackCheckpoint(Checkpoint):
             )
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
-        self._install_signal_handlers()
+        if trainer.is_global_zero:
+            slurm.log_restart(trainer.ckpt_path)
+        self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -475,11 +524,12 @@ class BurnpackCheckpoint(Checkpoint):
         preempt, timed = _agree_all(
             trainer,
             [
-                int(self._preempt_requested),
+                int(self._preempt_requested) + int(self._requeue_requested),  # 0, 1 or 2
                 int(trainer.is_global_zero and self._rank0_due(trainer)),
             ],
         )
         self._preempt_agreed = self._preempt_agreed or bool(preempt)
+        self._requeue_agreed = self._requeue_agreed or preempt == 2  # SLURM's requeue signal
         if trainer.global_step == self._step_before:
             return  # inside gradient accumulation: saves happen at optimizer-step boundaries
         n = self.every_n_train_steps
@@ -564,7 +614,9 @@ class BurnpackCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
-        self._preempt_agreed = self._preempt_agreed or self._preemption_agreed(trainer)
+        requeue = self._requeue_agreed  # agreed at an earlier batch end, acted on now
+        self._preempt_agreed = self._preemption_agreed(trainer) or self._preempt_agreed
+        self._requeue_agreed = self._requeue_agreed or requeue
         preempted = self._preempt_agreed
         finished = _finished(trainer, epoch_end=True)
         if self.step_numbered:
@@ -672,14 +724,20 @@ class BurnpackCheckpoint(Checkpoint):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Never save here: the main thread may be anywhere (inside a collective, a write).
         self._preempt_requested = True
+        self._requeue_requested |= signum == self._requeue_signal
         for handler in _others(self._previous_handlers.get(signum)):
             handler(signum, frame)
 
-    def _install_signal_handlers(self) -> None:
-        self._preempt_requested = False
+    def _install_signal_handlers(self, trainer: pl.Trainer) -> None:
+        self._preempt_requested = self._requeue_requested = False
+        self._stopping = False
         if self._previous_handlers:
             return
-        for signum in self.preemption_signals:
+        signums = list(self.preemption_signals)
+        if signums and self._requeue_signal is not None and self._requeue_signal not in signums:
+            signums.append(self._requeue_signal)  # SLURMEnvironment(requeue_signal=...)
+        _stop_ignoring(trainer, signums)
+        for signum in signums:
             try:
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
             except ValueError:  # not the main thread: signals cannot be handled here
@@ -692,23 +750,48 @@ class BurnpackCheckpoint(Checkpoint):
         self._previous_handlers = {}
 
     def _preemption_agreed(self, trainer: pl.Trainer) -> bool:
-        if trainer.world_size == 1:
-            return self._preempt_requested
-        return bool(_agree(trainer, int(self._preempt_requested)))
+        requested = int(self._preempt_requested) + int(self._requeue_requested)  # 0, 1 or 2
+        agreed = requested if trainer.world_size == 1 else _agree(trainer, requested)
+        self._requeue_agreed = agreed == 2  # a requeue signal reached some rank
+        return agreed > 0
 
     def _stop(self, trainer: pl.Trainer, where: str) -> None:
+        """Stop after the preemption save (complete and flushed on every rank by now)."""
         if trainer.is_global_zero:
+            if self._requeue_agreed:
+                assert self.checkpointer is not None
+                slurm.requeue(str(self.checkpointer.checkpoint_path(self.last_saved_number)))
             log.info(
                 "preemption signal: saved checkpoint %s %s; stopping (exit status 0)",
                 self.last_saved_number,
                 where,
             )
+        self._stopping = True
         raise SIGTERMException()
+
+    def _keep_ignoring_signals(self, trainer: pl.Trainer) -> None:
+        """After a preemption stop, no further preemption signal may kill the exiting process.
+
+        Our handler stays until Lightning's teardown reinstalls the handlers it found at fit
+        start; where that was the fatal default, it reinstalls :func:`_ignore_while_stopping`
+        instead (and :func:`_ignore_at_exit` covers interpreter finalization). Handlers the user
+        installed come back as they were.
+        """
+        originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+        signums = [s for s in self._previous_handlers if originals.get(s) == signal.SIG_DFL]
+        for signum in signums:
+            originals[signum] = _ignore_while_stopping
+        atexit.unregister(_ignore_at_exit)
+        atexit.register(_ignore_at_exit, signums)
+        self._previous_handlers = {}
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._restore_signal_handlers()
+        if self._stopping and isinstance(exception, SIGTERMException):
+            self._keep_ignoring_signals(trainer)
+        else:
+            self._restore_signal_handlers()
         try:
             self._flush()
         except CheckpointSaveError as e:  # reported with, not instead of, the training error

@@ -121,3 +121,29 @@ def test_train_dataloader_interception_validation_follows_and_last_batch(tmp_pat
     ]
     compat.release_train_dataloaders(trainer)
     assert "setup_data" not in vars(trainer.fit_loop)
+
+
+def test_handlers_restored_at_teardown_are_the_ones_found_at_fit_start(fitted) -> None:
+    trainer, _ = fitted
+    connector = trainer._signal_connector
+    assert compat.handlers_restored_at_teardown(trainer) is connector._original_handlers
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        connector.register_signal_handlers()  # what fit does before training
+        restored = compat.handlers_restored_at_teardown(trainer)
+        assert restored[signal.SIGUSR2] == previous
+        restored[signal.SIGUSR2] = signal.SIG_IGN
+        connector.teardown()
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # teardown reinstalled ours
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_cluster_environment_is_the_detected_or_given_one() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    plain = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    assert isinstance(compat.cluster_environment(plain), LightningEnvironment)
+    slurm = SLURMEnvironment(auto_requeue=False)
+    given = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[slurm])
+    assert compat.cluster_environment(given) is slurm
