@@ -491,7 +491,7 @@ def write_report(
     by_state: dict[str, dict[str, Result]],
     benches: dict[str, Bench],
     peaks: dict[str, dict[str, int]],
-    e2e_results: list[e2e.Overhead],
+    e2e_results: list[e2e.Overhead | e2e.StepOverhead],
     args: argparse.Namespace,
     elapsed: float,
 ) -> None:
@@ -512,8 +512,8 @@ def write_report(
     svg.write_text(chart.render(panels))
     goals = targets(by_state, peaks, benches)
     for result in e2e_results:
-        what = "training with async per-epoch checkpoints: overhead"
-        if result.repeat != 1:
+        what = getattr(result, "what", "training with async per-epoch checkpoints: overhead")
+        if result.repeat != 1 and not hasattr(result, "what"):
             what += f" (extra row: data passed {result.repeat}x per epoch, longer epochs)"
         goals.append(Target(what, result.overhead, E2E_LIMIT, "%"))
     lines = [
@@ -602,6 +602,7 @@ def main() -> None:
             e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
             if not args.quick:
                 e2e_results.append(e2e.measure(Path(tmp), quick=False, repeat=e2e.REPEAT))
+            e2e_results.append(e2e.measure_steps(Path(tmp), quick=args.quick))
         info["Load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_report(
         Path(args.out),
