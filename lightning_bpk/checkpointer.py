@@ -101,7 +101,8 @@ from typing import Any, TypeVar
 import gin
 import xxhash
 
-from lightning_bpk import _fs, burnpack
+from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk.lease import Lease
 from lightning_bpk.records.base import Record, RecordError, StateRecord, load_record
 
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
@@ -187,6 +188,15 @@ def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
             yield match, Path(entry.path)
 
 
+def number_matches(names: Iterable[str], stem: str) -> Iterator[tuple[str, re.Match[str]]]:
+    """The names ``stem.N`` (canonical N) among ``names``, with their matches (group 1: N)."""
+    compiled = re.compile(re.escape(stem) + r"\." + _NUMBER)
+    for name in names:
+        match = compiled.fullmatch(name)
+        if match:
+            yield name, match
+
+
 def _numbers(base: Path, stem: str) -> dict[int, Path]:
     """``{N: path}`` for the entries of ``base`` named ``stem.N``."""
     return {int(m.group(1)): p for m, p in _matching(base, re.escape(stem) + r"\." + _NUMBER)}
@@ -197,8 +207,8 @@ class CheckpointEntry:
     """What the directory holds for one iteration number: its data and/or its sentinel."""
 
     number: int
-    data: Path | None
-    sentinel: Path | None
+    data: Path | str | None  # a URL string on object stores
+    sentinel: Path | str | None
 
     @property
     def complete(self) -> bool:
@@ -210,6 +220,7 @@ def list_checkpoints(
     base_directory: str | os.PathLike[str],
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_file_prefix: str = "ckpt",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[CheckpointEntry]:
     """Every iteration number with data or a sentinel in ``base_directory``, newest first.
 
@@ -221,13 +232,24 @@ def list_checkpoints(
     >>> [(e.number, e.complete) for e in list_checkpoints(base)]
     [(0, True)]
     """
-    base = Path(base_directory)
+    if not storage.is_local(base_directory):
+        store = storage.open_store(base_directory, storage_options)
+        return _objects().list_checkpoints(store, sentinel_file_identifier, checkpoint_file_prefix)
+    base = storage.location(base_directory)
     sentinels = _numbers(base, _sentinel_stem(sentinel_file_identifier))
     data = _numbers(base, checkpoint_file_prefix)
     return [
         CheckpointEntry(n, data.get(n), sentinels.get(n))
         for n in sorted(set(sentinels) | set(data), reverse=True)
     ]
+
+
+def _objects() -> Any:
+    """The object-store protocol (:mod:`lightning_bpk.object_checkpoints`), which builds on this
+    module's manifest and retention and so is imported on first use."""
+    from lightning_bpk import object_checkpoints
+
+    return object_checkpoints
 
 
 def _remove(path: Path) -> None:
@@ -477,6 +499,7 @@ def get_latest_checkpoint_number(
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """The newest complete checkpoint's iteration number in ``base_directory``, or -1.
 
@@ -486,7 +509,8 @@ def get_latest_checkpoint_number(
     manifest and the tensor checksums (what resume should use). A candidate that fails is skipped
     with a :class:`CheckpointWarning` saying why, and the next older one is tried.
     ``checkpoint_file_prefix`` (None: any, as named by each manifest; ``"ckpt"`` for Dopamine
-    sentinels) restricts the search to one checkpointer's data.
+    sentinels) restricts the search to one checkpointer's data. ``base_directory`` may be a URL
+    (``s3://bucket/run``, one listing; ``storage_options`` go to fsspec).
 
     >>> get_latest_checkpoint_number("/does/not/exist"), get_latest_checkpoint_number("/x", 12)
     (-1, 12)
@@ -496,7 +520,10 @@ def get_latest_checkpoint_number(
     identifier = _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-    return _latest(Path(base_directory), identifier, checkpoint_file_prefix, verify)
+    if not storage.is_local(base_directory):
+        store = storage.open_store(base_directory, storage_options)
+        return _objects().latest(store, identifier, checkpoint_file_prefix, verify)
+    return _latest(storage.location(base_directory), identifier, checkpoint_file_prefix, verify)
 
 
 def verify_checkpoint(
@@ -504,6 +531,7 @@ def verify_checkpoint(
     iteration_number: int,
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_file_prefix: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Every problem found with checkpoint ``iteration_number`` (empty: it verifies).
 
@@ -517,9 +545,15 @@ def verify_checkpoint(
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     n = _iteration(iteration_number)
-    return _Checkpoint(Path(base_directory), n, identifier, checkpoint_file_prefix).problems(
-        full=True
-    )
+    if not storage.is_local(base_directory):
+        store = storage.open_store(base_directory, storage_options)
+        return (
+            _objects()
+            .RemoteCheckpoint(store, n, identifier, checkpoint_file_prefix)
+            .problems(full=True)
+        )
+    base = storage.location(base_directory)
+    return _Checkpoint(base, n, identifier, checkpoint_file_prefix).problems(full=True)
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
@@ -556,10 +590,12 @@ class Checkpointer:
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
-        self.base_directory = Path(base_directory)
+        # a Path for local directories, the URL for object stores (never Path("s3://..."))
+        self.base_directory: Path | str = storage.location(base_directory)
         self.checkpoint_file_prefix = _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
         self.sentinel_file_identifier = _safe_name(
             sentinel_file_identifier, "sentinel_file_identifier"
@@ -567,6 +603,13 @@ class Checkpointer:
         self.checkpoint_frequency = _setting(checkpoint_frequency, "checkpoint_frequency")
         self.checkpoint_duration = _setting(checkpoint_duration, "checkpoint_duration")
         self.keep_every = _setting(keep_every, "keep_every", optional=True)
+        # Set by take_over(): then every commit and garbage collection first checks that no
+        # newer run took over the directory (lightning_bpk.lease).
+        self.lease: Lease | None = None
+        self._store = storage.open_store(self.base_directory, storage_options)
+        if isinstance(self._store, storage.ObjectStore):
+            self._store.check()  # unreachable, wrong credentials, no bucket: fail now
+            return
         try:
             self.base_directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -585,28 +628,50 @@ class Checkpointer:
 
     # -- paths ---------------------------------------------------------------------------------
 
-    def checkpoint_path(self, iteration_number: int) -> Path:
-        """The data directory of iteration ``iteration_number`` (it may not exist)."""
-        return self.base_directory / f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
+    @property
+    def _remote(self) -> storage.ObjectStore | None:
+        return self._store if isinstance(self._store, storage.ObjectStore) else None
 
-    def sentinel_path(self, iteration_number: int) -> Path:
-        """The sentinel (manifest) file of iteration ``iteration_number`` (it may not exist)."""
+    def checkpoint_path(self, iteration_number: int) -> Path | str:
+        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist)."""
+        name = f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
+        return storage.join(self.base_directory, name)
+
+    def sentinel_path(self, iteration_number: int) -> Path | str:
+        """The sentinel (manifest) of iteration ``iteration_number`` (it may not exist)."""
         stem = _sentinel_stem(self.sentinel_file_identifier)
-        return self.base_directory / f"{stem}.{_iteration(iteration_number)}"
+        return storage.join(self.base_directory, f"{stem}.{_iteration(iteration_number)}")
 
-    def _checkpoint(self, iteration_number: int) -> _Checkpoint:
-        return _Checkpoint(
-            self.base_directory,
+    def _checkpoint(self, iteration_number: int) -> Any:
+        args = (
             _iteration(iteration_number),
             self.sentinel_file_identifier,
             self.checkpoint_file_prefix,
         )
+        if self._remote is not None:
+            return _objects().RemoteCheckpoint(self._remote, *args)
+        return _Checkpoint(self.base_directory, *args)
+
+    def take_over(self) -> Lease:
+        """Own the directory from now on: a newer lease than any before (a run that held one
+        stops at its next write; see :mod:`lightning_bpk.lease`). Waits for a save in flight
+        in a local directory, so the take-over falls between two saves."""
+        if self._remote is None:
+            with self._lock(wait=True):
+                self.lease = Lease.acquire(self._store)
+        else:
+            self.lease = Lease.acquire(self._store)
+        return self.lease
 
     # -- reading -------------------------------------------------------------------------------
 
     def latest_checkpoint_number(self, verify: bool = False) -> int:
         """:func:`get_latest_checkpoint_number` for this checkpointer's prefix and identifier
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
+        if self._remote is not None:
+            return _objects().latest(
+                self._remote, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
+            )
         return _latest(
             self.base_directory, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
         )
@@ -627,6 +692,8 @@ class Checkpointer:
         Read-only and lock-free.
         """
         checkpoint = self._checkpoint(iteration_number)
+        if self._remote is not None:
+            return checkpoint.load(keys)
         try:
             manifest = checkpoint.read_manifest()
         except FileNotFoundError:
@@ -660,7 +727,7 @@ class Checkpointer:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def save_checkpoint(self, iteration_number: int, data: Mapping[str, Any]) -> Path | None:
+    def save_checkpoint(self, iteration_number: int, data: Mapping[str, Any]) -> Path | str | None:
         """Save ``data`` as iteration ``iteration_number``; returns its directory, or ``None``
         when the iteration is skipped by ``checkpoint_frequency``.
 
@@ -679,19 +746,23 @@ class Checkpointer:
             )
         for key in data:
             _safe_name(key, f"checkpoint {n} data key")
+        if self._remote is not None:
+            return _objects().save(self, self._remote, n, data)
         with self._lock():
+            if self.lease is not None:
+                self.lease.check()
             self._remove_leftovers()
             target = self._publish(n, data)
             self._collect_garbage(n)
         return target
 
     @contextlib.contextmanager
-    def _lock(self) -> Any:
+    def _lock(self, wait: bool = False) -> Any:
         path = self.base_directory / LOCK_FILE_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 raise CheckpointLockedError(
@@ -768,14 +839,19 @@ class Checkpointer:
                 os.rename(old_sentinel, sentinel)
             _fs.fsync_dir(self.base_directory)
 
-    def _stage(self, n: int, data: Mapping[str, Any]) -> tuple[Path, dict[str, _FileEntry]]:
+    def _stage(
+        self, n: int, data: Mapping[str, Any], under: Path | None = None
+    ) -> tuple[Path, dict[str, _FileEntry]]:
         """Write every entry into a fresh staging directory; return it and the manifest entries.
 
         Each file is fsynced and renamed into the staging directory, which is fsynced after each
         rename (:func:`_fs.atomic_file`), so the staged data is durable before it is published.
+        The staging directory is made in ``under`` (default: the base directory; a local
+        scratch folder for an object store's upload).
         """
+        name = f"{self.checkpoint_file_prefix}.{n}"
         while True:
-            staging = _fs.scratch_path(self.checkpoint_path(n))
+            staging = _fs.scratch_path((under or Path(self.base_directory)) / name)
             try:
                 staging.mkdir()
                 break
@@ -798,6 +874,20 @@ class Checkpointer:
             raise
         return staging, files
 
+    def _doomed(self, n: int, sentinels: set[int], data: set[int]) -> tuple[set[int], set[int]]:
+        """Retention after saving ``n``, given the numbers with a sentinel and with data: the
+        sentinels to delete (first) and the data to delete (then); the docstring below."""
+        f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
+        complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
+        kept = set(complete[:d]) | {n}
+        doomed = {
+            m
+            for m in sentinels | data
+            if m <= n and m not in kept and not (k is not None and m % (k * f) == 0)
+        }
+        orphans = {m for m in sentinels if m not in data and m != n}
+        return (doomed | orphans) & sentinels, doomed & data
+
     def _collect_garbage(self, n: int) -> None:
         """Keep the ``d`` newest complete checkpoints ``<= n`` and the ``keep_every`` milestones;
         remove the rest ``<= n`` and sentinels whose data is gone; all sentinels first (one
@@ -806,25 +896,15 @@ class Checkpointer:
         Dopamine removes only ``n - f*d``; this gives the same result for an uninterrupted run
         and also catches what crashes, gaps or changed settings left behind.
         """
-        f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
         sentinels = _numbers(self.base_directory, _sentinel_stem(self.sentinel_file_identifier))
         data = _numbers(self.base_directory, self.checkpoint_file_prefix)
-        complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
-        kept = set(complete[:d]) | {n}
-        doomed = {
-            m
-            for m in set(sentinels) | set(data)
-            if m <= n and m not in kept and not (k is not None and m % (k * f) == 0)
-        }
-        orphans = {m for m in sentinels if m not in data and m != n}
+        doomed_sentinels, doomed_data = self._doomed(n, set(sentinels), set(data))
         try:
-            for m in sorted(doomed | orphans):
-                if m in sentinels:
-                    _remove(sentinels[m])
+            for m in sorted(doomed_sentinels):
+                _remove(sentinels[m])
             _fs.fsync_dir(self.base_directory)
-            for m in sorted(doomed):
-                if m in data:
-                    _remove(data[m])
+            for m in sorted(doomed_data):
+                _remove(data[m])
         except OSError as e:
             warnings.warn(
                 f"checkpoint {n} in {self.base_directory} is complete, but removing old "

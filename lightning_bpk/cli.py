@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, checkpointer
+from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records.base import RecordError
 
 EXIT_OK = 0
@@ -188,13 +189,17 @@ def _size_text(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _tree_size(path: Path) -> int:
+def _tree_size(path: Path | str) -> int:
+    if isinstance(path, str):  # a URL: the sizes one listing reports
+        return sum(size or 0 for size in storage.open_store(path).list("").values())
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _mtime(path: Path) -> str:
+def _mtime(path: Path | str) -> str:
+    if isinstance(path, str):
+        return "-"  # not asked of object stores: one request per checkpoint for a column
     stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).astimezone()
     return stamp.isoformat(timespec="seconds")
 
@@ -203,7 +208,9 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
     print(json.dumps(info, indent=2) if args.json else text)
 
 
-def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> list[dict[str, Any]]:
+def checkpoint_rows(
+    base: Path | str, identifier: str, prefix: str, verify: bool
+) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
     problems. ``verified`` is None when ``verify`` is off."""
     rows = []
@@ -233,8 +240,10 @@ def _yes_no(value: bool | None) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    base = Path(args.dir)
-    if not base.is_dir():
+    base = storage.location(args.dir)
+    if isinstance(base, str):
+        storage.open_store(base).check()  # a wrong URL fails here, naming it
+    elif not base.is_dir():
         raise OSError(f"{base}: not a directory")
     rows = checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
@@ -284,9 +293,30 @@ def _verify_file(path: Path) -> dict[str, Any]:
     return result
 
 
+def _verify_object(url: str) -> dict[str, Any]:
+    """:func:`_verify_file` for one object of a store, read with ranged requests."""
+    store = storage.open_store(storage.parent_of(url))
+    name = storage.name_of(url)
+    size = store.size(name)
+    if size is None:
+        raise OSError(f"{url}: no such object")
+    result: dict[str, Any] = {"file": url, "ok": True, "problems": []}
+    try:
+        pack = fetch_pack(store, name, size)
+        result["tensors"], result["checksums"] = len(pack), len(pack.checksums)
+        pack.verify()
+    except burnpack.BurnpackError as e:
+        result["problems"] = [str(e)]
+    result["ok"] = not result["problems"]
+    return result
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
-    target = Path(args.target)
-    if target.is_dir():
+    target = storage.location(args.target)
+    remote = isinstance(target, str)
+    if remote:
+        storage.open_store(target).check()  # a wrong URL fails here, naming it
+    if remote or target.is_dir():
         rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
@@ -295,6 +325,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 else {"checkpoint": r["number"], "ok": True, "problems": [], "incomplete": True}
                 for r in rows
             ]
+        elif remote:
+            results = [_verify_object(target)]
         else:
             files = sorted(target.glob("*.bpk"))
             if not files:
