@@ -49,6 +49,9 @@ EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 ATTEMPTS = 5
 BASE_WAIT = 0.2
 MAX_WAIT = 5.0
+# Part size of multipart uploads to S3 (None: s3fs's default, 50 MiB parts for files of 100 MiB
+# and more); parts go up concurrently.
+UPLOAD_PART: int | None = None
 # Ranged reads fetch this many bytes per request (several requests are in flight at once).
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -259,18 +262,15 @@ class ObjectStore:
         first batch is trained)."""
         split = getattr(self.fs, "split_path", None)
         try:
-            # one attempt: the drivers retry connection errors themselves (botocore: ~10 s)
+            # not retried here: the drivers retry connection errors themselves (botocore: ~10 s)
             if split is not None:  # s3fs, gcsfs: the bucket must exist
-                bucket = split(self.root)[0]
-                retry(self.url, lambda: self.fs.ls(bucket, detail=False, refresh=True), attempts=1)
+                self.fs.ls(split(self.root)[0], detail=False, refresh=True)
             with contextlib.suppress(FileNotFoundError):  # an empty prefix: a new directory
-                retry(self.url, lambda: self.fs.ls(self.root, refresh=True), attempts=1)
+                self.fs.ls(self.root, refresh=True)
         except FileNotFoundError as e:
             raise StorageError(f"{self.url}: the bucket does not exist ({e})") from e
         except PermissionError as e:
             raise StorageError(f"{self.url}: access denied (check the credentials): {e}") from e
-        except StorageError:
-            raise
         except Exception as e:
             raise StorageError(
                 f"{self.url}: cannot reach the store: {type(e).__name__}: {e}"
@@ -339,7 +339,11 @@ class ObjectStore:
 
     def upload(self, local: str | os.PathLike[str], key: str) -> None:
         """Copy a local file to ``key`` (s3fs uploads big files in parts)."""
-        self._retry("upload to", key, lambda: self.fs.put_file(os.fspath(local), self._path(key)))
+        options = {}
+        if UPLOAD_PART is not None and self.protocol in ("s3", "s3a"):
+            options["chunksize"] = UPLOAD_PART
+        path = self._path(key)
+        self._retry("upload to", key, lambda: self.fs.put_file(os.fspath(local), path, **options))
 
     def write(self, key: str, data: bytes) -> None:
         """Write ``key`` (one PUT: the object appears whole or not at all)."""
