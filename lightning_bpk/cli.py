@@ -125,8 +125,30 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _open_pack(target: str) -> burnpack.Pack:
+    """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
+    location = storage.location(target)
+    if isinstance(location, Path):
+        return burnpack.read(location)
+    store = storage.open_store(storage.parent_of(location))
+    size = store.size(storage.name_of(location))
+    if size is None:
+        raise OSError(f"{location}: no such object")
+    return fetch_pack(store, storage.name_of(location), size)
+
+
+def _local_only(path: str, command: str) -> str:
+    """``convert`` and ``diff`` read local files; a URL gets a clear error, not a local path."""
+    if not storage.is_local(path):
+        raise OSError(
+            f"{path}: {command} reads local files only (ls, verify and inspect accept URLs); "
+            "copy the object first"
+        )
+    return path
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    with burnpack.read(args.file) as pack:
+    with _open_pack(args.file) as pack:
         info = describe(pack)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -356,6 +378,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    _local_only(args.src, "convert"), _local_only(args.dst, "convert")
     written = convert(args.src, args.dst, progress=_progress(f"convert {Path(args.src).name}"))
     info = {"src": args.src, "dst": str(written), "size": written.stat().st_size}
     _emit(args, info, f"wrote {written} ({_size_text(info['size'])})")
@@ -414,7 +437,7 @@ def diff_contents(
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = read_content(args.a), read_content(args.b)
+    a, b = read_content(_local_only(args.a, "diff")), read_content(_local_only(args.b, "diff"))
     rows = diff_contents(a, b, _progress("diff"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:

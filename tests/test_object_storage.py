@@ -103,7 +103,10 @@ def _keys(url: str) -> list[str]:
 # --- the protocol against S3 --------------------------------------------------------------------
 
 
-def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(bucket, monkeypatch):
+def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(
+    bucket, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(storage, "UPLOAD_PART", 5 * 2**20)  # S3's smallest part: 3 parts below
     url = f"s3://{bucket}/run"
     checkpointer = Checkpointer(url, checkpoint_duration=1)
@@ -126,7 +129,13 @@ def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(bucket, m
     assert torch.equal(loaded["model"].tensors["w"], big[1])
     assert loaded["trainer"] == {"step": 1}
     assert cli_main(["verify", url]) == 0
+    assert "checkpoint 1: OK" in capsys.readouterr().out
     assert cli_main(["ls", url]) == 0
+    assert cli_main(["inspect", f"{url}/ckpt.1/model.bpk"]) == 0
+    assert "[3145735]" in capsys.readouterr().out  # w's shape, read with ranged requests
+    assert cli_main(["diff", f"{url}/ckpt.1/model.bpk", f"{url}/ckpt.1/model.bpk"]) == 2
+    assert "diff reads local files only" in capsys.readouterr().err
+    assert not Path("s3:").exists()
 
 
 def test_the_sentinel_is_create_only_on_s3(bucket):
@@ -244,11 +253,12 @@ def test_sigkill_mid_epoch_into_s3_then_resume_is_bit_identical(bucket, tmp_path
     assert os.listdir(cwd) == []  # no local folder named after the URL
 
 
-def test_a_zombie_writer_is_fenced_by_the_newer_run(bucket, tmp_path):
-    """Process A trains into the bucket; this process takes the directory over (as a restarted
-    job's setup does). A's next save stops with an error naming the new owner, deleting
-    nothing; the new owner then saves normally."""
-    url = f"s3://{bucket}/run"
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_zombie_writer_is_fenced_by_the_newer_run(bucket, tmp_path, where):
+    """Process A trains into the bucket (or a local directory: two runs in one directory);
+    this process takes the directory over, as a restarted job's setup does. A's next save stops
+    with an error naming the new owner, deleting nothing; the new owner then saves normally."""
+    url = f"s3://{bucket}/run" if where == "s3" else str(tmp_path / "run")
     base = f"{url}/checkpoints"
     zombie = _start(url, "--epochs", "100000", cwd=tmp_path)
     deadline = time.monotonic() + RUN_TIMEOUT
