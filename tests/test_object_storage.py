@@ -36,13 +36,13 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.cli import main as cli_main
 from lightning_bpk.records import ModuleRecord
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from conftest import SCRIPTS
 from lightning_tiny import BATCH_SIZE, SAMPLES, TinyModel, make_trainer
 
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 120
 BATCHES_PER_EPOCH = SAMPLES // BATCH_SIZE
 
