@@ -182,11 +182,16 @@ def test_a_bad_store_fails_in_setup_before_training_naming_the_url(
 # --- Lightning ----------------------------------------------------------------------------------
 
 
-def test_the_callback_trains_into_the_bucket_and_resumes_from_it(bucket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "upload-behind"])
+def test_the_callback_trains_into_the_bucket_and_resumes_from_it(
+    bucket, tmp_path, monkeypatch, async_save
+):
+    """With async_save the upload and commit run behind training; both keep the retention in
+    the bucket and resume from it."""
     monkeypatch.chdir(tmp_path)
     url = f"s3://{bucket}/run"
     L.seed_everything(0)
-    first = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2)
+    first = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2, async_save=async_save)
     make_trainer(str(tmp_path), 3, [first]).fit(TinyModel())
     assert [(e.number, e.complete) for e in list_checkpoints(url)] == [(2, True), (1, True)]
     second = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2)
