@@ -2,10 +2,13 @@
 
 The package is layered; each layer only uses the ones listed before it:
 
+- :mod:`lightning_bpk.storage`: local directories or object stores (``s3://``, ``gs://``, any
+  fsspec URL), chosen by the URL's protocol; :mod:`lightning_bpk.lease`: one run owns a directory;
 - :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
-- :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe;
+- :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe
+  (on object stores through :mod:`lightning_bpk.object_checkpoints`: a manifest written last);
 - :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration;
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
@@ -36,6 +39,8 @@ _EXPORTS = {
     "CheckpointWarning": "lightning_bpk.checkpointer",
     "get_latest_checkpoint_number": "lightning_bpk.checkpointer",
     "verify_checkpoint": "lightning_bpk.checkpointer",
+    "StorageError": "lightning_bpk.storage",
+    "CheckpointSupersededError": "lightning_bpk.lease",
     "BurnpackCheckpoint": "lightning_bpk.callback",
     "CheckpointSaveError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",

@@ -1,5 +1,11 @@
 """Dopamine's checkpointer protocol (sentinel files, frequency, retention), made crash-safe.
 
+``base_directory`` may also be a URL (``s3://bucket/run``, ``gs://...``, ``memory://...``): the
+same layout and manifest are then committed on the object store by
+:mod:`lightning_bpk.object_checkpoints` (no rename there: upload, confirm, sentinel last and
+create-only). :meth:`Checkpointer.take_over` makes a run the directory's owner
+(:mod:`lightning_bpk.lease`): a superseded writer stops before its next write.
+
 The names, arguments and retention arithmetic are Google Dopamine's
 (``dopamine/discrete_domains/checkpointer.py``); what changed is how the bytes reach the disk and
 what a sentinel promises. A checkpoint directory looks like this (defaults ``prefix="ckpt"``,

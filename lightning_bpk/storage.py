@@ -115,7 +115,9 @@ def parent_of(url: Path | str) -> Path | str:
     return url.parent if isinstance(url, Path) else url.rstrip("/").rpartition("/")[0]
 
 
-def open_store(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None):
+def open_store(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> LocalStore | ObjectStore:
     """A :class:`LocalStore` or :class:`ObjectStore` rooted at ``url`` (nothing is created)."""
     loc = location(url)
     if isinstance(loc, Path):
