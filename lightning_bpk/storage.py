@@ -345,7 +345,16 @@ class ObjectStore:
         if UPLOAD_PART is not None and self.protocol in ("s3", "s3a"):
             options["chunksize"] = UPLOAD_PART
         path = self._path(key)
-        self._retry("upload to", key, lambda: self.fs.put_file(os.fspath(local), path, **options))
+
+        def put() -> None:
+            try:
+                self.fs.put_file(os.fspath(local), path, **options)
+            except FileNotFoundError as e:
+                # s3fs after a multipart upload whose completion failed (a 500) and whose abort
+                # found nothing (NoSuchUpload): the local file and the bucket exist, so retry.
+                raise ConnectionError(f"multipart upload failed: {e}") from e
+
+        self._retry("upload to", key, put)
 
     def write(self, key: str, data: bytes) -> None:
         """Write ``key`` (one PUT: the object appears whole or not at all)."""

@@ -240,6 +240,16 @@ def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
     assert get_latest_checkpoint_number(url, verify=True) == 0
 
 
+def test_an_upload_whose_multipart_completion_was_lost_is_retried(faulty):
+    """s3fs raises FileNotFoundError (NoSuchUpload) when completing a multipart upload failed
+    and aborting it found nothing (seen with a 1 GiB upload to a loaded server)."""
+    url = "faulty://b/lost-upload"
+    checkpointer = Checkpointer(url)
+    faulty.faults["put"] = (1, 1, FileNotFoundError)
+    checkpointer.save_checkpoint(0, _data(0))
+    assert get_latest_checkpoint_number(url, verify=True) == 0
+
+
 def test_retries_are_bounded_and_the_error_names_the_url(faulty):
     checkpointer = Checkpointer("faulty://b/bounded")
     faulty.faults["put"] = (1, 10**6, ConnectionError)
