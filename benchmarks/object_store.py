@@ -118,20 +118,35 @@ def methods(sd: dict[str, torch.Tensor], url: str) -> dict[str, Callable[[], Non
     }
 
 
-def _run(ops: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
-    """A warm-up round, then ``reps`` rounds; saves in shuffled order, then loads likewise."""
+def _run(
+    ops: dict[str, Callable[[], None]], reps: int
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """A warm-up round, then ``reps`` rounds; saves in shuffled order, then loads likewise.
+    A method that raises is reported with its error and not run again (nor its load)."""
     times: dict[str, list[float]] = {label: [] for label in ops}
+    failed: dict[str, str] = {}
     saves = [k for k in ops if k.endswith("save")]
     loads = [k for k in ops if k not in saves]
     for round_ in range(reps + 1):
         for group in (saves, loads):
             for label in random.sample(group, len(group)):
+                if label in failed or _save_of(label) in failed:
+                    continue
                 start = time.perf_counter()
-                ops[label]()
+                try:
+                    ops[label]()
+                except Exception as e:
+                    failed[label] = f"{type(e).__name__}: {e}"[:300].replace("|", "/")
+                    continue
                 elapsed = time.perf_counter() - start
                 if round_:
                     times[label].append(elapsed)
-    return times
+    return times, failed
+
+
+def _save_of(label: str) -> str:
+    """The save a load reads ("... load (in place)" -> "... save")."""
+    return label.replace("Reader", "Writer").split(" load")[0] + " save"
 
 
 def measure(states: dict[str, tuple[int, int]], reps: int) -> list[str]:
@@ -151,7 +166,7 @@ def measure(states: dict[str, tuple[int, int]], reps: int) -> list[str]:
             }
             url = f"s3://bench-{uuid.uuid4().hex[:12]}/{len(lines)}"
             total = sum(t.nbytes for t in sd.values())
-            times = _run(methods(sd, url), reps)
+            times, failed = _run(methods(sd, url), reps)
             lines += [
                 f"### {state}",
                 "",
@@ -159,6 +174,10 @@ def measure(states: dict[str, tuple[int, int]], reps: int) -> list[str]:
                 "|---|---|---|---|",
             ]
             for label, values in times.items():
+                if not values:
+                    why = failed.get(label) or failed.get(_save_of(label), "not run")
+                    lines.append(f"| {label} | failed: {why} | | |")
+                    continue
                 median = statistics.median(values)
                 lines.append(
                     f"| {label} | {median:.3f} s | {min(values):.3f}-{max(values):.3f} s | "
