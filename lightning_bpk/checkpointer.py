@@ -108,8 +108,40 @@ import gin
 import xxhash
 
 from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import (
+    DEFAULT_IDENTIFIER,
+    DEFAULT_PREFIX,
+    NUMBER_PATTERN,
+    RECORD_SUFFIX,
+    sentinel_name,
+    sentinel_stem,
+)
 from lightning_bpk.lease import Lease
-from lightning_bpk.records.base import Record, RecordError, StateRecord, load_record
+from lightning_bpk.records.base import (
+    Record,
+    RecordChecksumError,
+    RecordError,
+    StateRecord,
+    load_record,
+)
+
+__all__ = [
+    "LEGACY_SENTINEL",
+    "LOCK_FILE_NAME",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "MAX_SENTINEL_SIZE",
+    "RECORD_SUFFIX",
+    "CheckpointEntry",
+    "CheckpointLockedError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "get_latest_checkpoint_number",
+    "list_checkpoints",
+    "number_matches",
+    "verify_checkpoint",
+]
 
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
 # either; hidden and never deleted (unlinking a flock target would let two holders coexist).
@@ -124,16 +156,14 @@ MAX_SENTINEL_SIZE = 16 * 1024 * 1024
 # Keys become file names inside the data directory: a conservative portable alphabet, no leading
 # dot (hidden files, "." and ".."), no separators, short enough for name + ".bpk" + scratch suffix.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-# Canonical iteration suffix: one spelling per number, so name <-> number is a bijection.
-_NUMBER = r"(0|[1-9][0-9]*)"
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratch_path appends
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-RECORD_SUFFIX = ".bpk"
+_HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-class CheckpointLockedError(RuntimeError):
+class CheckpointLockedError(LightningBpkError, RuntimeError):
     """Another process (or checkpointer) is saving into the same directory right now."""
 
 
@@ -141,7 +171,7 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
 
 
-def _gin_configurable(fn_or_cls: T) -> T:
+def _gin_configurable(fn_or_cls: _T) -> _T:
     """``gin.configurable`` under this module's real name, tolerant of re-execution.
 
     A fixed selector means running this file as ``__main__`` or from a second import path does
@@ -176,10 +206,6 @@ def _iteration(value: object) -> int:
     return value
 
 
-def _sentinel_stem(identifier: str) -> str:
-    return f"sentinel_{identifier}_complete"
-
-
 def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
     """Entries of ``base`` whose whole name matches ``pattern``; none if ``base`` is missing or
     not a directory (Dopamine's "-1 for a missing directory")."""
@@ -196,7 +222,7 @@ def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
 
 def number_matches(names: Iterable[str], stem: str) -> Iterator[tuple[str, re.Match[str]]]:
     """The names ``stem.N`` (canonical N) among ``names``, with their matches (group 1: N)."""
-    compiled = re.compile(re.escape(stem) + r"\." + _NUMBER)
+    compiled = re.compile(re.escape(stem) + r"\." + NUMBER_PATTERN)
     for name in names:
         match = compiled.fullmatch(name)
         if match:
@@ -205,7 +231,8 @@ def number_matches(names: Iterable[str], stem: str) -> Iterator[tuple[str, re.Ma
 
 def _numbers(base: Path, stem: str) -> dict[int, Path]:
     """``{N: path}`` for the entries of ``base`` named ``stem.N``."""
-    return {int(m.group(1)): p for m, p in _matching(base, re.escape(stem) + r"\." + _NUMBER)}
+    pattern = re.escape(stem) + r"\." + NUMBER_PATTERN
+    return {int(m.group(1)): p for m, p in _matching(base, pattern)}
 
 
 @dataclass(frozen=True)
@@ -224,8 +251,8 @@ class CheckpointEntry:
 
 def list_checkpoints(
     base_directory: str | os.PathLike[str],
-    sentinel_file_identifier: str = "checkpoint",
-    checkpoint_file_prefix: str = "ckpt",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
+    checkpoint_file_prefix: str = DEFAULT_PREFIX,
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[CheckpointEntry]:
     """Every iteration number with data or a sentinel in ``base_directory``, newest first.
@@ -242,7 +269,7 @@ def list_checkpoints(
         store = storage.open_store(base_directory, storage_options)
         return _objects().list_checkpoints(store, sentinel_file_identifier, checkpoint_file_prefix)
     base = storage.location(base_directory)
-    sentinels = _numbers(base, _sentinel_stem(sentinel_file_identifier))
+    sentinels = _numbers(base, sentinel_stem(sentinel_file_identifier))
     data = _numbers(base, checkpoint_file_prefix)
     return [
         CheckpointEntry(n, data.get(n), sentinels.get(n))
@@ -368,7 +395,7 @@ class _Checkpoint:
 
     def __init__(self, base: Path, iteration: int, identifier: str, prefix: str | None) -> None:
         self.iteration = iteration
-        self.sentinel = base / f"{_sentinel_stem(identifier)}.{iteration}"
+        self.sentinel = base / sentinel_name(identifier, iteration)
         self.base = base
         self.prefix = prefix
 
@@ -394,7 +421,9 @@ class _Checkpoint:
 
     def data_path(self, manifest: _Manifest | None) -> Path:
         name = (
-            manifest.data if manifest is not None else f"{self.prefix or 'ckpt'}.{self.iteration}"
+            manifest.data
+            if manifest is not None
+            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
         )
         return self.base / name
 
@@ -477,12 +506,12 @@ def _file_problems(path: Path, entry: _FileEntry, *, head: bool, tensors: bool) 
     if size != entry.size:
         return [f"{path}: {size} bytes, manifest records {entry.size}"]
     if head and _head_digest(path, entry.head_size) != entry.head_xxh3:
-        return [f"{path}: header/metadata bytes differ from the manifest's xxh3 (damaged)"]
+        return [f"{path}: {_HEAD_DAMAGED}"]
     return _tensor_problems(path) if tensors else []
 
 
 def _sentinel_numbers(base: Path, identifier: str) -> list[int]:
-    return sorted(_numbers(base, _sentinel_stem(identifier)), reverse=True)
+    return sorted(_numbers(base, sentinel_stem(identifier)), reverse=True)
 
 
 def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> int:
@@ -502,7 +531,7 @@ def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> in
 def get_latest_checkpoint_number(
     base_directory: str | os.PathLike[str],
     override_number: int | None = None,
-    sentinel_file_identifier: str = "checkpoint",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
     storage_options: Mapping[str, Any] | None = None,
@@ -535,7 +564,7 @@ def get_latest_checkpoint_number(
 def verify_checkpoint(
     base_directory: str | os.PathLike[str],
     iteration_number: int,
-    sentinel_file_identifier: str = "checkpoint",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
@@ -591,8 +620,8 @@ class Checkpointer:
     def __init__(
         self,
         base_directory: str | os.PathLike[str],
-        checkpoint_file_prefix: str = "ckpt",
-        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
@@ -645,8 +674,8 @@ class Checkpointer:
 
     def sentinel_path(self, iteration_number: int) -> Path | str:
         """The sentinel (manifest) of iteration ``iteration_number`` (it may not exist)."""
-        stem = _sentinel_stem(self.sentinel_file_identifier)
-        return storage.join(self.base_directory, f"{stem}.{_iteration(iteration_number)}")
+        name = sentinel_name(self.sentinel_file_identifier, _iteration(iteration_number))
+        return storage.join(self.base_directory, name)
 
     def _checkpoint(self, iteration_number: int) -> Any:
         args = (
@@ -725,6 +754,8 @@ class Checkpointer:
             path = _record_path(data, key)
             if manifest is not None:
                 problems = _file_problems(path, manifest.files[key], head=True, tensors=False)
+                if problems and problems[0].endswith(_HEAD_DAMAGED):
+                    raise RecordChecksumError(problems)
                 if problems:
                     raise RecordError("io", problems)
             record = load_record(path)
@@ -785,8 +816,8 @@ class Checkpointer:
     def _remove_leftovers(self) -> None:
         """Delete what a crashed save of this checkpointer left: staging or displaced data
         directories and sentinel scratch files (``<name>.<pid>-<k>.tmp``)."""
-        for stem in (self.checkpoint_file_prefix, _sentinel_stem(self.sentinel_file_identifier)):
-            pattern = re.escape(stem) + r"\." + _NUMBER + _SCRATCH
+        for stem in (self.checkpoint_file_prefix, sentinel_stem(self.sentinel_file_identifier)):
+            pattern = re.escape(stem) + r"\." + NUMBER_PATTERN + _SCRATCH
             for _, path in list(_matching(self.base_directory, pattern)):
                 _remove(path)
 
@@ -795,7 +826,8 @@ class Checkpointer:
         target = self.checkpoint_path(n)
         sentinel = self.sentinel_path(n)
         staging, files = self._stage(n, data)
-        old_sentinel = old_data = None
+        old_sentinel: Path | None = None
+        old_data: Path | None = None
         swapped = False
         try:
             if os.path.lexists(target):
@@ -817,9 +849,9 @@ class Checkpointer:
         except BaseException:
             self._roll_back(staging, target, sentinel, swapped, old_data, old_sentinel)
             raise
-        for moved in (old_data, old_sentinel):
-            if moved is not None:
-                _remove(moved)
+        for leftover in (old_data, old_sentinel):
+            if leftover is not None:
+                _remove(leftover)
         return target
 
     def _roll_back(
@@ -902,7 +934,7 @@ class Checkpointer:
         Dopamine removes only ``n - f*d``; this gives the same result for an uninterrupted run
         and also catches what crashes, gaps or changed settings left behind.
         """
-        sentinels = _numbers(self.base_directory, _sentinel_stem(self.sentinel_file_identifier))
+        sentinels = _numbers(self.base_directory, sentinel_stem(self.sentinel_file_identifier))
         data = _numbers(self.base_directory, self.checkpoint_file_prefix)
         doomed_sentinels, doomed_data = self._doomed(n, set(sentinels), set(data))
         try:

@@ -34,8 +34,17 @@ import torch
 
 from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records.base import RecordError
+
+__all__ = [
+    "EXIT_BAD_FILE",
+    "EXIT_FOUND",
+    "EXIT_OK",
+    "build_parser",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
@@ -58,9 +67,9 @@ def _json_value(scalar: burnpack.Scalar) -> bool | int | float | str:
     return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
 
 
-def describe(pack: burnpack.Pack) -> dict[str, Any]:
+def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         "file": pack.source,
         "header": {
@@ -94,8 +103,8 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def format_text(info: dict[str, Any]) -> str:
-    """The human-readable ``inspect`` report of :func:`describe`'s output."""
+def _format_text(info: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report of :func:`_describe`'s output."""
     h = info["header"]
     lines = [
         f"file: {info['file']}",
@@ -149,11 +158,11 @@ def _local_only(path: str, command: str) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with _open_pack(args.file) as pack:
-        info = describe(pack)
+        info = _describe(pack)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(format_text(info))
+        print(_format_text(info))
     return EXIT_OK
 
 
@@ -203,7 +212,7 @@ def _progress(label: str) -> Callable[[int, int, str], None] | None:
     return report
 
 
-def _size_text(n: int) -> str:
+def _size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -230,7 +239,7 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
     print(json.dumps(info, indent=2) if args.json else text)
 
 
-def checkpoint_rows(
+def _checkpoint_rows(
     base: Path | str, identifier: str, prefix: str, verify: bool
 ) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
@@ -249,7 +258,7 @@ def checkpoint_rows(
                 "complete": complete,
                 "verified": (not problems) if verify and complete else None,
                 "size": _tree_size(entry.data) if entry.data is not None else 0,
-                "time": _mtime(entry.sentinel or entry.data),
+                "time": _mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
             }
@@ -267,7 +276,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         storage.open_store(base).check()  # a wrong URL fails here, naming it
     elif not base.is_dir():
         raise OSError(f"{base}: not a directory")
-    rows = checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
+    rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
     table += [
         [
@@ -339,7 +348,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if remote:
         storage.open_store(target).check()  # a wrong URL fails here, naming it
     if remote or target.is_dir():
-        rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
+        rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
                 {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
@@ -395,7 +404,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
-def diff_contents(
+def _diff_contents(
     a: Content, b: Content, progress: Callable[[int, int, str], None] | None = None
 ) -> list[dict[str, Any]]:
     """Tensor-by-tensor comparison of two :class:`~lightning_bpk.interop.Content` objects."""
@@ -438,7 +447,7 @@ def diff_contents(
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = read_content(_local_only(args.a, "diff")), read_content(_local_only(args.b, "diff"))
-    rows = diff_contents(a, b, _progress("diff"))
+    rows = _diff_contents(a, b, _progress("diff"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
         different = [
@@ -482,8 +491,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         return parser
 
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
-        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+        parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
+        parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")

@@ -43,13 +43,17 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = ["LEASE_STEM", "CheckpointSupersededError", "Lease", "lease_name"]
+
 LEASE_STEM = ".lightning_bpk.owner"
 _LEASE = re.compile(re.escape(LEASE_STEM) + r"\.(0|[1-9][0-9]*)")
 # Create-only races lost in a row before giving up (another run acquiring at the same moment).
 _ACQUIRE_ATTEMPTS = 20
 
 
-class CheckpointSupersededError(RuntimeError):
+class CheckpointSupersededError(LightningBpkError, RuntimeError):
     """A newer run took over the checkpoint directory; this run must stop writing there."""
 
 
@@ -75,7 +79,7 @@ class Lease:
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
         for _ in range(_ACQUIRE_ATTEMPTS):
             existing = _generations(store.list(""))

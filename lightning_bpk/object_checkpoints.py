@@ -42,8 +42,19 @@ import xxhash
 
 from lightning_bpk import burnpack
 from lightning_bpk import checkpointer as ck
+from lightning_bpk.layout import sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
 from lightning_bpk.storage import ObjectStore, StorageError
+
+__all__ = [
+    "RemoteCheckpoint",
+    "collect_garbage",
+    "commit",
+    "fetch_pack",
+    "latest",
+    "list_checkpoints",
+    "save",
+]
 
 
 def _entries(listing: Mapping[str, int | None], stem: str, *, data: bool) -> dict[int, str]:
@@ -58,7 +69,7 @@ def _entries(listing: Mapping[str, int | None], stem: str, *, data: bool) -> dic
 def list_checkpoints(store: ObjectStore, identifier: str, prefix: str) -> list[ck.CheckpointEntry]:
     """:func:`lightning_bpk.checkpointer.list_checkpoints` on a store (one listing)."""
     listing = store.list("")
-    sentinels = _entries(listing, ck._sentinel_stem(identifier), data=False)
+    sentinels = _entries(listing, sentinel_stem(identifier), data=False)
     data = _entries(listing, prefix, data=True)
     return [
         ck.CheckpointEntry(
@@ -77,7 +88,7 @@ class RemoteCheckpoint:
         self.store = store
         self.iteration = n
         self.prefix = prefix
-        self.sentinel_key = f"{ck._sentinel_stem(identifier)}.{n}"
+        self.sentinel_key = f"{sentinel_stem(identifier)}.{n}"
         self.sentinel = store.url_of(self.sentinel_key)
 
     def read_manifest(self) -> ck._Manifest | None:
@@ -218,7 +229,7 @@ def latest(store: ObjectStore, identifier: str, prefix: str | None, verify: bool
     """:func:`lightning_bpk.checkpointer.get_latest_checkpoint_number` on a store: the newest
     sentinel whose checkpoint passes the checks; skipped ones warn with the reason."""
     listing = store.list("")
-    for n in sorted(_entries(listing, ck._sentinel_stem(identifier), data=False), reverse=True):
+    for n in sorted(_entries(listing, sentinel_stem(identifier), data=False), reverse=True):
         problems = RemoteCheckpoint(store, n, identifier, prefix).problems(full=verify)
         if not problems:
             return n
@@ -250,7 +261,7 @@ def commit(
     """Upload a staged checkpoint and write its sentinel last (steps 2-7)."""
     lease = checkpointer.lease
     name = f"{checkpointer.checkpoint_file_prefix}.{n}"
-    sentinel = f"{ck._sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
+    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
     if lease is not None:
         lease.check()
     listing = store.list("")
@@ -313,7 +324,7 @@ def collect_garbage(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -
             checkpointer.lease.check()
         listing = store.list("")
         sentinels = _entries(
-            listing, ck._sentinel_stem(checkpointer.sentinel_file_identifier), data=False
+            listing, sentinel_stem(checkpointer.sentinel_file_identifier), data=False
         )
         data = _entries(listing, checkpointer.checkpoint_file_prefix, data=True)
         doomed_sentinels, doomed_data = checkpointer._doomed(n, set(sentinels), set(data))

@@ -39,6 +39,29 @@ import fsspec
 import fsspec.core
 
 from lightning_bpk import _fs
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "ATTEMPTS",
+    "BASE_WAIT",
+    "EXTRAS",
+    "LOCAL_PROTOCOLS",
+    "MAX_WAIT",
+    "READ_CHUNK",
+    "UPLOAD_PART",
+    "LocalStore",
+    "MissingDriverError",
+    "ObjectStore",
+    "StorageError",
+    "is_local",
+    "join",
+    "location",
+    "name_of",
+    "open_store",
+    "parent_of",
+    "protocol_of",
+    "retry",
+]
 
 # Protocols served by the local implementation (fsspec's names for the local filesystem).
 LOCAL_PROTOCOLS = ("file", "local")
@@ -58,11 +81,11 @@ READ_CHUNK = 16 * 1024 * 1024
 T = TypeVar("T")
 
 
-class StorageError(OSError):
+class StorageError(LightningBpkError, OSError):
     """A storage operation failed (after retries), or a URL cannot be served; names the URL."""
 
 
-class MissingDriverError(ImportError):
+class MissingDriverError(LightningBpkError, ImportError):
     """The fsspec driver for a URL's protocol is not installed."""
 
 
