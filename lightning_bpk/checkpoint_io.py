@@ -108,7 +108,7 @@ class BurnpackCheckpointIO(CheckpointIO):
         self._wait()  # never delete an old checkpoint before the new one is durable
         target = storage.location(path)
         if isinstance(target, str):
-            store = storage.open_store(storage.parent_of(target))
+            store = storage.object_store(storage.parent_of(target))
             name = storage.name_of(target)
             if store.list("").get(name, 0) is None:
                 store.remove_prefix(name)

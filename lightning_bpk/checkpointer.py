@@ -266,9 +266,9 @@ def list_checkpoints(
     [(0, True)]
     """
     if not storage.is_local(base_directory):
-        store = storage.open_store(base_directory, storage_options)
+        store = storage.object_store(base_directory, storage_options)
         return _objects().list_checkpoints(store, sentinel_file_identifier, checkpoint_file_prefix)
-    base = storage.location(base_directory)
+    base = storage.local_path(base_directory)
     sentinels = _numbers(base, sentinel_stem(sentinel_file_identifier))
     data = _numbers(base, checkpoint_file_prefix)
     return [
@@ -556,9 +556,9 @@ def get_latest_checkpoint_number(
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     if not storage.is_local(base_directory):
-        store = storage.open_store(base_directory, storage_options)
+        store = storage.object_store(base_directory, storage_options)
         return _objects().latest(store, identifier, checkpoint_file_prefix, verify)
-    return _latest(storage.location(base_directory), identifier, checkpoint_file_prefix, verify)
+    return _latest(storage.local_path(base_directory), identifier, checkpoint_file_prefix, verify)
 
 
 def verify_checkpoint(
@@ -581,13 +581,13 @@ def verify_checkpoint(
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     n = _iteration(iteration_number)
     if not storage.is_local(base_directory):
-        store = storage.open_store(base_directory, storage_options)
+        store = storage.object_store(base_directory, storage_options)
         return (
             _objects()
             .RemoteCheckpoint(store, n, identifier, checkpoint_file_prefix)
             .problems(full=True)
         )
-    base = storage.location(base_directory)
+    base = storage.local_path(base_directory)
     return _Checkpoint(base, n, identifier, checkpoint_file_prefix).problems(full=True)
 
 
@@ -630,7 +630,8 @@ class Checkpointer:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
         # a Path for local directories, the URL for object stores (never Path("s3://..."))
-        self.base_directory: Path | str = storage.location(base_directory)
+        # (typed Any: a Path in every local code path below, a str only where _remote is set)
+        self.base_directory: Any = storage.location(base_directory)
         self.checkpoint_file_prefix = _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
         self.sentinel_file_identifier = _safe_name(
             sentinel_file_identifier, "sentinel_file_identifier"
@@ -645,13 +646,14 @@ class Checkpointer:
         if isinstance(self._store, storage.ObjectStore):
             self._store.check()  # unreachable, wrong credentials, no bucket: fail now
             return
+        local = storage.local_path(self.base_directory)
         try:
-            self.base_directory.mkdir(parents=True, exist_ok=True)
+            local.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(
                 f"Unable to create checkpoint path: {base_directory}. ({e.strerror or e})"
             ) from e
-        if not self.base_directory.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
+        if not local.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
             raise ValueError(f"Unable to create checkpoint path: {base_directory}. (not a dir)")
 
     def __repr__(self) -> str:
@@ -823,8 +825,8 @@ class Checkpointer:
 
     def _publish(self, n: int, data: Mapping[str, Any]) -> Path:
         """Stage, swap into place, write the sentinel (steps 2-5 of the module docstring)."""
-        target = self.checkpoint_path(n)
-        sentinel = self.sentinel_path(n)
+        target = Path(self.checkpoint_path(n))  # local: Paths
+        sentinel = Path(self.sentinel_path(n))
         staging, files = self._stage(n, data)
         old_sentinel: Path | None = None
         old_data: Path | None = None

@@ -139,7 +139,7 @@ def _open_pack(target: str) -> burnpack.Pack:
     location = storage.location(target)
     if isinstance(location, Path):
         return burnpack.read(location)
-    store = storage.open_store(storage.parent_of(location))
+    store = storage.object_store(storage.parent_of(location))
     size = store.size(storage.name_of(location))
     if size is None:
         raise OSError(f"{location}: no such object")
@@ -222,7 +222,7 @@ def _size_text(n: float) -> str:
 
 def _tree_size(path: Path | str) -> int:
     if isinstance(path, str):  # a URL: the sizes one listing reports
-        return sum(size or 0 for size in storage.open_store(path).list("").values())
+        return sum(size or 0 for size in storage.object_store(path).list("").values())
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -273,7 +273,7 @@ def _yes_no(value: bool | None) -> str:
 def _cmd_ls(args: argparse.Namespace) -> int:
     base = storage.location(args.dir)
     if isinstance(base, str):
-        storage.open_store(base).check()  # a wrong URL fails here, naming it
+        storage.object_store(base).check()  # a wrong URL fails here, naming it
     elif not base.is_dir():
         raise OSError(f"{base}: not a directory")
     rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
@@ -326,7 +326,7 @@ def _verify_file(path: Path) -> dict[str, Any]:
 
 def _verify_object(url: str) -> dict[str, Any]:
     """:func:`_verify_file` for one object of a store, read with ranged requests."""
-    store = storage.open_store(storage.parent_of(url))
+    store = storage.object_store(storage.parent_of(url))
     name = storage.name_of(url)
     size = store.size(name)
     if size is None:
@@ -344,10 +344,9 @@ def _verify_object(url: str) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = storage.location(args.target)
-    remote = isinstance(target, str)
-    if remote:
-        storage.open_store(target).check()  # a wrong URL fails here, naming it
-    if remote or target.is_dir():
+    if isinstance(target, str):
+        storage.object_store(target).check()  # a wrong URL fails here, naming it
+    if isinstance(target, str) or target.is_dir():
         rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
@@ -356,7 +355,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 else {"checkpoint": r["number"], "ok": True, "problems": [], "incomplete": True}
                 for r in rows
             ]
-        elif remote:
+        elif isinstance(target, str):
             results = [_verify_object(target)]
         else:
             files = sorted(target.glob("*.bpk"))

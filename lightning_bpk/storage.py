@@ -27,6 +27,7 @@ the attempts by :data:`ATTEMPTS`; what still fails raises :class:`StorageError` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -55,8 +56,10 @@ __all__ = [
     "StorageError",
     "is_local",
     "join",
+    "local_path",
     "location",
     "name_of",
+    "object_store",
     "open_store",
     "parent_of",
     "protocol_of",
@@ -119,6 +122,24 @@ def location(url: str | os.PathLike[str]) -> Path | str:
             text = fsspec.core.split_protocol(text)[1]
         return Path(text)
     return os.fspath(url).rstrip("/")
+
+
+def local_path(url: str | os.PathLike[str]) -> Path:
+    """The local directory of a path or ``file://`` URL (``ValueError`` for an object store)."""
+    loc = location(url)
+    if not isinstance(loc, Path):
+        raise ValueError(f"{loc} is not a local path")
+    return loc
+
+
+def object_store(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> ObjectStore:
+    """The :class:`ObjectStore` of a URL (``ValueError`` for a local path)."""
+    store = open_store(url, storage_options)
+    if not isinstance(store, ObjectStore):
+        raise ValueError(f"{url} is a local path, not an object-store URL")
+    return store
 
 
 def join(base: Path | str, *names: str) -> Path | str:
@@ -409,7 +430,7 @@ class ObjectStore:
         """Delete objects; already gone is fine."""
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
-                self._retry("delete", key, lambda key=key: self.fs.rm_file(self._path(key)))
+                self._retry("delete", key, functools.partial(self.fs.rm_file, self._path(key)))
 
     def remove_prefix(self, prefix: str) -> None:
         """Delete every object under ``prefix/`` (s3fs: batched deletes of up to 1000 keys)."""

@@ -258,7 +258,7 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
 # --- files and directories --------------------------------------------------------------------
 
 
-def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path | str:
     """Write Lightning's whole dict (plus RNG states) as one burnpack at exactly ``path``.
 
     Atomic: a scratch file beside ``path`` is fsynced and renamed over it, so a failure leaves
@@ -283,7 +283,7 @@ def write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:
     uploaded as one object, which appears whole or not at all."""
     target = storage.location(path)
     if isinstance(target, str):
-        store = storage.open_store(storage.parent_of(target))
+        store = storage.object_store(storage.parent_of(target))
         scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
         try:
             local = write_record(record, scratch / "record.bpk")
@@ -305,7 +305,7 @@ def _listing(directory: Path | str, storage_options: Mapping[str, Any] | None) -
     """The names beside ``directory`` (a local path or a URL)."""
     if isinstance(directory, Path):
         return os.listdir(directory.parent)
-    return list(storage.open_store(storage.parent_of(directory), storage_options).list(""))
+    return list(storage.object_store(storage.parent_of(directory), storage_options).list(""))
 
 
 def is_checkpoint_directory(
@@ -315,7 +315,7 @@ def is_checkpoint_directory(
     target = storage.location(path)
     if isinstance(target, Path):
         return target.is_dir()
-    store = storage.open_store(storage.parent_of(target), storage_options)
+    store = storage.object_store(storage.parent_of(target), storage_options)
     name = storage.name_of(target)
     return name in (listing := store.list("")) and listing[name] is None
 
@@ -373,7 +373,7 @@ def _load_file(target: Path | str, storage_options: Mapping[str, Any] | None) ->
         if not target.exists():
             raise FileNotFoundError(f"checkpoint not found: {target}")
         return load_record(target)
-    store = storage.open_store(storage.parent_of(target), storage_options)
+    store = storage.object_store(storage.parent_of(target), storage_options)
     size = store.size(storage.name_of(target))
     if size is None:
         raise FileNotFoundError(f"checkpoint not found: {target}")
