@@ -97,7 +97,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _lightning_compat, slurm, trainer_state
+from lightning_bpk import _lightning_compat, slurm, storage, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
@@ -224,6 +224,8 @@ class BurnpackCheckpoint(Checkpoint):
 
     Args:
         dirpath: where checkpoints go; ``None`` means ``{trainer.default_root_dir}/checkpoints``.
+            A URL (``s3://bucket/run``, ``gs://...``) stores them there (see "Checkpoints on
+            object storage" in the docs); the store is checked in ``setup``, before training.
         checkpoint_file_prefix: data directories are ``{prefix}.{N}``.
         sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{N}``.
         checkpoint_frequency: save the epochs that are multiples of this.
@@ -249,7 +251,9 @@ class BurnpackCheckpoint(Checkpoint):
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
-            save or at teardown; a preemption save and teardown wait for the write.
+            save or at teardown; a preemption save and teardown wait for the write. With a URL
+            ``dirpath`` this is "upload behind": the upload and commit run on that thread.
+        storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
             ``scontrol requeue`` once the preemption checkpoint is complete
@@ -278,6 +282,7 @@ class BurnpackCheckpoint(Checkpoint):
         train_time_interval: timedelta | None = None,
         max_overhead: float = 0.02,
         auto_requeue: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(max_overhead, (int, float)) or not 0 < max_overhead <= 1:
@@ -309,7 +314,9 @@ class BurnpackCheckpoint(Checkpoint):
                 "checkpoint_frequency selects epochs; with every_n_train_steps or "
                 "train_time_interval checkpoints are numbered by global step, so leave it at 1"
             )
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        # never Path(url): Path("s3://b/run") is the local folder "s3:/b/run"
+        self.dirpath = None if dirpath is None else storage.location(dirpath)
+        self.storage_options = storage_options
         self.checkpoint_file_prefix = checkpoint_file_prefix
         self.sentinel_file_identifier = sentinel_file_identifier
         self.checkpoint_frequency = checkpoint_frequency
@@ -368,10 +375,14 @@ class BurnpackCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dirpath = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
-        dirpath = Path(trainer.strategy.broadcast(str(dirpath)))
+        dirpath = self.dirpath or storage.join(
+            storage.location(trainer.default_root_dir), "checkpoints"
+        )
+        dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
+            # this run owns the directory until another one takes over (lightning_bpk.lease)
+            self.checkpointer.take_over()
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
@@ -391,13 +402,15 @@ class BurnpackCheckpoint(Checkpoint):
                 sentinel_file_identifier=self.sentinel_file_identifier,
                 checkpoint_file_prefix=self.checkpoint_file_prefix,
                 verify=self.verify,
+                storage_options=self.storage_options,
             )
         self._resume_number = _agree(trainer, number) if self.resume else -1
         self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
 
-    def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
+    def _make_checkpointer(self, dirpath: Path | str, **overrides: Any) -> Checkpointer:
         settings: dict[str, Any] = dict(
+            storage_options=self.storage_options,
             checkpoint_file_prefix=self.checkpoint_file_prefix,
             sentinel_file_identifier=self.sentinel_file_identifier,
             checkpoint_frequency=self.checkpoint_frequency,
@@ -419,13 +432,14 @@ class BurnpackCheckpoint(Checkpoint):
             if path is None and self._resume_number >= 0:
                 assert self.checkpointer is not None
                 path = self.checkpointer.checkpoint_path(self._resume_number)
-            if path is None or not Path(path).is_dir():
+            ours = checkpoint_path is None and path is not None
+            if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
                 return None
-            if checkpoint_path is None:
+            if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            return path, trainer_state.load(path)
+            return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
 
@@ -500,7 +514,8 @@ class BurnpackCheckpoint(Checkpoint):
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
         if trainer.is_global_zero:
-            slurm.log_restart(trainer.ckpt_path)
+            path = trainer.ckpt_path
+            slurm.log_restart(None if path is None else str(path))
         self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
@@ -706,6 +721,7 @@ class BurnpackCheckpoint(Checkpoint):
                 checkpoint_frequency=1,
                 keep_every=None if k is None else k * f,
             )
+            checkpointer.lease = self.checkpointer.lease
         data = trainer_state.to_records(
             checkpoint,
             trainer.lightning_module,
