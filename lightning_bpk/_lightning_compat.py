@@ -156,8 +156,8 @@ def release_train_dataloaders(trainer: pl.Trainer) -> None:
 def validation_follows(trainer: pl.Trainer) -> bool:
     """Whether the training epoch loop runs validation right after the current batch (what it
     asks itself next, in ``on_advance_end``)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    return bool(epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(trainer.fit_loop.epoch_loop._should_check_val_fx(fetcher))
 
 
 def is_last_batch(trainer: pl.Trainer) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 import lightning.pytorch as pl
 import torch
@@ -68,7 +68,7 @@ def _set_states(generators: list[torch.Generator], states: list[torch.Tensor]) -
             generator.set_state(state)
 
 
-def _stateful(obj: Any) -> bool:
+def _stateful(obj: Any) -> TypeGuard[Any]:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
@@ -121,10 +121,10 @@ class _Tracker:
                 self._apply(self.pending["start"])
             return create()
 
-        loader._get_iterator = get_iterator
+        object.__setattr__(loader, "_get_iterator", get_iterator)
 
     def snapshot(self) -> dict:
-        sampler = getattr(self.loader, "sampler", None)
+        sampler: Any = getattr(self.loader, "sampler", None)
         state: dict[str, Any] = {
             "rng": trainer_state.capture_rng(),
             "generators": [g.get_state() for g in _generators(self.loader)],
@@ -136,7 +136,7 @@ class _Tracker:
     def _apply(self, snapshot: dict) -> None:
         trainer_state.restore_rng(snapshot["rng"])
         _set_states(_generators(self.loader), snapshot["generators"])
-        sampler = getattr(self.loader, "sampler", None)
+        sampler: Any = getattr(self.loader, "sampler", None)
         if "sampler" in snapshot and _stateful(sampler):
             sampler.load_state_dict(snapshot["sampler"])
 
