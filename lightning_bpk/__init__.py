@@ -10,15 +10,31 @@ The package is layered; each layer only uses the ones listed before it:
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
 
-Public names are imported lazily so ``import lightning_bpk`` stays cheap.
+Public names are imported lazily so ``import lightning_bpk`` stays cheap; the gin configurables
+are registered right away all the same (see :mod:`lightning_bpk._gin`).
+
+Log lines ("restored ...", "saved checkpoint ...") go to the ``lightning_bpk`` logger at INFO.
+As Lightning does for its own logger: when the root logger has no handler at import time, it gets
+a stderr handler of its own, so they show without any logging configuration.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
+from lightning_bpk import _gin
+
 __version__ = "0.1.0"
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # otherwise propagate to the configured root logger
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
+
+_gin.register_stand_ins()
 
 _EXPORTS = {
     "burnpack": "lightning_bpk.burnpack",
@@ -38,6 +54,7 @@ _EXPORTS = {
     "verify_checkpoint": "lightning_bpk.checkpointer",
     "BurnpackCheckpoint": "lightning_bpk.callback",
     "CheckpointSaveError": "lightning_bpk.callback",
+    "CheckpointResumeError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
 }
 

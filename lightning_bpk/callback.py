@@ -66,7 +66,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import gin
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
@@ -74,9 +73,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import trainer_state
+from lightning_bpk import _gin, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
-from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.checkpointer import (
+    RUN_SUBDIRECTORY,
+    Checkpointer,
+    check_settings,
+    get_latest_checkpoint_number,
+    list_checkpoints,
+    summarise,
+    verify_checkpoint,
+)
 
 log = logging.getLogger("lightning_bpk")
 
@@ -88,6 +95,15 @@ _LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_conne
 
 class CheckpointSaveError(RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
+
+
+class CheckpointResumeError(RuntimeError):
+    """``fit`` cannot start from the checkpoints as they are; nothing was changed on disk.
+
+    gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
+    save over complete checkpoints it did not resume past (see ``overwrite``), or the checkpoint
+    holds the state of another optimizer class than the module configures.
+    """
 
 
 def _agree(trainer: pl.Trainer, value: int) -> int:
@@ -109,7 +125,7 @@ def _others(handler: object) -> list[Callable[..., Any]]:
     return [h for h in handlers if callable(h) and not _is_lightning_handler(h)]
 
 
-@gin.configurable(module="lightning_bpk")
+@_gin.configurable("lightning_bpk")
 class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
 
@@ -122,7 +138,15 @@ class BurnpackCheckpoint(Checkpoint):
         keep_every: also keep every ``keep_every``-th saved checkpoint forever (milestones).
             These five go to the :class:`~lightning_bpk.checkpointer.Checkpointer`.
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
-            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
+            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
+            one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
+        overwrite: let this run replace complete checkpoints in ``dirpath`` that it did not
+            resume past, i.e. numbered from the epoch it starts at: needed to start over
+            (``resume=False``) in a directory with checkpoints, or to go back to an older one
+            (``ckpt_path``, ``override_number``). Those checkpoints are removed, with a warning
+            in the log, before the first training step, so the directory never mixes two runs.
+            With the default ``False``, ``fit`` stops there with
+            :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
         preemption_signals: signals that trigger a save-and-stop (empty: none).
@@ -148,11 +172,20 @@ class BurnpackCheckpoint(Checkpoint):
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
         resume: bool = True,
+        overwrite: bool = False,
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
     ) -> None:
         super().__init__()
+        # Refused here rather than when fit starts (the Checkpointer checks the same).
+        check_settings(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_frequency,
+            checkpoint_duration,
+            keep_every,
+        )
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.checkpoint_file_prefix = checkpoint_file_prefix
         self.sentinel_file_identifier = sentinel_file_identifier
@@ -160,6 +193,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.checkpoint_duration = checkpoint_duration
         self.keep_every = keep_every
         self.resume = resume
+        self.overwrite = overwrite
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
@@ -169,6 +203,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.last_saved_number: int | None = None
         self._resume_number = -1
         self._rng: dict | None = None  # RNG states to restore at fit start
+        self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
         self._fit_started = False
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
@@ -186,8 +221,15 @@ class BurnpackCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dirpath = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
+        dirpath = self.dirpath or Path(trainer.default_root_dir) / RUN_SUBDIRECTORY
         dirpath = Path(trainer.strategy.broadcast(str(dirpath)))
+        # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
+        choice = (-1, None)
+        if self.resume and trainer.is_global_zero:
+            choice = self._choose_resume(dirpath)
+        number, error = trainer.strategy.broadcast(choice)
+        if error is not None:
+            raise CheckpointResumeError(error)
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
@@ -195,18 +237,40 @@ class BurnpackCheckpoint(Checkpoint):
             self.checkpointer = self._make_checkpointer(dirpath)
         self._fit_started = False
         self._rng = None
+        self._classes = None
         self._boundary_loops = None
         self.restored_number = None
-        number = -1
-        if self.resume and trainer.is_global_zero:
-            number = get_latest_checkpoint_number(
-                dirpath,
-                sentinel_file_identifier=self.sentinel_file_identifier,
-                checkpoint_file_prefix=self.checkpoint_file_prefix,
-                verify=self.verify,
-            )
-        self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._resume_number = number
         self._intercept_resume(trainer)
+
+    def _names(self) -> dict[str, str]:
+        return dict(
+            sentinel_file_identifier=self.sentinel_file_identifier,
+            checkpoint_file_prefix=self.checkpoint_file_prefix,
+        )
+
+    def _choose_resume(self, dirpath: Path) -> tuple[int, str | None]:
+        """``(number, error)``: the newest checkpoint that verifies (-1: none), or gin's
+        ``override_number``, which must name a complete checkpoint. Read-only (rank 0)."""
+        required = trainer_state.REQUIRED_KEYS
+        number = get_latest_checkpoint_number(
+            dirpath, verify=self.verify, required_keys=required, **self._names()
+        )
+        if number < 0:
+            return number, None
+        # Only an override_number can fail here: the search returns a checked checkpoint.
+        problems = verify_checkpoint(
+            dirpath, number, full=False, required_keys=required, **self._names()
+        )
+        if not problems:
+            return number, None
+        complete = [e.number for e in list_checkpoints(dirpath, **self._names()) if e.complete]
+        return -1, (
+            f"cannot resume from checkpoint {number} in {dirpath} (gin "
+            f"get_latest_checkpoint_number.override_number = {number}): {summarise(problems)}. "
+            f"Complete checkpoints there: {complete or 'none'}. Nothing was changed; bind "
+            "override_number to one of them, or unbind it to resume from the newest"
+        )
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
         settings = dict(
@@ -246,7 +310,9 @@ class BurnpackCheckpoint(Checkpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         self._rng = checkpoint.get(trainer_state.RNG_KEY)
+        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self._check_optimizers(trainer)
             self._restore_rng()
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
@@ -264,7 +330,24 @@ class BurnpackCheckpoint(Checkpoint):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = True
+        self._check_optimizers(trainer)
         self._restore_rng()
+
+    def _check_optimizers(self, trainer: pl.Trainer) -> None:
+        """Refuse other optimizer or scheduler classes before Lightning loads the checkpoint's
+        state into them (Adam's state in SGD fails at its first step, in AdamW it silently
+        changes meaning)."""
+        if self._classes is None:
+            return
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        problems = trainer_state.class_mismatches(self._classes, trainer.optimizers, schedulers)
+        self._classes = None
+        if problems:
+            raise CheckpointResumeError(
+                f"cannot resume from {trainer.ckpt_path}: {'; '.join(problems)}. Resume with the "
+                "optimizers and schedulers it was saved with; to switch, load only the weights "
+                "(ModuleRecord.load(...).apply(model)) and start a new run"
+            )
 
     def _restore_rng(self) -> None:
         if self._rng is not None:
@@ -272,6 +355,10 @@ class BurnpackCheckpoint(Checkpoint):
             self._rng = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        error = self._check_newer(trainer) if trainer.is_global_zero else None
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointResumeError(error)
         if trainer.is_global_zero and self.restored_number is not None:
             log.info(
                 "continuing training at epoch %d (global step %d) after checkpoint %d",
@@ -280,6 +367,51 @@ class BurnpackCheckpoint(Checkpoint):
                 self.restored_number,
             )
         self._install_signal_handlers()
+
+    def _check_newer(self, trainer: pl.Trainer) -> str | None:
+        """Rank 0, before the first step: complete checkpoints from the epoch this run starts at
+        on (other than the one it resumed from) would be saved over. Remove them when
+        ``overwrite`` is set; otherwise the error to stop with (nothing changed)."""
+        assert self.checkpointer is not None
+        base, start = self.checkpointer.base_directory, trainer.current_epoch
+        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+        newer = [
+            e.number
+            for e in list_checkpoints(base, **self._names())
+            if e.complete and e.number >= start and e.data.resolve() != resumed
+        ]
+        if not newer:
+            return None
+        if self.overwrite:
+            log.warning(
+                "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
+                "epoch %d) would save over",
+                newer,
+                base,
+                start,
+            )
+            self.checkpointer.remove_checkpoints(newer)
+            return None
+        usable = any(  # damaged ones are replaced anyway (resume fell back past them)
+            not verify_checkpoint(
+                base,
+                n,
+                full=self.verify,
+                required_keys=trainer_state.REQUIRED_KEYS,
+                **self._names(),
+            )
+            for n in newer
+        )
+        if not usable:
+            return None
+        source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
+        return (
+            f"this run {source} (epoch {start}), and {base} holds complete checkpoints {newer} "
+            "that its saves would replace. Nothing was changed. To continue the newest, run "
+            "with resume=True and neither ckpt_path nor override_number; to start over or go "
+            "back, set BurnpackCheckpoint(overwrite=True) (gin: BurnpackCheckpoint.overwrite = "
+            "True), which removes them first; or save into another dirpath"
+        )
 
     # -- saving --------------------------------------------------------------------------------
 

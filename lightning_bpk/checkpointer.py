@@ -90,18 +90,18 @@ import fcntl
 import json
 import os
 import re
+import reprlib
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import gin
 import xxhash
 
-from lightning_bpk import _fs, burnpack
+from lightning_bpk import _fs, _gin, burnpack
 from lightning_bpk.records.base import Record, RecordError, StateRecord, load_record
 
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
@@ -122,8 +122,14 @@ _NUMBER = r"(0|[1-9][0-9]*)"
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratch_path appends
 _DIGEST = re.compile(r"[0-9a-f]{16}")
 RECORD_SUFFIX = ".bpk"
-
-T = TypeVar("T")
+# Where BurnpackCheckpoint saves inside a run's default_root_dir (``lightning-bpk ls RUN`` looks
+# there too).
+RUN_SUBDIRECTORY = "checkpoints"
+# A problem list longer than this is summarised in warnings ("... and N more").
+_SHOWN_PROBLEMS = 5
+# Values quoted in messages are cut to a readable length (a damaged manifest may hold megabytes).
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 160
 
 
 class CheckpointLockedError(RuntimeError):
@@ -134,29 +140,30 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
 
 
-def _gin_configurable(fn_or_cls: T) -> T:
-    """``gin.configurable`` under this module's real name, tolerant of re-execution.
-
-    A fixed selector means running this file as ``__main__`` or from a second import path does
-    not create an ambiguous second ``Checkpointer``; re-executing it (``importlib.reload``)
-    re-registers the same selector, which gin refuses outside interactive mode, so the newer
-    definition replaces the old one there.
-    """
-    try:
-        return gin.configurable(fn_or_cls, module="lightning_bpk.checkpointer")
-    except ValueError:
-        with gin.config.interactive_mode():
-            return gin.configurable(fn_or_cls, module="lightning_bpk.checkpointer")
+# gin's selectors stay those of this module's real name (see lightning_bpk._gin)
+_gin_configurable = _gin.configurable("lightning_bpk.checkpointer")
 
 
 # --- names --------------------------------------------------------------------------------------
 
 
+def _quote(value: object) -> str:
+    """``repr(value)`` cut to a readable length."""
+    return _QUOTE.repr(value)
+
+
+def summarise(problems: list[str]) -> str:
+    """The first few problems joined with "; ", and how many more there are."""
+    shown = "; ".join(problems[:_SHOWN_PROBLEMS])
+    more = len(problems) - _SHOWN_PROBLEMS
+    return shown + (f"; ... and {more} more" if more > 0 else "")
+
+
 def _safe_name(value: object, what: str) -> str:
     if not isinstance(value, str) or not _SAFE_NAME.fullmatch(value):
         raise ValueError(
-            f"{what} {value!r} is not a safe file name (1-128 characters from A-Z a-z 0-9 _ . -, "
-            "not starting with '.' or '-')"
+            f"{what} {_quote(value)} is not a safe file name (1-128 characters from "
+            "A-Z a-z 0-9 _ . -, not starting with '.' or '-')"
         )
     return value
 
@@ -300,14 +307,16 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
         raise ValueError(f"sentinel is not a {MANIFEST_FORMAT} manifest")
     if doc.get("version") != MANIFEST_VERSION:
         raise ValueError(
-            f"manifest version {doc.get('version')!r} is not supported (this reader knows "
+            f"manifest version {_quote(doc.get('version'))} is not supported (this reader knows "
             f"{MANIFEST_VERSION})"
         )
     if doc.get("iteration") != iteration:
-        raise ValueError(f"manifest is for iteration {doc.get('iteration')!r}, not {iteration}")
+        raise ValueError(
+            f"manifest is for iteration {_quote(doc.get('iteration'))}, not {iteration}"
+        )
     data = doc.get("data")
     if not isinstance(data, str) or not data.endswith(f".{iteration}"):
-        raise ValueError(f"manifest names data {data!r}, not '<prefix>.{iteration}'")
+        raise ValueError(f"manifest names data {_quote(data)}, not '<prefix>.{iteration}'")
     _safe_name(data, "manifest data directory")
     files = doc.get("files")
     if not isinstance(files, dict):
@@ -323,7 +332,7 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
             or any(not _is_count(entry.get(f)) for f in ("size", "head_size"))
             or not _DIGEST.fullmatch(str(entry.get("head_xxh3")))
         ):
-            raise ValueError(f"manifest entry {key!r} is malformed")
+            raise ValueError(f"manifest entry {_quote(key)} is malformed")
         entries[key] = _FileEntry(*(entry[f] for f in fields))
     return _Manifest(data, entries)
 
@@ -370,12 +379,13 @@ class _Checkpoint:
         )
         return self.base / name
 
-    def problems(self, *, full: bool) -> list[str]:
+    def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is).
 
         Quick (``full=False``): the sentinel parses, the data exists, every listed file has its
-        recorded size and nothing else is in the directory: one small read and a few stats.
-        ``full``: also the head digests and every tensor checksum (reads all bytes).
+        recorded size, nothing else is in the directory and every key of ``required_keys`` is
+        there: one small read and a few stats. ``full``: also the head digests and every tensor
+        checksum (reads all bytes).
         """
         try:
             manifest = self.read_manifest()
@@ -387,10 +397,20 @@ class _Checkpoint:
         if not data.exists():
             return [f"{data}: data is missing (sentinel without data)"]
         if manifest is None:
+            missing = _missing_keys(data, required_keys)
+            if missing:  # nothing lists the files, so a lost one is only noticed here
+                return [
+                    f"{_record_path(data, k)}: missing (Dopamine's b'done' sentinel)"
+                    for k in missing
+                ]
             return self._legacy_problems(data) if full else []
         if not data.is_dir():
             return [f"{data}: data is not a directory"]
-        problems = []
+        problems = [
+            f"{self.sentinel}: the manifest lists no {k!r} entry"
+            for k in required_keys
+            if k not in manifest.files
+        ]
         expected = {key + RECORD_SUFFIX: e for key, e in manifest.files.items()}
         present = {entry.name: entry for entry in os.scandir(data)}
         for name in sorted(set(present) - set(expected)):
@@ -425,6 +445,11 @@ def _keys_on_disk(data: Path) -> list[str]:
     return sorted(p.name[: -len(RECORD_SUFFIX)] for p in data.glob("*" + RECORD_SUFFIX))
 
 
+def _missing_keys(data: Path, required_keys: Sequence[str]) -> list[str]:
+    """The keys of ``required_keys`` a data directory without a manifest has no file for."""
+    return [k for k in required_keys if not _record_path(data, k).is_file()]
+
+
 def _record_path(data: Path, key: str) -> Path:
     return data / (key + RECORD_SUFFIX)
 
@@ -457,13 +482,17 @@ def _sentinel_numbers(base: Path, identifier: str) -> list[int]:
     return sorted(_numbers(base, _sentinel_stem(identifier)), reverse=True)
 
 
-def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> int:
+def _latest(
+    base: Path, identifier: str, prefix: str | None, verify: bool, required_keys: Sequence[str]
+) -> int:
     for n in _sentinel_numbers(base, identifier):
-        problems = _Checkpoint(base, n, identifier, prefix).problems(full=verify)
+        problems = _Checkpoint(base, n, identifier, prefix).problems(
+            full=verify, required_keys=required_keys
+        )
         if not problems:
             return n
         warnings.warn(
-            f"checkpoint {n} in {base} skipped: " + "; ".join(problems),
+            f"checkpoint {n} in {base} skipped: " + summarise(problems),
             CheckpointWarning,
             stacklevel=3,
         )
@@ -477,6 +506,7 @@ def get_latest_checkpoint_number(
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
+    required_keys: Sequence[str] = (),
 ) -> int:
     """The newest complete checkpoint's iteration number in ``base_directory``, or -1.
 
@@ -486,7 +516,9 @@ def get_latest_checkpoint_number(
     manifest and the tensor checksums (what resume should use). A candidate that fails is skipped
     with a :class:`CheckpointWarning` saying why, and the next older one is tried.
     ``checkpoint_file_prefix`` (None: any, as named by each manifest; ``"ckpt"`` for Dopamine
-    sentinels) restricts the search to one checkpointer's data.
+    sentinels) restricts the search to one checkpointer's data. ``required_keys`` skips
+    checkpoints without those data keys (the Lightning callback needs ``model`` and ``trainer``;
+    this matters for Dopamine's ``b'done'`` sentinels, which list no files).
 
     >>> get_latest_checkpoint_number("/does/not/exist"), get_latest_checkpoint_number("/x", 12)
     (-1, 12)
@@ -496,7 +528,9 @@ def get_latest_checkpoint_number(
     identifier = _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-    return _latest(Path(base_directory), identifier, checkpoint_file_prefix, verify)
+    return _latest(
+        Path(base_directory), identifier, checkpoint_file_prefix, verify, tuple(required_keys)
+    )
 
 
 def verify_checkpoint(
@@ -504,11 +538,16 @@ def verify_checkpoint(
     iteration_number: int,
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_file_prefix: str | None = None,
+    *,
+    full: bool = True,
+    required_keys: Sequence[str] = (),
 ) -> list[str]:
     """Every problem found with checkpoint ``iteration_number`` (empty: it verifies).
 
-    Reads all of its bytes; never writes. A Dopamine ``b'done'`` sentinel with its data present
-    gives no problems but a :class:`CheckpointWarning` that it is unverifiable.
+    Reads all of its bytes (``full=False``: only the sentinel, and the names and sizes of the
+    files, as :func:`get_latest_checkpoint_number` without ``verify``); never writes. Every key of
+    ``required_keys`` must be in the checkpoint. A Dopamine ``b'done'`` sentinel with its data
+    present gives no problems but a :class:`CheckpointWarning` that it is unverifiable.
 
     >>> verify_checkpoint("/does/not/exist", 3)
     ['/does/not/exist/sentinel_checkpoint_complete.3: no sentinel (iteration 3 is not complete)']
@@ -518,19 +557,42 @@ def verify_checkpoint(
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     n = _iteration(iteration_number)
     return _Checkpoint(Path(base_directory), n, identifier, checkpoint_file_prefix).problems(
-        full=True
+        full=full, required_keys=tuple(required_keys)
     )
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
 
 
-def _setting(value: object, name: str, *, optional: bool = False) -> Any:
+def _setting(value: object, name: str, *, optional: bool = False) -> None:
     if optional and value is None:
-        return None
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+        raise ValueError(f"{name} must be an int >= 1, got {_quote(value)}")
+
+
+def check_settings(
+    checkpoint_file_prefix: str = "ckpt",
+    sentinel_file_identifier: str = "checkpoint",
+    checkpoint_frequency: int = 1,
+    checkpoint_duration: int = 4,
+    keep_every: int | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the first invalid :class:`Checkpointer` setting.
+
+    What the constructor checks, without touching the filesystem, so a Lightning callback can
+    refuse bad settings when it is built rather than when ``fit`` starts.
+
+    >>> check_settings(checkpoint_duration=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: checkpoint_duration must be an int >= 1, got 0
+    """
+    _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
+    _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
+    _setting(checkpoint_frequency, "checkpoint_frequency")
+    _setting(checkpoint_duration, "checkpoint_duration")
+    _setting(keep_every, "keep_every", optional=True)
 
 
 @_gin_configurable
@@ -559,14 +621,19 @@ class Checkpointer:
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
-        self.base_directory = Path(base_directory)
-        self.checkpoint_file_prefix = _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-        self.sentinel_file_identifier = _safe_name(
-            sentinel_file_identifier, "sentinel_file_identifier"
+        check_settings(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_frequency,
+            checkpoint_duration,
+            keep_every,
         )
-        self.checkpoint_frequency = _setting(checkpoint_frequency, "checkpoint_frequency")
-        self.checkpoint_duration = _setting(checkpoint_duration, "checkpoint_duration")
-        self.keep_every = _setting(keep_every, "keep_every", optional=True)
+        self.base_directory = Path(base_directory)
+        self.checkpoint_file_prefix = checkpoint_file_prefix
+        self.sentinel_file_identifier = sentinel_file_identifier
+        self.checkpoint_frequency = checkpoint_frequency
+        self.checkpoint_duration = checkpoint_duration
+        self.keep_every = keep_every
         try:
             self.base_directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -608,7 +675,11 @@ class Checkpointer:
         """:func:`get_latest_checkpoint_number` for this checkpointer's prefix and identifier
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
         return _latest(
-            self.base_directory, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
+            self.base_directory,
+            self.sentinel_file_identifier,
+            self.checkpoint_file_prefix,
+            verify,
+            required_keys=(),
         )
 
     def verify_checkpoint(self, iteration_number: int) -> list[str]:
@@ -797,6 +868,25 @@ class Checkpointer:
                 _remove(staging)
             raise
         return staging, files
+
+    def remove_checkpoints(self, numbers: Iterable[int]) -> None:
+        """Delete the checkpoints ``numbers``, under the directory lock: their sentinels first
+        (one fsync), then their data, so a crash midway never leaves a sentinel without data.
+
+        For a run that starts over on purpose (``BurnpackCheckpoint(overwrite=True)``).
+        """
+        wanted = sorted({_iteration(n) for n in numbers})
+        with self._lock():
+            stem = _sentinel_stem(self.sentinel_file_identifier)
+            sentinels = _numbers(self.base_directory, stem)
+            data = _numbers(self.base_directory, self.checkpoint_file_prefix)
+            for n in wanted:
+                if n in sentinels:
+                    _remove(sentinels[n])
+            _fs.fsync_dir(self.base_directory)
+            for n in wanted:
+                if n in data:
+                    _remove(data[n])
 
     def _collect_garbage(self, n: int) -> None:
         """Keep the ``d`` newest complete checkpoints ``<= n`` and the ``keep_every`` milestones;

@@ -36,6 +36,12 @@ class RecordError(Exception):
         super().__init__(f"{label}: " + "; ".join(self.problems))
 
 
+def class_name(obj: object) -> str:
+    """``module.qualname`` of ``obj``'s class, as records store it (``torch.optim.adam.Adam``)."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class Record:
     """Base class: subclasses say how they map to burnpack content and back."""
 
