@@ -13,9 +13,10 @@ The package is layered; each layer only uses the ones listed before it:
 Public names are imported lazily so ``import lightning_bpk`` stays cheap; the gin configurables
 are registered right away all the same (see :mod:`lightning_bpk._gin`).
 
-Log lines ("restored ...", "saved checkpoint ...") go to the ``lightning_bpk`` logger at INFO.
-As Lightning does for its own logger: when the root logger has no handler at import time, it gets
-a stderr handler of its own, so they show without any logging configuration.
+Log lines ("restored ...", "saved checkpoint ...") go to the ``lightning_bpk`` logger at INFO,
+and show on stderr without any logging configuration, as Lightning's own do. Once the program
+configures logging (a handler on the root logger, before or after this import), they go through
+that configuration instead, and only there.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ from lightning_bpk import _gin
 
 __version__ = "0.1.0"
 
+
+class _UnconfiguredHandler(logging.StreamHandler):
+    """Writes to stderr only while the root logger has no handler (logging not configured)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
 _logger = logging.getLogger(__name__)
 _logger.setLevel(logging.INFO)
-if not logging.getLogger().hasHandlers():  # otherwise propagate to the configured root logger
-    _logger.addHandler(logging.StreamHandler())
-    _logger.propagate = False
+if not any(isinstance(h, _UnconfiguredHandler) for h in _logger.handlers):  # importlib.reload
+    _logger.addHandler(_UnconfiguredHandler())
 
 _gin.register_stand_ins()
 

@@ -23,9 +23,10 @@ raises :class:`CheckpointSaveError` on every rank and leaves every earlier check
 
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
-falls back past damaged ones and honours gin's ``override_number``); the number is shared with
-every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the callback
-intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
+falls back past damaged ones and honours gin's ``override_number``, which must name a complete
+checkpoint: otherwise :class:`CheckpointResumeError` before anything is created); the number
+is shared with every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the
+callback intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
 ``ckpt_path`` it loads checkpoint N there, and Lightning restores everything in its own order
 (model, callbacks, precision, loops, optimizers, schedulers), continuing at epoch N+1. An
 explicit ``ckpt_path`` wins (a checkpoint directory of ours works there too, without the IO
@@ -34,6 +35,13 @@ last hook before Lightning creates the training DataLoader iterator (sanity vali
 ``isolate_rng``), so the continued run is bit-identical to one that never stopped. Under DDP
 rank 0's states are saved and every rank restores them (exact when all ranks were seeded alike,
 as ``seed_everything`` does; per-rank streams that differ are not captured).
+
+**Never saving over another run.** At ``on_train_start`` rank 0 looks for complete checkpoints
+numbered from the epoch the run starts at on (other than the one it resumed from), which its
+saves would replace: there are some after ``resume=False``, an explicit older ``ckpt_path`` or
+an older ``override_number``. ``fit`` then stops with :class:`CheckpointResumeError` naming them,
+unless ``overwrite=True``, which removes them first. A checkpoint of other optimizer or
+scheduler classes is refused at ``on_fit_start``, before Lightning loads its state.
 
 **Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).

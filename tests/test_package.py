@@ -107,17 +107,19 @@ def test_a_stand_in_imports_its_module_when_gin_needs_it(tmp_path: Path, monkeyp
 
 def test_our_log_lines_show_without_a_logging_configuration() -> None:
     """As Lightning's own do: INFO lines of the ``lightning_bpk`` logger (the callback's) reach
-    stderr unless the user has configured logging; then they go to the root logger's handlers."""
+    stderr when the program configures no logging; once it does (before or after the import),
+    they go through that configuration, once."""
     import lightning_bpk.callback
 
     assert lightning_bpk.callback.log is logging.getLogger("lightning_bpk")
     code = """
         import logging, sys
-        if sys.argv[1:] == ["configured"]:
+        if sys.argv[1] == "before":
             logging.basicConfig(format="root: %(message)s")
         import lightning_bpk
+        if sys.argv[1] == "after":
+            logging.basicConfig(format="root: %(message)s")
         logging.getLogger("lightning_bpk").info("saved checkpoint 0 at x")
     """
-    for args, prefix in (((), ""), (("configured",), "root: ")):
-        out = _python(code, *args)
-        assert out.stderr == prefix + "saved checkpoint 0 at x\n"
+    for when, prefix in (("never", ""), ("before", "root: "), ("after", "root: ")):
+        assert _python(code, when).stderr == prefix + "saved checkpoint 0 at x\n"
