@@ -2,7 +2,6 @@
 
 import importlib
 import logging
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,6 +11,8 @@ import pytest
 
 import lightning_bpk
 from lightning_bpk import _gin
+
+from conftest import Finished, run_process
 
 
 @pytest.mark.parametrize("name", lightning_bpk.__all__)
@@ -27,7 +28,7 @@ def test_unknown_name_is_an_attribute_error() -> None:
 
 def test_import_does_not_load_torch_or_lightning() -> None:
     code = "import sys, lightning_bpk; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_process([sys.executable, "-c", code], check=True)
     assert out.stdout.strip() == "[]"
 
 
@@ -37,15 +38,9 @@ def test_py_typed_marker_ships() -> None:
     assert files("lightning_bpk").joinpath("py.typed").is_file()
 
 
-def _python(code: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, cwd: Path | None = None) -> Finished:
     """Run ``code`` in a fresh interpreter (nothing imported, no logging configured)."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-    )
+    return run_process([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd)
 
 
 def test_gin_bindings_work_after_a_plain_import(tmp_path: Path) -> None:
