@@ -110,7 +110,7 @@ class CheckpointResumeError(RuntimeError):
 
     gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
     save over complete checkpoints it did not resume past (see ``overwrite``), or the checkpoint
-    holds the state of another optimizer class than the module configures.
+    holds the state of other optimizer or scheduler classes than the module configures.
     """
 
 
@@ -234,7 +234,10 @@ class BurnpackCheckpoint(Checkpoint):
         # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
         choice = (-1, None)
         if self.resume and trainer.is_global_zero:
-            choice = self._choose_resume(dirpath)
+            try:
+                choice = self._choose_resume(dirpath)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                choice = (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
         number, error = trainer.strategy.broadcast(choice)
         if error is not None:
             raise CheckpointResumeError(error)
@@ -320,7 +323,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._rng = checkpoint.get(trainer_state.RNG_KEY)
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
-            self._check_optimizers(trainer)
+            self._check_classes(trainer)
             self._restore_rng()
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
@@ -338,10 +341,10 @@ class BurnpackCheckpoint(Checkpoint):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = True
-        self._check_optimizers(trainer)
+        self._check_classes(trainer)
         self._restore_rng()
 
-    def _check_optimizers(self, trainer: pl.Trainer) -> None:
+    def _check_classes(self, trainer: pl.Trainer) -> None:
         """Refuse other optimizer or scheduler classes before Lightning loads the checkpoint's
         state into them (Adam's state in SGD fails at its first step, in AdamW it silently
         changes meaning)."""
@@ -363,7 +366,12 @@ class BurnpackCheckpoint(Checkpoint):
             self._rng = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        error = self._check_newer(trainer) if trainer.is_global_zero else None
+        error = None
+        if trainer.is_global_zero:
+            try:
+                error = self._check_newer(trainer)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                error = f"cannot check {self.checkpointer.base_directory} before training: {e}"
         error = trainer.strategy.broadcast(error)
         if error is not None:
             raise CheckpointResumeError(error)
