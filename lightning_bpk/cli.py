@@ -37,9 +37,17 @@ import torch
 
 from lightning_bpk import burnpack, checkpointer
 from lightning_bpk.interop import Content, convert, read_content
-from lightning_bpk.interop.formats import CHECKPOINT_MODEL_FILE
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, MODEL_FILE
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.trainer_state import REQUIRED_KEYS
+
+__all__ = [
+    "EXIT_BAD_FILE",
+    "EXIT_FOUND",
+    "EXIT_OK",
+    "build_parser",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
@@ -62,9 +70,9 @@ def _json_value(scalar: burnpack.Scalar) -> bool | int | float | str:
     return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
 
 
-def describe(pack: burnpack.Pack) -> dict[str, Any]:
+def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         "file": pack.source,
         "header": {
@@ -94,11 +102,11 @@ def _escape(c: str) -> str:
     return c if c.isprintable() else repr(c)[1:-1]
 
 
-def printable(text: str) -> str:
+def _printable(text: str) -> str:
     r"""``text`` with every non-printable character but the line breaks (control codes, ANSI
     escapes, bidi overrides) escaped as in a Python string literal.
 
-    >>> printable("a\x1b[2Jb\nc\u202ed")
+    >>> _printable("a\x1b[2Jb\nc\u202ed")
     'a\\x1b[2Jb\nc\\u202ed'
     """
     return "\n".join(
@@ -107,7 +115,7 @@ def printable(text: str) -> str:
 
 
 def _table(rows: list[list[str]]) -> str:
-    rows = [[printable(cell) for cell in row] for row in rows]
+    rows = [[_printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -115,8 +123,8 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def format_text(info: dict[str, Any]) -> str:
-    """The human-readable ``inspect`` report of :func:`describe`'s output."""
+def _format_text(info: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report of :func:`_describe`'s output."""
     h = info["header"]
     lines = [
         f"file: {info['file']}",
@@ -148,8 +156,8 @@ def format_text(info: dict[str, Any]) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     with burnpack.read(args.file) as pack:
-        info = describe(pack)
-    _emit(args, info, format_text(info))
+        info = _describe(pack)
+    _emit(args, info, _format_text(info))
     return EXIT_OK
 
 
@@ -190,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, what: str, message: str) -> None:
-    print(printable(f"lightning-bpk {args.command}: {what}: {message}"), file=sys.stderr)
+    print(_printable(f"lightning-bpk {args.command}: {what}: {message}"), file=sys.stderr)
 
 
 # --- ls, verify, convert, diff ------------------------------------------------------------------
@@ -208,7 +216,7 @@ def _progress(label: str) -> Callable[[int, int, str], None] | None:
     return report
 
 
-def _size_text(n: int) -> str:
+def _size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -228,10 +236,10 @@ def _mtime(path: Path) -> str:
 
 
 def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
-    print(json.dumps(info, indent=2) if args.json else printable(text))
+    print(json.dumps(info, indent=2) if args.json else _printable(text))
 
 
-def checkpoint_rows(
+def _checkpoint_rows(
     base: Path, identifier: str, prefix: str, verify: bool, required_keys: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
@@ -251,7 +259,7 @@ def checkpoint_rows(
                 "complete": complete,
                 "verified": (not problems) if verify and complete else None,
                 "size": _tree_size(entry.data) if entry.data is not None else 0,
-                "time": _mtime(entry.sentinel or entry.data),
+                "time": _mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
             }
@@ -281,7 +289,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not base.is_dir():
         raise OSError(f"{base}: not a directory")
     base = _checkpoint_base(base, args)
-    rows = checkpoint_rows(
+    rows = _checkpoint_rows(
         base, args.identifier, args.prefix, not args.no_verify, required_keys=_required(args)
     )
     table = [["number", "complete", "verified", "size", "time"]]
@@ -337,7 +345,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if target.is_dir():
         target = _checkpoint_base(target, args)
-        rows = checkpoint_rows(
+        rows = _checkpoint_rows(
             target, args.identifier, args.prefix, verify=True, required_keys=_required(args)
         )
         if rows:
@@ -392,7 +400,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
-def diff_contents(
+def _diff_contents(
     a: Content, b: Content, progress: Callable[[int, int, str], None] | None = None
 ) -> list[dict[str, Any]]:
     """Tensor-by-tensor comparison of two :class:`~lightning_bpk.interop.Content` objects."""
@@ -447,14 +455,14 @@ def _close(x: Any, y: Any, atol: float) -> bool:
     return x == y or abs(x - y) <= atol
 
 
-def diff_entries(
+def _diff_entries(
     a: Mapping[str, Any], b: Mapping[str, Any], atol: float = 0.0
 ) -> list[dict[str, Any]]:
     """Entry-by-entry comparison of two files' scalars (``{"kind", "value"}`` maps) or metadata
     (strings): rows of ``name``, ``status`` (same, values differ, kind differs, only in A/B) and
     the values ``a`` and ``b``.
 
-    >>> diff_entries({"last_epoch": {"kind": "Int", "value": 3}},
+    >>> _diff_entries({"last_epoch": {"kind": "Int", "value": 3}},
     ...              {"last_epoch": {"kind": "Int", "value": 4}})[0]["status"]
     'values differ'
     """
@@ -488,7 +496,7 @@ def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, A
     """Compare two files: tensors, scalars and metadata; returns the JSON info and the text."""
     ca, cb = read_content(a), read_content(b)
     atol = args.atol if args.atol is not None else 0.0
-    rows = diff_contents(ca, cb, _progress(f"diff {a.name}"))
+    rows = _diff_contents(ca, cb, _progress(f"diff {a.name}"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
         different = [
@@ -496,8 +504,8 @@ def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, A
             for r in different
             if not (r["status"] == "values differ" and r["max_abs_diff"] <= args.atol)
         ]
-    scalars = diff_entries(_scalars(ca), _scalars(cb), atol)
-    metadata = diff_entries(ca.metadata, cb.metadata)
+    scalars = _diff_entries(_scalars(ca), _scalars(cb), atol)
+    metadata = _diff_entries(ca.metadata, cb.metadata)
     entries_differ = [
         (what, r)
         for what, entries in (("scalar", scalars), ("metadata", metadata))
@@ -554,7 +562,7 @@ def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, A
 def _model_file(path: Path) -> Path:
     """A checkpoint directory stands for its model file when compared with a file (as in
     ``convert``)."""
-    return path / CHECKPOINT_MODEL_FILE if path.is_dir() else path
+    return path / MODEL_FILE if path.is_dir() else path
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -600,8 +608,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         return parser
 
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
-        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+        parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
+        parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
         parser.add_argument(
             "--require",
             default=",".join(REQUIRED_KEYS),
