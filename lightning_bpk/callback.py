@@ -432,12 +432,16 @@ class BurnpackCheckpoint(Checkpoint):
         dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
         # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
         choice: tuple[int, str | None] = (-1, None)
+        failure: Exception | None = None
         if self.resume and trainer.is_global_zero:
             try:
                 choice = self._choose_resume(dirpath)
             except Exception as e:  # every rank must reach the broadcast, and learn of it
+                failure = e
                 choice = (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
         number, error = trainer.strategy.broadcast(choice)
+        if failure is not None:
+            raise failure  # rank 0 keeps the original error (a StorageError naming the URL)
         if error is not None:
             raise CheckpointResumeError(error)
         if trainer.is_global_zero:
@@ -472,6 +476,8 @@ class BurnpackCheckpoint(Checkpoint):
     def _choose_resume(self, dirpath: Path | str) -> tuple[int, str | None]:
         """``(number, error)``: the newest checkpoint that verifies (-1: none), or gin's
         ``override_number``, which must name a complete checkpoint. Read-only (rank 0)."""
+        if not storage.is_local(dirpath):  # unreachable, bad credentials, no bucket: say which
+            storage.object_store(dirpath, self.storage_options).check()
         required = trainer_state.REQUIRED_KEYS
         number = get_latest_checkpoint_number(
             dirpath, verify=self.verify, required_keys=required, **self._names()

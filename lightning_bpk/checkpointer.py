@@ -865,12 +865,17 @@ class Checkpointer:
             _safe_name(key, f"checkpoint {n} data key")
         if self._remote is not None:
             return _objects().save(self, self._remote, n, data)
-        with self._lock():
-            if self.lease is not None:
+        try:
+            with self._lock():
+                if self.lease is not None:
+                    self.lease.check()
+                self._remove_leftovers()
+                target = self._publish(n, data)
+                self._collect_garbage(n)
+        except CheckpointLockedError:
+            if self.lease is not None:  # a newer run taking over holds the lock: say so instead
                 self.lease.check()
-            self._remove_leftovers()
-            target = self._publish(n, data)
-            self._collect_garbage(n)
+            raise
         return target
 
     @contextlib.contextmanager

