@@ -74,7 +74,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import trainer_state
+from lightning_bpk import sharded, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 
@@ -236,7 +236,10 @@ class BurnpackCheckpoint(Checkpoint):
             if checkpoint_path is None:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            loaded = trainer_state.load(path)
+            if sharded.is_sharded(path):  # model and optimizers load in place, on every rank
+                loaded = sharded.load(path, trainer.lightning_module, trainer.optimizers)
+            else:
+                loaded = trainer_state.load(path)
             connector._ckpt_path = path
             connector._loaded_checkpoint = _pl_migrate_checkpoint(loaded, path)
 
@@ -317,10 +320,16 @@ class BurnpackCheckpoint(Checkpoint):
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        staged: dict = {}
+        if sharded.holds_dtensors(checkpoint):  # FSDP2 / tensor parallel: every rank writes
+            try:
+                staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
+            except sharded.ShardedCheckpointError as e:  # raised on every rank alike
+                raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
-                self._write(trainer, number, checkpoint, preempted)
+                self._write(trainer, number, checkpoint, preempted, staged)
                 if flush and self._saver is not None:
                     self._saver.wait()
             except Exception as e:
@@ -337,7 +346,12 @@ class BurnpackCheckpoint(Checkpoint):
         self.last_saved_number = number
 
     def _write(
-        self, trainer: pl.Trainer, number: int, checkpoint: dict, preempted: dict | None
+        self,
+        trainer: pl.Trainer,
+        number: int,
+        checkpoint: dict,
+        preempted: dict | None,
+        staged: dict,
     ) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
@@ -353,11 +367,18 @@ class BurnpackCheckpoint(Checkpoint):
                 checkpoint_frequency=1,
                 keep_every=None if k is None else k * f,
             )
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        if staged:  # the shards are written; publish them with the rest, synchronously
+            try:
+                path = checkpointer.save_checkpoint(
+                    number, {**staged, **sharded.records(checkpoint, schedulers)}
+                )
+            finally:
+                sharded.discard(staged)
+            log.info("saved sharded checkpoint %d at %s", number, path)
+            return
         data = trainer_state.to_records(
-            checkpoint,
-            trainer.lightning_module,
-            trainer.optimizers,
-            [config.scheduler for config in trainer.lr_scheduler_configs],
+            checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
         if self._saver is not None:
             self._saver.save_checkpoint(checkpointer, number, data)  # raises an earlier failure

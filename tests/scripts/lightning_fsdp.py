@@ -1,0 +1,92 @@
+"""The tiny Lightning run of lightning_tiny.py, sharded with FSDP2 under ``ModelParallelStrategy``
+on gloo CPU processes, checkpointed by ``BurnpackCheckpoint`` (run by tests/test_sharded.py)::
+
+    python lightning_fsdp.py --root DIR --epochs 3 --devices 2 [--kill-at-step K] [--out FILE]
+
+``--kill-at-step K`` SIGKILLs the whole process group (every rank) after global step K.
+``--out`` writes the gathered full model and optimizer state as a burnpack for exact comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lightning_tiny import SEED, TinyModel, make_trainer
+
+
+class ShardedTiny(TinyModel):
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Gathered model + optimizer tensors (a collective: every rank calls it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    flat = {f"model.{k}": v for k, v in get_model_state_dict(model, options=options).items()}
+    osd = get_optimizer_state_dict(model, optimizer, options=options)
+    for fqn, states in osd.get("state", {}).items():  # empty except on rank 0
+        for key, value in states.items():
+            flat[f"optim.{fqn}.{key}"] = value
+    return flat
+
+
+def main(argv: list[str]) -> None:
+    import lightning as L
+
+    from lightning_bpk import BurnpackCheckpoint, burnpack
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--kill-at-step", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+
+    L.seed_everything(SEED, workers=True)
+    model = ShardedTiny()
+
+    def on_step(step: int) -> None:
+        if step == args.kill_at_step and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # every rank at once, mid-epoch
+
+    model.on_step = on_step
+    strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    callback = BurnpackCheckpoint()
+    trainer = make_trainer(
+        args.root, args.epochs, [callback], strategy=strategy, devices=args.devices
+    )
+    trainer.fit(model)
+    state = full_state(model, trainer.optimizers[0])
+    if args.out and trainer.is_global_zero:
+        burnpack.write(args.out, state)
+    print(
+        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
+        f"step={trainer.global_step} restored={callback.restored_number}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
