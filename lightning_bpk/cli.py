@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, checkpointer
+from lightning_bpk import burnpack, checkpointer, dcp
 from lightning_bpk.interop import Content, convert, read_content
 from lightning_bpk.records.base import RecordError
 
@@ -124,7 +124,41 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def describe_sharded(index: dcp.Index) -> dict[str, Any]:
+    """What ``inspect`` shows for a sharded checkpoint directory: its global tensors and files."""
+    return {
+        "directory": str(index.directory),
+        "files": index.files,
+        "tensors": [
+            {"name": name, "dtype": t["dtype"], "shape": t["shape"], "chunks": t["chunks"]}
+            for name, t in index.tensors.items()
+        ],
+        "objects": sorted(index.objects),
+    }
+
+
+def _sharded_text(info: dict[str, Any]) -> str:
+    lines = [
+        f"sharded checkpoint: {info['directory']}",
+        f"files ({len(info['files'])}): " + ", ".join(sorted(info["files"])),
+        "",
+        f"tensors ({len(info['tensors'])}, full shapes):",
+    ]
+    rows = [["name", "dtype", "shape", "chunks"]]
+    rows += [
+        [t["name"], _dtype_text(t["dtype"]), str(t["shape"]), str(len(t["chunks"]))]
+        for t in info["tensors"]
+    ]
+    lines += [_table(rows), "", f"objects ({len(info['objects'])}):"]
+    lines += [f"  {name}" for name in info["objects"]]
+    return "\n".join(lines)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if dcp.is_sharded(args.file):
+        info = describe_sharded(dcp.read_index(args.file))
+        print(json.dumps(info, indent=2) if args.json else _sharded_text(info))
+        return EXIT_OK
     with burnpack.read(args.file) as pack:
         info = describe(pack)
     if args.json:
@@ -141,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="show header, tensors, scalars and metadata")
-    inspect.add_argument("file", help="path to a .bpk file ('.bpk' is added if missing)")
+    inspect.add_argument(
+        "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
+    )
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
     inspect.set_defaults(func=_cmd_inspect)
     _add_tool_commands(sub)
@@ -160,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `| head` closed stdout early: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (burnpack.BurnpackError, RecordError, OSError) as e:
+    except (burnpack.BurnpackError, RecordError, OSError, dcp.ShardedCheckpointError) as e:
         print(f"lightning-bpk {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_FILE
 
@@ -286,7 +322,15 @@ def _verify_file(path: Path) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = Path(args.target)
-    if target.is_dir():
+    if dcp.is_sharded(target):  # one checkpoint's data directory, or any DCP directory of ours
+        index = dcp.read_index(target)
+        problems = index.check_files(verify_tensors=True)
+        count = sum(len(t["chunks"]) for t in index.tensors.values())
+        results = [
+            {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
+        ]
+        results[0]["checksums"] = count
+    elif target.is_dir():
         rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [

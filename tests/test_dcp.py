@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_bpk import burnpack
+from lightning_bpk import burnpack, cli
 from lightning_bpk.dcp import (
     INDEX_KEY,
     BurnpackStorageReader,
@@ -31,6 +31,7 @@ from lightning_bpk.dcp import (
     load_full_state_dict,
     read_index,
 )
+from lightning_bpk.records import ModuleRecord
 
 SCRIPT = Path(__file__).parent / "scripts" / "dcp_ranks.py"
 RUN_TIMEOUT = 120
@@ -145,3 +146,23 @@ def test_a_directory_without_index_is_not_a_checkpoint(tmp_path):
         read_index(tmp_path)
     with pytest.raises(BaseException, match=r"sharded\.index\.bpk"):
         dcp.load({"w": torch.zeros(1)}, storage_reader=BurnpackStorageReader(tmp_path))
+
+
+def test_the_command_line_reads_a_sharded_directory(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, {"model": {"w": torch.arange(4.0), "b": torch.ones(2)}, "param_ids": {"w": 7}})
+    assert cli.main(["inspect", str(ckpt)]) == 0
+    assert "model.w" in capsys.readouterr().out
+    assert cli.main(["verify", str(ckpt)]) == 0
+    assert cli.main(["convert", str(ckpt), str(tmp_path / "m.bpk")]) == 0
+    record = ModuleRecord.load(tmp_path / "m.bpk")
+    assert torch.equal(record.tensors["w"], torch.arange(4.0)) and record.param_ids == {"w": 7}
+    assert cli.main(["diff", str(ckpt), str(tmp_path / "m.bpk")]) == 0
+
+    (rank_file,) = read_index(ckpt).files
+    data = bytearray((ckpt / rank_file).read_bytes())
+    data[-8] ^= 0xFF
+    (ckpt / rank_file).write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["verify", str(ckpt)]) == 1
+    assert rank_file in capsys.readouterr().out
