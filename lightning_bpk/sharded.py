@@ -1,10 +1,11 @@
 """Sharded checkpoints for Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel).
 
-When the model's state dict holds ``DTensor`` shards, :class:`~lightning_bpk.callback.BurnpackCheckpoint`
-saves through here: every rank writes its own shards of the model and optimizer state with
-:class:`~lightning_bpk.dcp.BurnpackStorageWriter` (one burnpack file per rank, all at once), and
-rank 0 then publishes them with the schedulers and trainer state through the
-:class:`~lightning_bpk.checkpointer.Checkpointer`, whose sentinel is written last as always::
+When the model's state dict holds ``DTensor`` shards,
+:class:`~lightning_bpk.callback.BurnpackCheckpoint` saves through here: every rank writes its
+own shards of the model and optimizer state with :class:`~lightning_bpk.dcp.BurnpackStorageWriter`
+(one burnpack file per rank, all at once), and rank 0 then publishes them with the schedulers
+and trainer state through the :class:`~lightning_bpk.checkpointer.Checkpointer`, whose sentinel
+is written last as always::
 
     ckpt.7/
     ├── sharded.index.bpk              which chunk of which tensor lies where (JSON, no pickle)
