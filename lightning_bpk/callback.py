@@ -131,6 +131,10 @@ class BurnpackCheckpoint(Checkpoint):
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write.
+        distributed_save: with replicated state (DDP), every rank writes a share of the model
+            and optimizer tensors (torch DCP through :mod:`lightning_bpk.sharded`), so a save's
+            wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
+            rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
 
     Example::
 
@@ -151,6 +155,7 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
+        distributed_save: bool = False,
     ) -> None:
         super().__init__()
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -163,6 +168,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
+        self.distributed_save = distributed_save
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
@@ -236,8 +242,8 @@ class BurnpackCheckpoint(Checkpoint):
             if checkpoint_path is None:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            if sharded.is_sharded(path):  # model and optimizers load in place, on every rank
-                loaded = sharded.load(path, trainer.lightning_module, trainer.optimizers)
+            if sharded.is_sharded(path):
+                loaded = sharded.restore(trainer, path)
             else:
                 loaded = trainer_state.load(path)
             connector._ckpt_path = path
@@ -321,7 +327,9 @@ class BurnpackCheckpoint(Checkpoint):
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         staged: dict = {}
-        if sharded.holds_dtensors(checkpoint):  # FSDP2 / tensor parallel: every rank writes
+        if sharded.holds_dtensors(checkpoint) or (  # FSDP2 / tensor parallel, or by choice
+            self.distributed_save and trainer.world_size > 1
+        ):
             try:
                 staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike

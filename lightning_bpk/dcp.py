@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -88,6 +89,7 @@ __all__ = [
     "index_path",
     "is_sharded",
     "load_full_state_dict",
+    "load_nested",
     "read_index",
 ]
 
@@ -633,3 +635,43 @@ def load_full_state_dict(
         for fqn, o in index.objects.items():
             out[fqn] = _object(packs, o["file"], o["name"], fqn)
     return out
+
+
+def _put(root: dict, path: tuple, value: Any) -> None:
+    """Set ``value`` at ``path`` (keys and list indices) in ``root``, creating what is missing."""
+    node: Any = root
+    for key, following in itertools.pairwise(path):
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+        child = node[key] if isinstance(node, list) else node.get(key)
+        if child is None:
+            child = [] if isinstance(following, int) else {}
+            node[key] = child
+        node = child
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def load_nested(
+    directory: str | os.PathLike[str], *, prefix: str = DEFAULT_PREFIX, verify: bool = True
+) -> dict[str, Any]:
+    """The state dict as it was saved (nested again by the planner's key paths), every tensor
+    full-size, in this process alone.
+
+    >>> import tempfile, torch, torch.distributed.checkpoint as dcp
+    >>> path = tempfile.mkdtemp()
+    >>> state = {"opt": {"groups": [{"lr": 0.1}], "w": torch.ones(2)}}
+    >>> _ = dcp.save(state, storage_writer=BurnpackStorageWriter(path))
+    >>> load_nested(path)["opt"]["groups"]
+    [{'lr': 0.1}]
+    """
+    flat = load_full_state_dict(directory, prefix=prefix, verify=verify)
+    mapping = read_index(directory, prefix).metadata().planner_data
+    if not isinstance(mapping, dict):
+        return flat
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = mapping.get(key, (key,))
+        _put(nested, tuple(path), value)
+    return nested

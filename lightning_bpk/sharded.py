@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from lightning_bpk.dcp import (
     ShardedCheckpointError,
     is_sharded,
     load_full_state_dict,
+    load_nested,
 )
 from lightning_bpk.records import (
     LrSchedulerRecord,
@@ -72,8 +74,10 @@ __all__ = [
     "ShardedCheckpointError",
     "holds_dtensors",
     "is_sharded",
+    "lightning_dict",
     "load",
     "module_record",
+    "restore",
     "save_shards",
 ]
 
@@ -166,6 +170,9 @@ def save_shards(
 ) -> dict[str, Record]:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective).
 
+    Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
+    gives each tensor to one rank, balancing the bytes, so every rank writes a share.
+
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
     the staged files as records for ``checkpointer.save_checkpoint`` (on other ranks: ``{}``).
     A failure on any rank raises :class:`ShardedCheckpointError` on every rank.
@@ -178,12 +185,10 @@ def save_shards(
         _remove_staging_leftovers(checkpointer.base_directory, keep=directory)
         staging = str(directory)
     path = Path(trainer.strategy.broadcast(staging))
-    state = _dcp_state(
-        trainer.lightning_module,
-        checkpoint.pop("state_dict"),
-        trainer.optimizers,
-        checkpoint.pop("optimizer_states", []),
-    )
+    module = trainer.lightning_module
+    checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
+    optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
+    state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
     try:
         dcp.save(state, storage_writer=BurnpackStorageWriter(path))
     except CheckpointException as e:  # raised on every rank alike
@@ -232,6 +237,49 @@ def _rest(path: Path) -> dict[str, Any]:
         r.state_dict() for r in trainer_state._numbered(data, trainer_state.SCHEDULER_KEY)
     ]
     return checkpoint
+
+
+def restore(trainer: pl.Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Lightning's dict for resuming ``trainer`` from the sharded checkpoint ``path``.
+
+    A sharded model that is already set up (``ModelParallelStrategy`` restores after setup) gets
+    its model and optimizer state loaded in place (:func:`load`); otherwise (DDP, one device) the
+    returned dict carries the full ``state_dict`` and positional ``optimizer_states`` for
+    Lightning to restore, as from an unsharded checkpoint.
+    """
+    module = trainer.lightning_module
+    in_place = trainer.strategy.restore_checkpoint_after_setup and any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+    if in_place:
+        return load(path, module, trainer.optimizers)
+    return lightning_dict(path)
+
+
+def lightning_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole checkpoint as Lightning's dict, in this process alone: the full model
+    ``state_dict`` and, per optimizer, ``optimizer.state_dict()``'s positional form (parameters
+    numbered in the order the saved groups list their ids)."""
+    path = Path(path)
+    checkpoint = _rest(path)
+    nested = load_nested(path)
+    checkpoint["state_dict"] = OrderedDict(nested[MODEL])
+    checkpoint["optimizer_states"] = [
+        _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
+    ]
+    return checkpoint
+
+
+def _positional(ours: Mapping[str, Any]) -> dict[str, Any]:
+    torch_names = {".".join(v): k for names in BURN_NAMES.values() for k, v in names.items()}
+    order = [pid for group in ours["param_groups"] for pid in group["params"]]
+    position = {pid: i for i, pid in enumerate(order)}
+    state = {
+        position[int(pid)]: {torch_names.get(k, k): v for k, v in values.items()}
+        for pid, values in ours.get("state", {}).items()
+    }
+    groups = [dict(g, params=[position[p] for p in g["params"]]) for g in ours["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def load(

@@ -133,3 +133,25 @@ def test_fsdp2_killed_mid_epoch_resumes_bit_identically_and_reshards_to_one_rank
 def straight_lr(rest: dict) -> float:
     """The learning rate after the saved epochs: StepLR(gamma=0.7) from 0.05, per epoch."""
     return rest["lr_schedulers"][0]["_last_lr"][0]
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_ddp_ranks_split_the_writing_and_the_state_comes_back_exactly(tmp_path):
+    status, log = run(tmp_path, "--ddp", "--epochs", "2", "--out", str(tmp_path / "a.bpk"))
+    assert status == 0, log[-4000:]
+    data = tmp_path / "checkpoints" / "ckpt.1"
+    shares = {}
+    for path in data.glob("sharded.rank-*"):
+        with burnpack.read(path) as pack:
+            shares[path.name.split(".")[1]] = len(pack)
+    assert sorted(shares) == ["rank-0", "rank-1"] and all(shares.values()), shares
+
+    # resuming the finished run restores the saved model and optimizer and trains no further
+    status, log = run(tmp_path, "--ddp", "--epochs", "2", "--out", str(tmp_path / "b.bpk"))
+    assert status == 0, log[-4000:]
+    finished(log, 2, 2, 6, 1)
+    with burnpack.read(tmp_path / "a.bpk") as a, burnpack.read(tmp_path / "b.bpk") as b:
+        saved, restored = a.tensors(), b.tensors()
+        assert sorted(saved) == sorted(restored)
+        for key, value in saved.items():
+            assert torch.equal(restored[key], value), key

@@ -2,6 +2,10 @@
 on gloo CPU processes, checkpointed by ``BurnpackCheckpoint`` (run by tests/test_sharded.py)::
 
     python lightning_fsdp.py --root DIR --epochs 3 --devices 2 [--kill-at-step K] [--out FILE]
+        [--ddp]
+
+``--ddp`` runs plain DDP instead, with ``BurnpackCheckpoint(distributed_save=True)``: the ranks
+split the writing of the replicated state.
 
 ``--kill-at-step K`` SIGKILLs the whole process group (every rank) after global step K.
 ``--out`` writes the gathered full model and optimizer state as a burnpack for exact comparison.
@@ -61,19 +65,24 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--out")
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
     L.seed_everything(SEED, workers=True)
-    model = ShardedTiny()
+    model = TinyModel() if args.ddp else ShardedTiny()
 
     def on_step(step: int) -> None:
         if step == args.kill_at_step and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             os.killpg(os.getpgrp(), signal.SIGKILL)  # every rank at once, mid-epoch
 
     model.on_step = on_step
-    strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
-    callback = BurnpackCheckpoint()
+    strategy = (
+        "ddp"
+        if args.ddp
+        else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    )
+    callback = BurnpackCheckpoint(distributed_save=args.ddp)
     trainer = make_trainer(
         args.root, args.epochs, [callback], strategy=strategy, devices=args.devices
     )
