@@ -10,7 +10,8 @@ real handwritten digits, 8x8, values 0..16), brought to MNIST's form: scaled to 
 (bicubic: MNIST digits are anti-aliased with sharp strokes) centred in 28x28, values in [0, 1],
 then normalised with MNIST's mean 0.1307 and std 0.3081, as Burn's example does.
 
-Run: ``.venv/bin/python examples/burn_mnist_interop.py [path/to/mnist-model.bpk]``
+Run: ``.venv/bin/python examples/burn_mnist_interop.py [path/to/mnist-model.bpk]``; without a
+path it reads the copy committed with the tests (``tests/fixtures/burn/``, described there).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from torch import nn
 
 from lightning_bpk.interop import BurnToPyTorchAdapter, load_module_record
 
-FIXTURE = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+# Burn's file as committed in this repository (see tests/fixtures/README.md)
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "burn" / "mnist-model.bpk"
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Burn's normalisation (the MNIST training set's stats)
 MNIST_SIDE, MNIST_BOX = 28, 20  # MNIST digits fill a 20x20 box centred in 28x28
 DIGITS_MAX = 16.0  # load_digits pixels are counts 0..16
@@ -84,7 +86,11 @@ def accuracy(net: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> floa
 
 
 def main(argv: list[str]) -> int:
-    net = load_burn_mnist(argv[0] if argv else FIXTURE)
+    path = Path(argv[0]) if argv else FIXTURE
+    if not path.is_file():
+        print(f"no such file: {path} (usage: burn_mnist_interop.py [mnist-model.bpk])")
+        return 2
+    net = load_burn_mnist(path)
     images, labels = digits()
     print(
         f"Burn MNIST weights in torch: accuracy {accuracy(net, images, labels):.2%} "

@@ -289,10 +289,8 @@ def test_writer_runs_on_one_named_background_thread(tmp_path):
 
 
 def _lightning():
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
     import lightning as L
+
     from lightning_tiny import TinyModel, make_trainer
 
     return L, TinyModel, make_trainer

@@ -1,16 +1,17 @@
-"""Tests of the burnpack container: Burn's conformance list (spec section 11), golden bytes, the
-real Burn fixture, every dtype and scalar kind, zero-copy reading, streaming and atomic writes,
-strict reading of hostile input, and property-based round trips plus a short fuzz."""
+"""Tests of the burnpack container: Burn's conformance tests (burn-pack's tests/*.rs), golden
+bytes, the real Burn fixture, every dtype and scalar kind, zero-copy reading, streaming and
+atomic writes, strict reading of hostile input, and property-based round trips plus a short
+fuzz."""
 
 from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import math
 import os
 import random
 import struct
-import subprocess
 import sys
 import textwrap
 import tracemalloc
@@ -27,7 +28,9 @@ from hypothesis import strategies as st
 from lightning_bpk import _fs, burnpack
 from lightning_bpk.burnpack import Scalar, TensorEntry
 
-MNIST = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+from conftest import MNIST_BPK, run_process
+
+MNIST = MNIST_BPK
 MNIST_SIZE, MNIST_META, MNIST_TENSORS = 1_044_776, 1398, 18
 
 
@@ -75,7 +78,7 @@ def listdir(path: Path) -> list[str]:
     return sorted(os.listdir(path))
 
 
-# =============================== spec section 11: header.rs ====================================
+# =============================== Burn's burn-pack tests: header.rs =============================
 
 
 def test_01_header_size_and_magic_constants():
@@ -574,9 +577,13 @@ def test_golden_272_byte_example_is_byte_exact():
 
 @pytest.fixture(scope="module")
 def mnist() -> burnpack.Pack:
-    if not MNIST.exists():  # pragma: no cover - the fixture ships with the team's shared data
-        pytest.fail(f"Burn fixture missing: {MNIST}")
     return burnpack.read(MNIST)
+
+
+def test_mnist_fixture_is_the_file_its_readme_describes():
+    digest = hashlib.sha256(MNIST.read_bytes()).hexdigest()
+    assert digest == "b63e660152b3865b1b630c97af6df1fcbc04206648d3a03b3636fcc795ecc472"
+    assert digest in (MNIST.parents[1] / "README.md").read_text()
 
 
 def test_mnist_fixture_reads_with_expected_layout(mnist):
@@ -642,7 +649,7 @@ def test_mnist_rewrite_with_checksums_keeps_burn_structure(mnist):
         assert torch.equal(pack.tensor(name), mnist.tensor(name))
 
 
-# =============================== dtypes (spec section 3) =======================================
+# =============================== dtypes (docs/format.md) =======================================
 
 TORCH_DTYPES = {
     "F64": torch.float64,
@@ -1125,9 +1132,7 @@ def test_file_size_limit_in_subprocess_leaves_old_file(tmp_path):
             print("ERR", e)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    out = run_process([sys.executable, "-c", script])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR") and "k.bpk" in out.stdout
     assert path.read_bytes() == before and listdir(tmp_path) == ["k.bpk"]

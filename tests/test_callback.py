@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import sys
 from pathlib import Path
 
 import gin
@@ -23,7 +22,6 @@ from lightning_bpk.records import (
     load_record,
 )
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from lightning_tiny import TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +14,6 @@ from lightning_bpk import _fs
 from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from lightning_tiny import TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,8 @@
-"""Checkpointer: Dopamine parity (spec dopamine.md sections 4 and 6), then the deliberate fixes.
+"""Checkpointer: Dopamine parity, then the deliberate fixes.
 
-The upstream ``CheckpointerTest`` cases are ported one by one (``test_upstream_*``), with their
-file lists; "data file ``prefix.N``" became "data directory ``prefix.N``".
+The upstream ``CheckpointerTest`` cases (google/dopamine,
+``dopamine/discrete_domains/checkpointer_test.py``) are ported one by one (``test_upstream_*``),
+with their file lists; "data file ``prefix.N``" became "data directory ``prefix.N``".
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.records import Record, RecordError, StateRecord
+
+from conftest import run_process
 
 SENTINEL = "sentinel_checkpoint_complete"
 DOPAMINE_DICT = {"data1": 1, "data2": "two", "data3": (3, "three")}
@@ -65,7 +68,7 @@ def clean_gin():
     gin.clear_config()
 
 
-# --- upstream tests (spec section 4) ------------------------------------------------------------
+# --- upstream tests ------------------------------------------------------------------------------
 
 
 def test_upstream_initialization(tmp_path: Path) -> None:
@@ -74,7 +77,8 @@ def test_upstream_initialization(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"No path provided to Checkpointer\."):
         Checkpointer(None)  # type: ignore[arg-type]
     # Upstream uses '/does/not/exist', which only fails for non-root users: as root it is simply
-    # created (spec 2.1). A path below a regular file cannot be created by anyone, root included.
+    # created (Dopamine makes the directory). A path below a regular file cannot be created by
+    # anyone, root included.
     blocker = tmp_path / "a_file"
     blocker.write_bytes(b"")
     bad = blocker / "does" / "not" / "exist"
@@ -158,7 +162,7 @@ def test_upstream_garbage_collection_with_keep_every(tmp_path: Path) -> None:
     _assert_kept(tmp_path, "custom_prefix", 40, lambda i: i % 3 == 0 and (i > 21 or i % 9 == 0))
 
 
-# --- more parity (spec section 6) ---------------------------------------------------------------
+# --- more parity with Dopamine's checkpointer.py ------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -779,10 +783,7 @@ print(second.Checkpointer("{base}").checkpoint_duration)
 
 
 def test_reimport_does_not_raise_duplicate_registration(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", _REIMPORT.format(base=tmp_path)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    result = run_process([sys.executable, "-c", _REIMPORT.format(base=tmp_path)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "3"
 

@@ -7,16 +7,10 @@ cleans the temporaries. See ``tests/scripts/crash_saver.py`` for the saver and t
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
-_SPEC = importlib.util.spec_from_file_location(
-    "crash_saver", Path(__file__).parent / "scripts" / "crash_saver.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-crash_saver = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(crash_saver)
+import crash_saver  # tests/scripts, on the path through conftest
 
 # Filesystem operations in the saver's first two saves (a fresh save makes ~25-30, a re-save
 # ~33): kill points are drawn from this range so they cover staging, swap, sentinel and GC.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,15 +11,15 @@ import torch
 
 from lightning_bpk import burnpack, cli
 
+from conftest import MNIST_BPK, Finished, run_process
+
 SCRIPT = Path(sys.executable).with_name("lightning-bpk")
-MNIST = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+MNIST = MNIST_BPK
 
 
-def run(*args: str, module: bool = False) -> subprocess.CompletedProcess[str]:
+def run(*args: str, module: bool = False) -> Finished:
     command = [sys.executable, "-m", "lightning_bpk"] if module else [str(SCRIPT)]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    return run_process([*command, *args])
 
 
 @pytest.fixture(scope="module")

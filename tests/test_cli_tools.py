@@ -16,19 +16,15 @@ from lightning_bpk import burnpack, cli
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records.module import ModuleRecord
 
+from conftest import MNIST_BPK, Finished, run_process
+
 SCRIPT = Path(sys.executable).parent / "lightning-bpk"
-FIXTURE = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+FIXTURE = MNIST_BPK
 
 
-def run(*args: object, stderr: int = subprocess.PIPE) -> subprocess.CompletedProcess:
+def run(*args: object, stderr: int = subprocess.PIPE) -> Finished:
     """Run the installed console script; ``stderr`` may be a file descriptor (a pty)."""
-    return subprocess.run(
-        [str(SCRIPT), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        timeout=120,
-    )
+    return run_process([SCRIPT, *args], stderr=stderr)
 
 
 def main(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:

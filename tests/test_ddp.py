@@ -4,9 +4,6 @@ checkpoint, and a SIGTERM to one rank saves and stops both without a deadlock.""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +13,9 @@ from lightning_bpk import trainer_state
 from lightning_bpk.checkpointer import LOCK_FILE_NAME, get_latest_checkpoint_number
 from lightning_bpk.records import StateRecord
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+from conftest import SCRIPTS, run_process
+
+SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 120  # a deadlock fails the test (the process group is killed) instead of hanging
 BATCHES_PER_EPOCH = 3  # 48 samples split over 2 ranks, batch size 8
 
@@ -25,17 +24,9 @@ pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT)
 
 def run(root: Path, *args: str) -> tuple[int, str, str, int]:
     """Run the 2-process script; returns (status, stdout, stderr, pid of rank 0)."""
-    command = [sys.executable, str(SCRIPT), "--root", str(root), "--devices", "2", *args]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = process.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # rank 1 is in the same session
-        out, err = process.communicate()
-        pytest.fail(f"DDP run hung for {RUN_TIMEOUT}s:\n{err[-3000:]}")
-    return process.returncode, out, err, process.pid
+    command = [sys.executable, SCRIPT, "--root", root, "--devices", "2", *args]
+    done = run_process(command, timeout=RUN_TIMEOUT)  # a hang kills rank 1 too: same session
+    return done.returncode, done.stdout, done.stderr, done.pid
 
 
 @pytest.mark.parametrize("term_rank", [1, 0])

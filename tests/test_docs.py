@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, run_process
+
 MKDOCS = Path(sys.executable).with_name("mkdocs")
 BUILD_TIMEOUT_S = 120  # a normal build takes ~5 s; this only stops a hung build
 
@@ -24,13 +24,8 @@ BUILD_TIMEOUT_S = 120  # a normal build takes ~5 s; this only stops a hung build
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    result = subprocess.run(
-        [str(MKDOCS), "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
+    result = run_process(
+        [MKDOCS, "build", "--strict", "--site-dir", out], cwd=ROOT, env=env, timeout=BUILD_TIMEOUT_S
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,9 @@ import torch
 from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_checkpoint
 from lightning_bpk.records import ModuleRecord
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+from conftest import SCRIPTS, Finished, run_process
+
+SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 90  # seconds per training subprocess; a hang fails the test instead of blocking CI
 EPOCHS = 4
 BATCHES_PER_EPOCH = 6  # lightning_tiny: 48 samples, batch size 8
@@ -21,10 +22,10 @@ BATCHES_PER_EPOCH = 6  # lightning_tiny: 48 samples, batch size 8
 pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT)
 
 
-def run(root: Path, *args: str) -> subprocess.CompletedProcess:
+def run(root: Path, *args: str) -> Finished:
     """Run the tiny training script to completion (or death) and return the process."""
-    command = [sys.executable, str(SCRIPT), "--root", str(root), "--epochs", str(EPOCHS), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    command = [sys.executable, SCRIPT, "--root", root, "--epochs", EPOCHS, *args]
+    return run_process(command, timeout=RUN_TIMEOUT)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:

@@ -11,27 +11,21 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, run_process
+
 EXAMPLES = ROOT / "examples"
 GIN_FILES = sorted((ROOT / "gin").glob("*.gin"))
 TIMEOUT_S = 240  # each example takes 5-40 s; this only stops a hung one
 
 
 def run_example(script: str, *args: str, cwd: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    result = run_process([sys.executable, EXAMPLES / script, *args], cwd=cwd, timeout=TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{output[-4000:]}"
     return result.stdout
@@ -106,11 +100,8 @@ def gin_settings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """What BurnpackCheckpoint, Checkpointer and get_latest_checkpoint_number get from each
     gin file, parsed alone into a clean config."""
     scratch = tmp_path_factory.mktemp("gin")
-    result = subprocess.run(
-        [sys.executable, "-c", _GIN_PROBE, str(EXAMPLES), str(scratch), *map(str, GIN_FILES)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    result = run_process(
+        [sys.executable, "-c", _GIN_PROBE, EXAMPLES, scratch, *GIN_FILES], timeout=TIMEOUT_S
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return {Path(k).name: v for k, v in json.loads(result.stdout.splitlines()[-1]).items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,9 +36,10 @@ from lightning_bpk.interop import (
 from lightning_bpk.records import RecordError
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import MNIST_BPK, ROOT, run_process
+
 EXAMPLE = ROOT / "examples" / "burn_mnist_interop.py"
-FIXTURE = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+FIXTURE = MNIST_BPK
 MIN_DIGIT_ACCURACY = 0.80  # measured 89.5%; chance is 10%
 
 
@@ -80,10 +80,13 @@ def test_burn_mnist_converts_back_bit_for_bit():
 
 
 def test_example_script_runs():
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = run_process([sys.executable, EXAMPLE, FIXTURE], check=True)
     assert "accuracy" in out.stdout and "1797" in out.stdout
+
+
+def test_example_names_a_missing_file(tmp_path, capsys):
+    assert _example().main([str(tmp_path / "absent.bpk")]) == 2
+    assert "absent.bpk" in capsys.readouterr().out
 
 
 def test_square_linear_weight_is_transposed_by_layer_type_not_shape():

@@ -1,11 +1,12 @@
 """The package surface: every advertised name resolves, and importing the package stays cheap."""
 
-import subprocess
 import sys
 
 import pytest
 
 import lightning_bpk
+
+from conftest import run_process
 
 
 @pytest.mark.parametrize("name", lightning_bpk.__all__)
@@ -21,7 +22,7 @@ def test_unknown_name_is_an_attribute_error() -> None:
 
 def test_import_does_not_load_torch_or_lightning() -> None:
     code = "import sys, lightning_bpk; print(sorted({'torch', 'lightning'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_process([sys.executable, "-c", code], check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,10 +16,10 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import StateRecord
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from conftest import SCRIPTS, run_process
 from lightning_tiny import TinyModel, make_trainer
 
-SCRIPT = Path(__file__).parent / "scripts" / "lightning_tiny.py"
+SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 90
 BATCHES_PER_EPOCH = 6
 
@@ -32,14 +31,9 @@ def _trainer_value(root: Path, n: int) -> dict:
 
 
 def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(tmp_path):
-    command = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--epochs", "4"]
+    command = [sys.executable, SCRIPT, "--root", tmp_path, "--epochs", "4"]
     term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 1 of epoch 2
-    stopped = subprocess.run(
-        [*command, "--term-at-step", str(term_step)],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
+    stopped = run_process([*command, "--term-at-step", term_step], timeout=RUN_TIMEOUT)
     assert stopped.returncode == 0, stopped.stderr
     assert "FINISHED" not in stopped.stdout  # fit did not return: the process stopped
     assert "saved checkpoint 2 after batch 2 of epoch 2" in stopped.stderr
@@ -50,7 +44,7 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(
     # loop counters are those of the end of epoch 1, so Lightning restarts epoch 2
     assert value["loops"] == _trainer_value(tmp_path, 1)["loops"]
 
-    resumed = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    resumed = run_process(command, timeout=RUN_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
     replayed = "preempted after 3 batches (that epoch is replayed from its first batch)"
     assert replayed in resumed.stderr

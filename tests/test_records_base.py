@@ -22,7 +22,9 @@ from lightning_bpk.records import (
 )
 from lightning_bpk.records import base as base_mod
 
-MNIST = Path("/work/shared/fixtures/burn/mnist-model.bpk")
+from conftest import MNIST_BPK
+
+MNIST = MNIST_BPK
 
 
 def test_doctests() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import doctest
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +21,9 @@ from lightning_bpk.records import (
 )
 from lightning_bpk.records import module as module_mod
 
-MNIST = Path("/work/shared/fixtures/burn/mnist-model.bpk")
-REPO = Path(__file__).resolve().parents[1]
+from conftest import MNIST_BPK, ROOT, run_process
+
+MNIST = MNIST_BPK
 
 
 class Net(nn.Module):
@@ -132,9 +132,7 @@ def test_default_ids_are_stable_across_processes() -> None:
         "import torch; from lightning_bpk.records import param_ids; "
         "print(param_ids(torch.nn.Linear(2, 2))['weight'])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
-    ).stdout
+    out = run_process([sys.executable, "-c", code], cwd=ROOT, check=True).stdout
     assert int(out) == param_ids(nn.Linear(2, 2))["weight"] == default_param_id("weight")
     assert 0 <= int(out) < 2**64
 
