@@ -39,6 +39,8 @@ _EXPORTS = {
     "BurnpackCheckpoint": "lightning_bpk.callback",
     "CheckpointSaveError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
+    "BurnpackStorageWriter": "lightning_bpk.dcp",
+    "BurnpackStorageReader": "lightning_bpk.dcp",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, checkpointer, dcp
+from lightning_bpk import burnpack, checkpointer
+from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.interop import Content, convert, read_content
 from lightning_bpk.records.base import RecordError
 
@@ -124,8 +125,9 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def describe_sharded(index: dcp.Index) -> dict[str, Any]:
-    """What ``inspect`` shows for a sharded checkpoint directory: its global tensors and files."""
+def describe_sharded(index: Any) -> dict[str, Any]:
+    """What ``inspect`` shows for a sharded checkpoint directory (its ``dcp.Index``): its global
+    tensors and files."""
     return {
         "directory": str(index.directory),
         "files": index.files,
@@ -155,7 +157,9 @@ def _sharded_text(info: dict[str, Any]) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    if dcp.is_sharded(args.file):
+    if is_sharded(args.file):
+        from lightning_bpk import dcp  # seconds to import: only for a sharded directory
+
         info = describe_sharded(dcp.read_index(args.file))
         print(json.dumps(info, indent=2) if args.json else _sharded_text(info))
         return EXIT_OK
@@ -196,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `| head` closed stdout early: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (burnpack.BurnpackError, RecordError, OSError, dcp.ShardedCheckpointError) as e:
+    except (burnpack.BurnpackError, RecordError, OSError, ShardedCheckpointError) as e:
         print(f"lightning-bpk {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_FILE
 
@@ -322,7 +326,9 @@ def _verify_file(path: Path) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = Path(args.target)
-    if dcp.is_sharded(target):  # one checkpoint's data directory, or any DCP directory of ours
+    if is_sharded(target):  # one checkpoint's data directory, or any DCP directory of ours
+        from lightning_bpk import dcp
+
         index = dcp.read_index(target)
         problems = index.check_files(verify_tensors=True)
         count = sum(len(t["chunks"]) for t in index.tensors.values())

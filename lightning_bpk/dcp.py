@@ -78,6 +78,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_bpk import burnpack
+from lightning_bpk._sharded_names import (
+    DEFAULT_PREFIX,
+    ShardedCheckpointError,
+    index_path,
+    is_sharded,
+)
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
 
 __all__ = [
@@ -85,6 +91,7 @@ __all__ = [
     "INDEX_FORMAT",
     "BurnpackStorageReader",
     "BurnpackStorageWriter",
+    "Index",
     "ShardedCheckpointError",
     "index_path",
     "is_sharded",
@@ -93,7 +100,6 @@ __all__ = [
     "read_index",
 ]
 
-DEFAULT_PREFIX = "sharded"
 INDEX_FORMAT = "lightning_bpk/dcp"
 INDEX_VERSION = 1
 INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
@@ -103,22 +109,8 @@ SAVE_ID_CHARS = 8  # of the save id in rank file names: distinct names per save
 INDEX_KIND = "dcp_index"
 
 
-class ShardedCheckpointError(RuntimeError):
-    """A sharded checkpoint could not be written or read; the message names the file."""
-
-
-def index_path(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> Path:
-    """Where the index of the sharded checkpoint in ``directory`` lives."""
-    return Path(directory) / f"{prefix}.index.bpk"
-
-
 def _rank_file(prefix: str, rank: int, save_id: str) -> str:
     return f"{prefix}.rank-{rank}.{save_id[:SAVE_ID_CHARS]}.bpk"
-
-
-def is_sharded(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> bool:
-    """True when ``directory`` holds a committed sharded checkpoint (its index exists)."""
-    return index_path(directory, prefix).is_file()
 
 
 def _chunk_name(index: MetadataIndex) -> str:
@@ -207,7 +199,6 @@ class BurnpackStorageWriter(StorageWriter):
         self.path = None if path is None else Path(path)
         self.prefix = prefix
         self.is_coordinator = False
-        self.rank = 0
         self.save_id = ""
 
     # -- DCP protocol ----------------------------------------------------------------------------
@@ -283,7 +274,7 @@ class BurnpackStorageWriter(StorageWriter):
                     os.unlink(entry.path)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.path)  # asked before set-up: no save id yet
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -452,23 +443,50 @@ def read_index(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) 
 
 
 class _Packs:
-    """Rank files opened once per read, checked against the index, each tensor verified once."""
+    """Rank files opened once per read and checked against the index.
+
+    Chunks are read with ``pread`` into a fresh tensor and verified there, and only the chunk in
+    use is kept (callers go chunk by chunk), so a rank's peak extra memory is about its largest
+    chunk, whatever the size of the files (a memory-mapped read would count every page of them).
+    """
 
     def __init__(self, index: Index, verify: bool) -> None:
         self.index = index
         self.verify = verify
         self.packs: dict[str, burnpack.Pack] = {}
-        self.cache: dict[tuple[str, str], torch.Tensor] = {}
+        self.current: tuple[tuple[str, str], torch.Tensor] | None = None
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
-        key = (file, name)
-        if key not in self.cache:
-            pack = self.pack(file)
-            try:
-                self.cache[key] = pack.tensor(name, verify=self.verify)
-            except burnpack.BurnpackError as e:
-                raise ShardedCheckpointError(f"{pack.source}: {e}") from e
-        return self.cache[key]
+        if self.current is None or self.current[0] != (file, name):
+            self.current = None  # free the previous chunk before reading the next
+            self.current = ((file, name), self._read(file, name))
+        return self.current[1]
+
+    def _read(self, file: str, name: str) -> torch.Tensor:
+        pack = self.pack(file)
+        try:
+            info = pack.entries[name]
+            dtype = burnpack.torch_dtype(info.dtype)
+            if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
+                return pack.tensor(name, verify=self.verify).clone()
+        except (KeyError, burnpack.BurnpackError) as e:
+            raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
+        start, end = info.data_offsets
+        data = torch.empty(end - start, dtype=torch.uint8)
+        view = memoryview(data.numpy())
+        with open(pack.source, "rb", buffering=0) as f:
+            done, offset = 0, pack.data_start + start
+            while done < len(view):
+                got = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if got <= 0:
+                    raise ShardedCheckpointError(f"{pack.source}: truncated in chunk '{name}'")
+                done += got
+        expected = pack.checksums.get(name)
+        if self.verify and expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
+            raise ShardedCheckpointError(
+                f"{pack.source}: chunk '{name}' fails its checksum (the file is damaged)"
+            )
+        return data.view(dtype).reshape(info.shape)
 
     def pack(self, file: str) -> burnpack.Pack:
         if file not in self.packs:
@@ -487,7 +505,7 @@ class _Packs:
         return self.packs[file]
 
     def close(self) -> None:
-        self.cache.clear()
+        self.current = None
         for pack in self.packs.values():
             pack.close()
         self.packs.clear()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -33,25 +31,21 @@ from lightning_bpk.dcp import (
 )
 from lightning_bpk.records import ModuleRecord
 
-SCRIPT = Path(__file__).parent / "scripts" / "dcp_ranks.py"
+from conftest import SCRIPTS, run_process
+
+SCRIPT = SCRIPTS / "dcp_ranks.py"
 RUN_TIMEOUT = 120
 
 
-def run(scenario: str, root: Path, world: int) -> str:
-    command = [sys.executable, str(SCRIPT), scenario, "--root", str(root), "--world", str(world)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+def run(scenarios: str, root: Path, world: int) -> str:
+    done = run_process(
+        [sys.executable, SCRIPT, scenarios, "--root", root, "--world", world],
+        timeout=RUN_TIMEOUT,
+        check=True,
     )
-    try:
-        out, err = process.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # every rank is in the session
-        out, err = process.communicate()
-        pytest.fail(f"{scenario} on {world} ranks hung for {RUN_TIMEOUT}s:\n{err[-3000:]}")
-    assert process.returncode == 0, err[-4000:]
     for rank in range(world):
-        assert f"OK rank={rank}" in out, out + err[-3000:]
-    return out
+        assert f"OK rank={rank}" in done.stdout, done.stdout + done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.fixture(autouse=True)
@@ -62,8 +56,16 @@ def _quiet_no_dist():
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT)
-def test_every_layout_and_fsdp2_state_reshard_across_world_sizes(tmp_path):
-    run("save", tmp_path, 2)
+def test_every_layout_and_fsdp2_state_reshard_across_world_sizes_and_faults_fail_all_ranks(
+    tmp_path,
+):
+    # 2 ranks: save every layout; then a fault in each writer/reader method on each rank
+    # fails the call on every rank, commits nothing, and the earlier checkpoint still loads
+    run("save,faults", tmp_path, 2)
+    fresh = sorted(p for p in (tmp_path / "faults").iterdir() if p.name.startswith("fresh-"))
+    assert len(fresh) == 10  # every injected writer fault on every rank it can hit
+    assert not any(is_sharded(p) for p in fresh)
+
     files = sorted(os.listdir(tmp_path / "fsdp"))
     assert files[0] == "sharded.index.bpk" and len(files) == 3, files  # one file per rank
     run("load", tmp_path, 3)  # 2 -> 3 ranks, every layout into every layout
@@ -79,14 +81,6 @@ def test_every_layout_and_fsdp2_state_reshard_across_world_sizes(tmp_path):
                 fqn, name = key[len("optim.") :].rsplit(".", 1)
                 assert torch.equal(full[f"optim.state.{fqn}.{name}"], value), key
     assert full["optim.param_groups.0.lr"] == 0.01  # an object, stored as plain data
-
-
-@pytest.mark.timeout(2 * RUN_TIMEOUT)
-def test_a_fault_in_any_method_on_any_rank_fails_every_rank_and_commits_nothing(tmp_path):
-    run("faults", tmp_path, 2)
-    fresh = sorted(p for p in tmp_path.iterdir() if p.name.startswith("fresh-"))
-    assert len(fresh) == 10  # every injected writer fault on every rank it can hit
-    assert not any(is_sharded(p) for p in fresh)
 
 
 def save(path: Path, state: dict) -> None:

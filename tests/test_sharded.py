@@ -6,9 +6,6 @@ command line) under a timeout that kills its whole process group.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -21,25 +18,17 @@ from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.dcp import load_full_state_dict
 from lightning_bpk.records import RECORD_KIND_KEY, default_param_id
 
-SCRIPTS = Path(__file__).parent / "scripts"
-RUN_TIMEOUT = 150
+from conftest import SCRIPTS, run_process
+from lightning_tiny import TinyModel
 
-sys.path.insert(0, str(SCRIPTS))
-from lightning_tiny import TinyModel  # noqa: E402
+RUN_TIMEOUT = 150
 
 
 def run(root: Path, *args: str) -> tuple[int, str]:
-    command = [sys.executable, str(SCRIPTS / "lightning_fsdp.py"), "--root", str(root), *args]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    done = run_process(
+        [sys.executable, SCRIPTS / "lightning_fsdp.py", "--root", root, *args], timeout=RUN_TIMEOUT
     )
-    try:
-        out, err = process.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"sharded run hung for {RUN_TIMEOUT}s:\n{err[-3000:]}")
-    return process.returncode, out + err
+    return done.returncode, done.stdout + done.stderr
 
 
 def finished(log: str, ranks: int, epoch: int, step: int, restored: object) -> None:

@@ -41,7 +41,7 @@ import safetensors
 import torch
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.dcp import is_sharded
+from lightning_bpk._sharded_names import is_sharded
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 

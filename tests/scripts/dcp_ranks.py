@@ -4,10 +4,12 @@ Run by tests/test_dcp.py as a standalone script (process group per run, killed a
 timeout). Scenarios:
 
 - ``save``: DTensors of one full tensor in every 1-D layout (replicated, sharded along dim 0,
-  along dim 1) and an FSDP2 model + Adam state after two steps, each saved through
-  ``BurnpackStorageWriter``; rank 0 also writes the gathered full state dict (the reference).
-- ``load``: loads every saved layout into every layout, and the FSDP2 state into a freshly
-  initialised FSDP2 model on this world size; the gathered result must equal the reference.
+  along dim 1), an FSDP2 model + Adam state after two steps and a tensor-parallel model
+  (``ColwiseParallel``/``RowwiseParallel``), each saved through ``BurnpackStorageWriter``;
+  rank 0 also writes the gathered full state dicts (the references).
+- ``load``: loads every saved layout into every layout, the FSDP2 state into a freshly
+  initialised FSDP2 model and the tensor-parallel one into both a tensor-parallel and an FSDP2
+  model, on this world size; the gathered results must equal the references.
 - ``faults``: a failure injected in each writer/reader method on each rank fails the call on
   every rank, commits nothing, and the directory's earlier checkpoint still loads.
 
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_bpk import burnpack
 from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter, is_sharded
@@ -61,6 +64,15 @@ def fsdp(seed: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     return net, torch.optim.Adam(net.parameters(), lr=0.01)
+
+
+def tensor_parallel(seed: int, mesh) -> nn.Module:
+    """Megatron-style: the first Linear split by output rows, the second by input columns."""
+    return parallelize_module(model(seed), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def full_model(net: nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
 
 
 def full_state(net: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -93,6 +105,11 @@ def scenario_save(root: Path, rank: int, world: int, mesh) -> None:
     reference = full_state(net, optim)
     if rank == 0:
         burnpack.write(root / "reference.bpk", reference)
+    tp = tensor_parallel(2, mesh)
+    dcp.save({"model": get_model_state_dict(tp)}, storage_writer=BurnpackStorageWriter(root / "tp"))
+    tp_reference = full_model(tp)
+    if rank == 0:
+        burnpack.write(root / "tp-reference.bpk", tp_reference)
 
 
 def scenario_load(root: Path, rank: int, world: int, mesh) -> None:
@@ -113,6 +130,16 @@ def scenario_load(root: Path, rank: int, world: int, mesh) -> None:
         for key, value in want.items():
             assert torch.equal(got[key].to(value.dtype), value), key
     assert isinstance(state["model"]["0.weight"], DTensor)
+    # tensor parallel (Shard(0) / Shard(1) weights) into tensor parallel and into FSDP2
+    with burnpack.read(root / "tp-reference.bpk") as pack:
+        want = pack.tensors()
+    for net in (tensor_parallel(3, mesh), fsdp(3, mesh)[0]):
+        target = {"model": get_model_state_dict(net)}
+        dcp.load(target, storage_reader=BurnpackStorageReader(root / "tp"))
+        set_model_state_dict(net, target["model"])
+        got = full_model(net)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
 
 
 class Fault(Exception):
@@ -158,6 +185,7 @@ def expect_failure(call, what: str) -> None:
 
 
 def scenario_faults(root: Path, rank: int, world: int, mesh) -> None:
+    root = root / "faults"
     good = root / "good"
     original = distribute_tensor(FULL.clone(), mesh, [Shard(0)])
     dcp.save({"t": original}, storage_writer=BurnpackStorageWriter(good))
@@ -192,13 +220,14 @@ def scenario_faults(root: Path, rank: int, world: int, mesh) -> None:
     assert len(os.listdir(good)) == len(before), (before, os.listdir(good))
 
 
-def worker(rank: int, world: int, port: int, scenario: str, root: str) -> None:
+def worker(rank: int, world: int, port: int, scenarios: str, root: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
     )
     try:
         mesh = init_device_mesh("cpu", (world,))
-        globals()[f"scenario_{scenario}"](Path(root), rank, world, mesh)
+        for scenario in scenarios.split(","):  # one process group for several: fewer launches
+            globals()[f"scenario_{scenario}"](Path(root), rank, world, mesh)
         dist.barrier()
         print(f"OK rank={rank}", flush=True)
     finally:
@@ -207,7 +236,7 @@ def worker(rank: int, world: int, port: int, scenario: str, root: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["save", "load", "faults"])
+    parser.add_argument("scenarios", help="comma-separated: save, load, faults")
     parser.add_argument("--root", required=True)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
@@ -216,7 +245,7 @@ def main() -> None:
         port = s.getsockname()[1]
     mp.start_processes(
         worker,
-        args=(args.world, port, args.scenario, args.root),
+        args=(args.world, port, args.scenarios, args.root),
         nprocs=args.world,
         start_method="fork",
     )

@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -30,8 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from lightning_tiny import SEED, TinyModel, make_trainer
+from lightning_tiny import SEED, TinyModel, make_trainer  # a sibling: the script's own directory
 
 
 class ShardedTiny(TinyModel):
