@@ -37,8 +37,8 @@ def finished(log: str, ranks: int, epoch: int, step: int, restored: object) -> N
         assert line in log, log[-4000:]
 
 
-@pytest.mark.timeout(5 * RUN_TIMEOUT)
-def test_fsdp2_killed_mid_epoch_resumes_bit_identically_and_reshards_to_one_rank(tmp_path):
+@pytest.mark.timeout(6 * RUN_TIMEOUT)
+def test_fsdp2_killed_mid_epoch_resumes_bit_identically_and_reshards_2_to_1_to_2(tmp_path):
     status, log = run(tmp_path / "straight", "--epochs", "3", "--out", str(tmp_path / "a.bpk"))
     assert status == 0, log[-4000:]
     finished(log, 2, 3, 9, None)
@@ -117,6 +117,10 @@ def test_fsdp2_killed_mid_epoch_resumes_bit_identically_and_reshards_to_one_rank
     assert [p.name.split(".")[1] for p in (checkpoints / "ckpt.3").glob("sharded.rank-*")] == [
         "rank-0"
     ]
+    # 1 -> 2 ranks: the single-rank checkpoint is split again (3 batches per rank and epoch)
+    status, log = run(root, "--epochs", "5")
+    assert status == 0, log[-4000:]
+    finished(log, 2, 5, 18, 3)
 
 
 def straight_lr(rest: dict) -> float:
