@@ -462,22 +462,47 @@ class _Packs:
             self.current = ((file, name), self._read(file, name))
         return self.current[1]
 
-    def _read(self, file: str, name: str) -> torch.Tensor:
+    def _info(self, file: str, name: str) -> tuple[burnpack.Pack, burnpack.TensorInfo, torch.dtype]:
         pack = self.pack(file)
         try:
             info = pack.entries[name]
-            dtype = burnpack.torch_dtype(info.dtype)
-            if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
-                return pack.tensor(name, verify=self.verify).clone()
+            return pack, info, burnpack.torch_dtype(info.dtype)
         except (KeyError, burnpack.BurnpackError) as e:
             raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
-        start, end = info.data_offsets
-        data = torch.empty(end - start, dtype=torch.uint8)
-        view = memoryview(data.numpy())
+
+    def _read(self, file: str, name: str) -> torch.Tensor:
+        pack, info, dtype = self._info(file, name)
+        if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
+            return pack.tensor(name, verify=self.verify).clone()
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        self._pread(pack, name, info, memoryview(data.numpy()))
+        return data.view(dtype).reshape(info.shape)
+
+    def read_into(self, file: str, name: str, target: torch.Tensor) -> bool:
+        """Read a whole chunk straight into ``target``'s memory when it can take the stored bytes
+        as they are (contiguous CPU tensor of the same dtype and shape); False otherwise."""
+        pack, info, dtype = self._info(file, name)
+        if (
+            dtype == torch.bool
+            or target.dtype != dtype
+            or target.device.type != "cpu"
+            or not target.is_contiguous()
+            or tuple(target.shape) != info.shape
+            or target.numel() == 0
+        ):
+            return False
+        self._pread(pack, name, info, burnpack.tensor_bytes(target))
+        return True
+
+    def _pread(
+        self, pack: burnpack.Pack, name: str, info: burnpack.TensorInfo, view: memoryview
+    ) -> None:
+        """Read the chunk's bytes into ``view`` and check them against its checksum."""
+        start = pack.data_start + info.data_offsets[0]
         with open(pack.source, "rb", buffering=0) as f:
-            done, offset = 0, pack.data_start + start
+            done = 0
             while done < len(view):
-                got = os.preadv(f.fileno(), [view[done:]], offset + done)
+                got = os.preadv(f.fileno(), [view[done:]], start + done)
                 if got <= 0:
                     raise ShardedCheckpointError(f"{pack.source}: truncated in chunk '{name}'")
                 done += got
@@ -486,7 +511,6 @@ class _Packs:
             raise ShardedCheckpointError(
                 f"{pack.source}: chunk '{name}' fails its checksum (the file is damaged)"
             )
-        return data.view(dtype).reshape(info.shape)
 
     def pack(self, file: str) -> burnpack.Pack:
         if file not in self.packs:
@@ -594,23 +618,28 @@ class BurnpackStorageReader(StorageReader):
                     buffer.seek(0)
                     planner.load_bytes(req, buffer)
                     continue
-                stored = packs.tensor(file, name)
-                for dim, (start, length) in enumerate(
-                    zip(req.storage_offsets, req.lengths, strict=True)
-                ):
-                    stored = stored.narrow(dim, start, length)
                 target = planner.resolve_tensor(req).detach()
-                if target.size() != stored.size():
-                    raise ShardedCheckpointError(
-                        f"{file}: chunk '{name}' gives {list(stored.size())}, the target "
-                        f"{list(target.size())}"
-                    )
-                with torch.no_grad():
-                    target.copy_(stored)
+                whole = not any(req.storage_offsets)  # same layout: one read, no extra copy
+                if not (whole and packs.read_into(file, name, target)):
+                    self._copy_part(packs, file, name, req, target)
                 planner.commit_tensor(req, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    @staticmethod
+    def _copy_part(packs: _Packs, file: str, name: str, req: Any, target: torch.Tensor) -> None:
+        """Copy the part of a stored chunk that ``req`` asks for (another layout) into target."""
+        stored = packs.tensor(file, name)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            stored = stored.narrow(dim, start, length)
+        if target.size() != stored.size():
+            raise ShardedCheckpointError(
+                f"{file}: chunk '{name}' gives {list(stored.size())}, the target "
+                f"{list(target.size())}"
+            )
+        with torch.no_grad():
+            target.copy_(stored)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -165,6 +165,13 @@ def _remove_staging_leftovers(base: Path, keep: Path) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
+def _failures(error: CheckpointException) -> str:
+    """Each failed rank and its error, on one line (DCP's own text adds every traceback)."""
+    return "; ".join(
+        f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()
+    )
+
+
 def save_shards(
     trainer: pl.Trainer, checkpointer: Checkpointer | None, number: int, checkpoint: dict
 ) -> dict[str, Record]:
@@ -195,7 +202,7 @@ def save_shards(
         if trainer.is_global_zero:
             shutil.rmtree(path, ignore_errors=True)
         raise ShardedCheckpointError(
-            f"writing the shards of checkpoint {number} failed: {e}"
+            f"writing the shards of checkpoint {number} failed: {_failures(e)}"
         ) from e
     if not trainer.is_global_zero:
         return {}
@@ -303,7 +310,7 @@ def load(
     try:
         dcp.load(state, storage_reader=BurnpackStorageReader(path))
     except CheckpointException as e:
-        raise ShardedCheckpointError(f"loading the shards of {path} failed: {e}") from e
+        raise ShardedCheckpointError(f"loading the shards of {path} failed: {_failures(e)}") from e
     set_model_state_dict(module, state[MODEL])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):

@@ -148,3 +148,19 @@ def test_ddp_ranks_split_the_writing_and_the_state_comes_back_exactly(tmp_path):
         assert sorted(saved) == sorted(restored)
         for key, value in saved.items():
             assert torch.equal(restored[key], value), key
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_earlier_ones(tmp_path):
+    status, log = run(tmp_path, "--epochs", "3", "--fail-at-epoch", "1", "--fail-rank", "1")
+    assert status != 0 and "FINISHED" not in log
+    for rank in (0, 1):  # every rank fails, naming the rank whose disk filled up
+        assert (
+            f"[rank{rank}]: lightning_bpk.callback.CheckpointSaveError: writing the shards of "
+            "checkpoint 1 failed: rank 1: OSError: [Errno 28] No space left on device (injected)"
+            in log
+        )
+    checkpoints = tmp_path / "checkpoints"
+    assert get_latest_checkpoint_number(checkpoints, verify=True) == 0
+    visible = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
+    assert visible == ["ckpt.0", "sentinel_checkpoint_complete.0"]  # no staging left behind

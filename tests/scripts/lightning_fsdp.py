@@ -4,6 +4,8 @@ on gloo CPU processes, checkpointed by ``BurnpackCheckpoint`` (run by tests/test
     python lightning_fsdp.py --root DIR --epochs 3 --devices 2 [--kill-at-step K] [--out FILE]
         [--ddp]
 
+``--fail-at-epoch E --fail-rank R``: rank R's shard write of epoch E's save fails with ENOSPC
+(injected at the write call).
 ``--ddp`` runs plain DDP instead, with ``BurnpackCheckpoint(distributed_save=True)``: the ranks
 split the writing of the replicated state.
 
@@ -14,11 +16,13 @@ split the writing of the replicated state.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
 import sys
 
+import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -52,8 +56,21 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return flat
 
 
+def inject_full_disk(model: L.LightningModule, epoch: int, rank: int) -> None:
+    """Make ``rank``'s shard file write fail with ENOSPC during the save of ``epoch``."""
+    from lightning_bpk.dcp import BurnpackStorageWriter
+
+    write_file = BurnpackStorageWriter.write_file
+
+    def failing(self, target, entries, metadata):
+        if model.trainer.current_epoch == epoch and model.trainer.global_rank == rank:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(target))
+        return write_file(self, target, entries, metadata)
+
+    BurnpackStorageWriter.write_file = failing
+
+
 def main(argv: list[str]) -> None:
-    import lightning as L
 
     from lightning_bpk import BurnpackCheckpoint, burnpack
 
@@ -64,6 +81,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-at-step", type=int)
     parser.add_argument("--out")
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--fail-at-epoch", type=int)
+    parser.add_argument("--fail-rank", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
@@ -75,6 +94,8 @@ def main(argv: list[str]) -> None:
             os.killpg(os.getpgrp(), signal.SIGKILL)  # every rank at once, mid-epoch
 
     model.on_step = on_step
+    if args.fail_at_epoch is not None:
+        inject_full_disk(model, args.fail_at_epoch, args.fail_rank)
     strategy = (
         "ddp"
         if args.ddp
