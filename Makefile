@@ -4,7 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test demo bench docs lint format clean
+# The Lightning-facing tests also run against the oldest Lightning pyproject.toml allows, in a
+# venv holding only that Lightning; everything else comes from .venv (a .pth file appends its
+# site-packages after this venv's own, so the old Lightning wins).
+OLDEST := .venv-lightning-oldest
+LIGHTNING_MIN := $(shell sed -n 's/^ *"lightning>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+LIGHTNING_TESTS := tests/test_lightning_compat.py tests/test_callback.py tests/test_checkpoint_io.py
+
+.PHONY: test test-lightning-oldest demo bench docs lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,9 +21,23 @@ $(STAMP): pyproject.toml constraints.txt
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q
+	$(MAKE) test-lightning-oldest
+
+$(OLDEST)/.stamp-$(LIGHTNING_MIN): $(STAMP)
+	rm -rf $(OLDEST)
+	$(PYTHON) -m venv $(OLDEST)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(OLDEST)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_lightning_bpk_venv.pth"
+	$(OLDEST)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'lightning==$(LIGHTNING_MIN)'
+	touch $@
+
+test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
+	$(OLDEST)/bin/python -c 'import lightning; assert lightning.__version__ == "$(LIGHTNING_MIN)", lightning.__version__'
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(LIGHTNING_TESTS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -33,4 +54,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache .mypy_cache .hypothesis site

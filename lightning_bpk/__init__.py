@@ -2,6 +2,8 @@
 
 The package is layered; each layer only uses the ones listed before it:
 
+- :mod:`lightning_bpk.errors` and :mod:`lightning_bpk.layout`: the root of every error
+  (:class:`~lightning_bpk.errors.LightningBpkError`) and the names on disk, used by all layers;
 - :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
@@ -10,13 +12,37 @@ The package is layered; each layer only uses the ones listed before it:
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
 
-Public names are imported lazily so ``import lightning_bpk`` stays cheap.
+Public names are imported lazily so ``import lightning_bpk`` stays cheap; type checkers see
+the real objects through the ``TYPE_CHECKING`` imports below.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_bpk import burnpack, interop, state
+    from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
+    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+    from lightning_bpk.checkpointer import (
+        Checkpointer,
+        CheckpointLockedError,
+        CheckpointWarning,
+        get_latest_checkpoint_number,
+        verify_checkpoint,
+    )
+    from lightning_bpk.errors import LightningBpkError
+    from lightning_bpk.records import (
+        LrSchedulerRecord,
+        ModuleRecord,
+        OptimizerRecord,
+        RecordChecksumError,
+        RecordError,
+        StateRecord,
+        load_record,
+        param_ids,
+    )
 
 __version__ = "0.1.0"
 
@@ -24,11 +50,13 @@ _EXPORTS = {
     "burnpack": "lightning_bpk.burnpack",
     "state": "lightning_bpk.state",
     "interop": "lightning_bpk.interop",
+    "LightningBpkError": "lightning_bpk.errors",
     "ModuleRecord": "lightning_bpk.records",
     "OptimizerRecord": "lightning_bpk.records",
     "LrSchedulerRecord": "lightning_bpk.records",
     "StateRecord": "lightning_bpk.records",
     "RecordError": "lightning_bpk.records",
+    "RecordChecksumError": "lightning_bpk.records",
     "load_record": "lightning_bpk.records",
     "param_ids": "lightning_bpk.records",
     "Checkpointer": "lightning_bpk.checkpointer",
@@ -43,7 +71,28 @@ _EXPORTS = {
     "BurnpackStorageReader": "lightning_bpk.dcp",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BurnpackCheckpoint",
+    "BurnpackCheckpointIO",
+    "CheckpointLockedError",
+    "CheckpointSaveError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "LightningBpkError",
+    "LrSchedulerRecord",
+    "ModuleRecord",
+    "OptimizerRecord",
+    "RecordChecksumError",
+    "RecordError",
+    "StateRecord",
+    "burnpack",
+    "get_latest_checkpoint_number",
+    "interop",
+    "load_record",
+    "param_ids",
+    "state",
+    "verify_checkpoint",
+]
 
 
 def __getattr__(name: str) -> Any:

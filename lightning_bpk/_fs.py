@@ -14,6 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+__all__ = [
+    "SCRATCH_SUFFIX",
+    "atomic_file",
+    "fsync_dir",
+    "scratch_path",
+    "write_all",
+]
+
 # Scratch names carry this suffix so a later save can recognise and remove leftovers of a crash.
 SCRATCH_SUFFIX = ".tmp"
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lightning_bpk.errors import LightningBpkError
+
 __all__ = ["DEFAULT_PREFIX", "ShardedCheckpointError", "index_path", "is_sharded"]
 
 DEFAULT_PREFIX = "sharded"
 
 
-class ShardedCheckpointError(RuntimeError):
+class ShardedCheckpointError(LightningBpkError, RuntimeError):
     """A sharded checkpoint could not be written or read; the message names the file."""
 
 

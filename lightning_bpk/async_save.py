@@ -57,19 +57,23 @@ from lightning_bpk import burnpack
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records.base import Record, StateRecord
 
+__all__ = [
+    "AsyncCheckpointSaver",
+]
+
 # Name of the writer thread (visible in py-spy, faulthandler dumps and thread listings).
-WRITER_THREAD_NAME = "lightning_bpk-async-save"
+_WRITER_THREAD_NAME = "lightning_bpk-async-save"
 # Staging owner of :meth:`AsyncCheckpointSaver.save_record` snapshots, whatever their path.
 _RECORD_OWNER = "<record>"
 
 
-class StagingArea:
+class _StagingArea:
     """CPU buffers that snapshots are copied into, allocated once and reused.
 
     Buffers are keyed by ``(owner, tensor name)``; a buffer is replaced only when the tensor's
     shape or dtype changes, and buffers no snapshot used last time are dropped by :meth:`prune`.
 
-    >>> area = StagingArea()
+    >>> area = _StagingArea()
     >>> a = area.copy("model", "w", torch.ones(3)); b = area.copy("model", "w", torch.zeros(3))
     >>> a is b, area.allocations, b.tolist()
     (True, 1, [0.0, 0.0, 0.0])
@@ -120,14 +124,15 @@ class _StagedRecord(Record):
         scalars: Mapping[str, Any],
         metadata: Mapping[str, str],
     ) -> None:
-        self.kind = kind  # instance attribute: this class registers no kind of its own
+        # instance attribute: this class registers no kind of its own
+        self.kind = kind  # type: ignore[misc]
         self._frozen = (tensors, scalars, metadata)
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         return self._frozen
 
 
-def _freeze_entry(area: StagingArea, owner: str, name: str, value: Any) -> Any:
+def _freeze_entry(area: _StagingArea, owner: str, name: str, value: Any) -> Any:
     """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging."""
     if isinstance(value, torch.Tensor):
         return area.copy(owner, name, value)
@@ -145,7 +150,7 @@ def _freeze_entry(area: StagingArea, owner: str, name: str, value: Any) -> Any:
     )
 
 
-def freeze(area: StagingArea, owner: str, value: Any) -> Record:
+def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
     """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area``.
 
     The result shares no mutable memory with ``value``: tensors live in staging buffers,
@@ -166,7 +171,7 @@ class AsyncCheckpointSaver:
     """
 
     def __init__(self) -> None:
-        self.staging = StagingArea()
+        self.staging = _StagingArea()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_what = ""
@@ -186,7 +191,7 @@ class AsyncCheckpointSaver:
         self.wait()
         if iteration_number % checkpointer.checkpoint_frequency:
             return
-        staged = {key: freeze(self.staging, key, value) for key, value in data.items()}
+        staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
         self._submit(what, checkpointer.save_checkpoint, iteration_number, staged)
@@ -203,14 +208,14 @@ class AsyncCheckpointSaver:
         self.wait()
         # One owner for every path: Lightning names each file anew (epoch=3-step=16.ckpt), and
         # keying by path would reallocate every buffer on every save.
-        staged = freeze(self.staging, _RECORD_OWNER, record)
+        staged = _freeze(self.staging, _RECORD_OWNER, record)
         self.staging.prune()
         self._submit(f"record {path}", write or Record.save, staged, path)
 
     def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=WRITER_THREAD_NAME)
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=_WRITER_THREAD_NAME)
             self._pending = self._executor.submit(fn, *args)
             self._pending_what = what
 

@@ -51,6 +51,52 @@ import torch
 import xxhash
 
 from lightning_bpk import _fs
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "CHECKSUM_PREFIX",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAGIC_BYTES",
+    "MAX_CBOR_DEPTH",
+    "MAX_FILE_SIZE",
+    "MAX_METADATA_SIZE",
+    "MAX_RANK",
+    "MAX_TENSOR_COUNT",
+    "MAX_TENSOR_SIZE",
+    "TENSOR_ALIGNMENT",
+    "BurnpackError",
+    "BurnpackIOError",
+    "BytesLike",
+    "ChecksumError",
+    "DType",
+    "HeaderError",
+    "MagicError",
+    "MetadataError",
+    "Pack",
+    "Scalar",
+    "ScalarKind",
+    "SizeMismatchError",
+    "TensorEntry",
+    "TensorInfo",
+    "TensorNotFoundError",
+    "TensorsArg",
+    "ValidationError",
+    "VersionError",
+    "burn_dtype",
+    "data_section_start",
+    "dumps",
+    "loads",
+    "read",
+    "read_into",
+    "resolve_path",
+    "size",
+    "tensor_bytes",
+    "torch_dtype",
+    "with_suffix",
+    "write",
+]
 
 # --- Format constants (Burn's values; the reason for each is beside it) -------------------------
 
@@ -82,7 +128,7 @@ _I64_MIN, _I64_MAX, _U32_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**32 - 1, 2**64 -
 # --- Errors -------------------------------------------------------------------------------------
 
 
-class BurnpackError(Exception):
+class BurnpackError(LightningBpkError):
     """Base class of every error raised while reading or writing a burnpack."""
 
 
@@ -271,6 +317,14 @@ _TORCH_TO_BURN: dict[torch.dtype, DType] = {
 }
 
 
+def _parsed_dtype_info(dtype: DType) -> _DTypeInfo:
+    """:func:`_dtype_info` of a dtype that parsing already accepted (so never ``None``)."""
+    info = _dtype_info(dtype)
+    if info is None:  # pragma: no cover - _parse_descriptor refuses unknown dtypes
+        raise ValidationError(f"unknown dtype {dtype!r}")
+    return info
+
+
 def _dtype_info(dtype: object) -> _DTypeInfo | None:
     """Look up a Burn dtype value; ``None`` when it is not one Burn defines."""
     if isinstance(dtype, str):
@@ -372,9 +426,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
+    # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
     if t.dtype in _NUMPY_DTYPES:  # one call instead of four: counts with thousands of tensors
-        return memoryview(t.numpy()).cast("B")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _as_bytes(data: Any) -> memoryview:
@@ -625,10 +680,10 @@ def _materialize(p: _Planned) -> memoryview:
 # Tensors of at least this many bytes are checksummed on a helper thread while this thread writes
 # them: xxhash and os.write both release the GIL, so on two cores the hash costs no wall time.
 # Below it, handing the work over costs more than hashing inline (xxh3 runs at ~10 GB/s).
-PARALLEL_HASH_MIN = 1024 * 1024
+_PARALLEL_HASH_MIN = 1024 * 1024
 # Smaller tensors, the header and the zero padding are gathered into one buffer of this size per
 # write: 5,000 tensors of 4 KiB take 20 writes instead of 10,000 (half the write time).
-GATHER_SIZE = 1024 * 1024
+_GATHER_SIZE = 1024 * 1024
 
 
 class _Gather:
@@ -666,9 +721,9 @@ def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
     data_start = data_section_start(len(meta))
     header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
     # no larger than what is gathered: a pack of big tensors needs a few hundred bytes
-    small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < PARALLEL_HASH_MIN)
+    small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < _PARALLEL_HASH_MIN)
     gather = _Gather(
-        sink, min(GATHER_SIZE, data_start + small + TENSOR_ALIGNMENT * len(plan.tensors))
+        sink, min(_GATHER_SIZE, data_start + small + TENSOR_ALIGNMENT * len(plan.tensors))
     )
     gather.add(header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
     position = 0
@@ -679,7 +734,7 @@ def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
             if p.start > position:
                 gather.add(bytes(p.start - position))
             view = _materialize(p)
-            if view.nbytes < PARALLEL_HASH_MIN:
+            if view.nbytes < _PARALLEL_HASH_MIN:
                 if plan.checksums:
                     digests[p.name] = xxhash.xxh3_64_hexdigest(view)
                 gather.add(view)
@@ -998,6 +1053,7 @@ class Pack:
         self._validate_layout(entries, total)
         self.entries: dict[str, TensorInfo] = {k: entries[k] for k in sorted(entries)}
         self.names: list[str] = list(self.entries)
+        self._data_order = tuple(sorted(self.names, key=lambda n: self.entries[n].data_offsets))
         unknown = sorted(set(self.checksums) - set(entries))
         if unknown:
             raise ValidationError(f"checksums recorded for absent tensors: {unknown[:5]}")
@@ -1016,7 +1072,7 @@ class Pack:
                 raise ValidationError(f"tensor '{name}': start {start} is not 256-byte aligned")
             if start < end_max:
                 raise ValidationError(f"tensor '{name}': bytes {start}..{end} overlap another")
-            info_dtype = _dtype_info(info.dtype)
+            info_dtype = _parsed_dtype_info(info.dtype)
             if info_dtype is not _QFLOAT:
                 need = math.prod(info.shape) * info_dtype.itemsize
                 if need != end - start:
@@ -1106,7 +1162,7 @@ class Pack:
 
     def _tensor(self, name: str, verify: bool) -> torch.Tensor:
         info = self._info(name)
-        dinfo = _dtype_info(info.dtype)
+        dinfo = _parsed_dtype_info(info.dtype)
         if dinfo is _QFLOAT:
             raise ValidationError(
                 f"{self.source}: tensor '{name}' is quantized (QFloat); read it with raw()"
@@ -1114,6 +1170,7 @@ class Pack:
         view = self.raw(name, verify=verify)
         if view.nbytes == 0:
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        assert dinfo.torch_dtype is not None  # only QFloat has none, refused above
         flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
         tensor = flat.reshape(info.shape)
         if isinstance(info.dtype, dict):  # Bool variants
@@ -1136,6 +1193,18 @@ class Pack:
                 bad.append(name)
         if bad:
             raise ChecksumError(f"{self.source}: tensors failing their checksum: {bad}")
+
+    @property
+    def data_order(self) -> list[str]:
+        """Tensor names in the order their bytes lie in the data section: the order the writer
+        was given them (Burn: the module's visiting order). :attr:`names` is sorted by name.
+
+        >>> import torch
+        >>> pack = loads(dumps({"b": torch.ones(1), "a": torch.zeros(1)}))
+        >>> pack.names, pack.data_order
+        (['a', 'b'], ['b', 'a'])
+        """
+        return list(self._data_order)
 
     @property
     def nbytes(self) -> int:
@@ -1233,11 +1302,11 @@ def _map(fd: int, p: Path) -> Pack:
 # Bytes hashed and then copied per step of :func:`read_into`: the copy reads what the hash just
 # pulled into the CPU cache. Measured on the benchmark VM (1 GiB, 16 tensors): as fast as raw
 # ``readinto`` warm and faster cold; 256 KiB steps were 30 % slower (per-call overhead).
-COPY_CHUNK = 4 * 1024 * 1024
+_COPY_CHUNK = 4 * 1024 * 1024
 # Tensors up to this size are copied with a memoryview assignment: 4 KiB tensors load ~25 % faster
 # than through torch's copy_ (call overhead), while 4 MiB ones load ~20 % slower (torch's copy_
 # is the faster memcpy for large blocks).
-MEMCPY_MAX = 256 * 1024
+_MEMCPY_MAX = 256 * 1024
 
 
 def _writable_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
@@ -1259,7 +1328,7 @@ def read_into(
     """Load tensors of a burnpack file into existing tensors, in place (what resuming does).
 
     Every name in ``targets`` must be in the file, with the same shape. A contiguous CPU target
-    of the stored dtype is filled from the memory-mapped file in steps of :data:`COPY_CHUNK`,
+    of the stored dtype is filled from the memory-mapped file in steps of 4 MiB,
     each step hashed and then copied while it is still in the CPU cache (one pass over the
     bytes; measured 1.0-1.1x raw ``readinto``, where ``preadv`` into the target took 1.2-1.4x).
     Any other target (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its
@@ -1285,7 +1354,7 @@ def read_into(
                 )
             dtype = torch_dtype(info.dtype)
             # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-            plain = _dtype_info(info.dtype).torch_dtype is dtype and dtype is not torch.bool
+            plain = _parsed_dtype_info(info.dtype).torch_dtype is dtype and dtype is not torch.bool
             flat = _writable_bytes(target, dtype) if plain else None
             plan.append((name, target, info, flat))
         buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums
@@ -1294,7 +1363,7 @@ def read_into(
                 if flat is None:
                     target.copy_(pack.tensor(name, verify=verify))
                     continue
-                if info.nbytes <= MEMCPY_MAX:  # one step, no torch call
+                if info.nbytes <= _MEMCPY_MAX:  # one step, no torch call
                     flat[:] = pack.raw(name, verify=verify)
                     continue
                 start, end = info.data_offsets
@@ -1303,9 +1372,9 @@ def read_into(
                 source = torch.frombuffer(buffer[start:end], dtype=torch.uint8)
                 destination = torch.frombuffer(flat, dtype=torch.uint8)
                 hasher = xxhash.xxh3_64()
-                for at in range(0, end - start, COPY_CHUNK):
+                for at in range(0, end - start, _COPY_CHUNK):
                     if expected is not None:
-                        hasher.update(buffer[start + at : min(start + at + COPY_CHUNK, end)])
-                    destination[at : at + COPY_CHUNK].copy_(source[at : at + COPY_CHUNK])
+                        hasher.update(buffer[start + at : min(start + at + _COPY_CHUNK, end)])
+                    destination[at : at + _COPY_CHUNK].copy_(source[at : at + _COPY_CHUNK])
                 if expected is not None and hasher.hexdigest() != expected:
                     raise pack._damaged(name)

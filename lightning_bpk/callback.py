@@ -71,22 +71,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import sharded, trainer_state
+from lightning_bpk import _lightning_compat, sharded, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+
+__all__ = [
+    "PREEMPTION_SIGNALS",
+    "BurnpackCheckpoint",
+    "CheckpointSaveError",
+]
 
 log = logging.getLogger("lightning_bpk")
 
 # Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
 # time limit; SIGUSR1: SLURM's --signal default for requeue).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_LIGHTNING_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
 
 
@@ -96,17 +102,12 @@ def _agree(trainer: pl.Trainer, value: int) -> int:
     return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
 
 
-def _is_lightning_handler(handler: object) -> bool:
-    """Lightning's own signal-connector handlers (bound methods), which we take over."""
-    owner = getattr(handler, "__self__", None)
-    return type(owner).__module__ == _LIGHTNING_SIGNAL_CONNECTOR
-
-
 def _others(handler: object) -> list[Callable[..., Any]]:
     """The callables a previously installed handler runs, without Lightning's own ones."""
-    inner = getattr(handler, "signal_handlers", None)  # Lightning's _HandlersCompose
-    handlers = list(inner) if isinstance(inner, list) else [handler]
-    return [h for h in handlers if callable(h) and not _is_lightning_handler(h)]
+    handlers = _lightning_compat.composed_signal_handlers(handler)
+    return [
+        h for h in handlers if callable(h) and not _lightning_compat.is_lightning_signal_handler(h)
+    ]
 
 
 @gin.configurable(module="lightning_bpk")
@@ -146,8 +147,8 @@ class BurnpackCheckpoint(Checkpoint):
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
-        checkpoint_file_prefix: str = "ckpt",
-        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
@@ -182,7 +183,8 @@ class BurnpackCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
+        return _lightning_compat.generate_state_key(
+            self,
             dirpath=None if self.dirpath is None else str(self.dirpath),
             checkpoint_file_prefix=self.checkpoint_file_prefix,
         )
@@ -215,7 +217,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._intercept_resume(trainer)
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
-        settings = dict(
+        settings: dict[str, Any] = dict(
             checkpoint_file_prefix=self.checkpoint_file_prefix,
             sentinel_file_identifier=self.sentinel_file_identifier,
             checkpoint_frequency=self.checkpoint_frequency,
@@ -227,29 +229,25 @@ class BurnpackCheckpoint(Checkpoint):
 
     def _intercept_resume(self, trainer: pl.Trainer) -> None:
         """Make the next ``resume_start`` load our checkpoint when ``fit`` got no ckpt_path."""
-        connector = trainer._checkpoint_connector
-        original = type(connector).resume_start.__get__(connector)
 
-        def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-            del connector.resume_start  # one shot: back to the class method
+        def resume_start(
+            original: Any, checkpoint_path: Any, weights_only: bool | None
+        ) -> tuple[Any, dict[str, Any]] | None:
             path = checkpoint_path
             if path is None and self._resume_number >= 0:
                 assert self.checkpointer is not None
                 path = self.checkpointer.checkpoint_path(self._resume_number)
             if path is None or not Path(path).is_dir():
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
-                return
+                return None
             if checkpoint_path is None:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            if sharded.is_sharded(path):
-                loaded = sharded.restore(trainer, path)
-            else:
-                loaded = trainer_state.load(path)
-            connector._ckpt_path = path
-            connector._loaded_checkpoint = _pl_migrate_checkpoint(loaded, path)
+            if sharded.is_sharded(path):  # FSDP2 / split writes: every rank reads its part
+                return path, sharded.restore(trainer, path)
+            return path, trainer_state.load(path)
 
-        connector.resume_start = resume_start
+        _lightning_compat.intercept_resume_start(trainer, resume_start)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -312,7 +310,7 @@ class BurnpackCheckpoint(Checkpoint):
         preempted = self._preemption_agreed(trainer)
         if preempted or epoch % self.checkpoint_frequency == 0:
             self._save(trainer, epoch, flush=preempted)
-        self._boundary_loops = copy.deepcopy(trainer._checkpoint_connector._get_loops_state_dict())
+        self._boundary_loops = copy.deepcopy(_lightning_compat.loops_state_dict(trainer))
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
@@ -325,7 +323,7 @@ class BurnpackCheckpoint(Checkpoint):
         """
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = _lightning_compat.dump_checkpoint(trainer)
         staged: dict = {}
         if sharded.holds_dtensors(checkpoint) or (  # FSDP2 / tensor parallel, or by choice
             self.distributed_save and trainer.world_size > 1
@@ -346,6 +344,7 @@ class BurnpackCheckpoint(Checkpoint):
             if error is not None:
                 # an asynchronous save's error says which earlier save it comes from in a note
                 detail = " ".join([str(error), *getattr(error, "__notes__", [])])
+                assert self.checkpointer is not None  # rank 0's, made in setup
                 raise CheckpointSaveError(
                     f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
                     f"({detail}); earlier checkpoints are untouched"
@@ -458,7 +457,6 @@ class BurnpackCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
-        connector = trainer._checkpoint_connector
-        if "resume_start" in vars(connector):  # fit failed before Lightning restored anything
-            del connector.resume_start
+        # fit may have failed before Lightning restored anything
+        _lightning_compat.release_resume_start(trainer)
         self._flush()  # the last checkpoint is complete when fit returns

@@ -32,6 +32,10 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning_bpk import trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 
+__all__ = [
+    "BurnpackCheckpointIO",
+]
+
 
 class BurnpackCheckpointIO(CheckpointIO):
     """A :class:`~lightning.fabric.plugins.CheckpointIO` writing burnpack files (no pickle).
@@ -79,14 +83,21 @@ class BurnpackCheckpointIO(CheckpointIO):
         path: str | os.PathLike[str],
         map_location: Any = None,
         weights_only: bool | None = None,
+        state: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Read a file this IO wrote, or a BurnpackCheckpoint directory, into Lightning's dict.
 
         Tensors come back on the CPU (``map_location`` is accepted for the interface; Lightning
         moves state to the device itself). ``weights_only`` is moot: nothing is unpickled.
+        ``state`` (the argument newer Lightning versions pass) is a dict to load into: it is
+        updated with the loaded entries and returned.
         """
         self._wait()
-        return trainer_state.load(path)
+        loaded = trainer_state.load(path)
+        if state is None:
+            return loaded
+        state.update(loaded)
+        return state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""

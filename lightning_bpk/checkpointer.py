@@ -102,7 +102,38 @@ import gin
 import xxhash
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.records.base import Record, RecordError, StateRecord, load_record
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import (
+    DEFAULT_IDENTIFIER,
+    DEFAULT_PREFIX,
+    NUMBER_PATTERN,
+    RECORD_SUFFIX,
+    sentinel_name,
+    sentinel_stem,
+)
+from lightning_bpk.records.base import (
+    Record,
+    RecordChecksumError,
+    RecordError,
+    StateRecord,
+    load_record,
+)
+
+__all__ = [
+    "LEGACY_SENTINEL",
+    "LOCK_FILE_NAME",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "MAX_SENTINEL_SIZE",
+    "RECORD_SUFFIX",
+    "CheckpointEntry",
+    "CheckpointLockedError",
+    "CheckpointWarning",
+    "Checkpointer",
+    "get_latest_checkpoint_number",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
 
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
 # either; hidden and never deleted (unlinking a flock target would let two holders coexist).
@@ -117,16 +148,14 @@ MAX_SENTINEL_SIZE = 16 * 1024 * 1024
 # Keys become file names inside the data directory: a conservative portable alphabet, no leading
 # dot (hidden files, "." and ".."), no separators, short enough for name + ".bpk" + scratch suffix.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-# Canonical iteration suffix: one spelling per number, so name <-> number is a bijection.
-_NUMBER = r"(0|[1-9][0-9]*)"
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratch_path appends
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-RECORD_SUFFIX = ".bpk"
+_HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
-class CheckpointLockedError(RuntimeError):
+class CheckpointLockedError(LightningBpkError, RuntimeError):
     """Another process (or checkpointer) is saving into the same directory right now."""
 
 
@@ -134,7 +163,7 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
 
 
-def _gin_configurable(fn_or_cls: T) -> T:
+def _gin_configurable(fn_or_cls: _T) -> _T:
     """``gin.configurable`` under this module's real name, tolerant of re-execution.
 
     A fixed selector means running this file as ``__main__`` or from a second import path does
@@ -169,10 +198,6 @@ def _iteration(value: object) -> int:
     return value
 
 
-def _sentinel_stem(identifier: str) -> str:
-    return f"sentinel_{identifier}_complete"
-
-
 def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
     """Entries of ``base`` whose whole name matches ``pattern``; none if ``base`` is missing or
     not a directory (Dopamine's "-1 for a missing directory")."""
@@ -189,7 +214,8 @@ def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
 
 def _numbers(base: Path, stem: str) -> dict[int, Path]:
     """``{N: path}`` for the entries of ``base`` named ``stem.N``."""
-    return {int(m.group(1)): p for m, p in _matching(base, re.escape(stem) + r"\." + _NUMBER)}
+    pattern = re.escape(stem) + r"\." + NUMBER_PATTERN
+    return {int(m.group(1)): p for m, p in _matching(base, pattern)}
 
 
 @dataclass(frozen=True)
@@ -208,8 +234,8 @@ class CheckpointEntry:
 
 def list_checkpoints(
     base_directory: str | os.PathLike[str],
-    sentinel_file_identifier: str = "checkpoint",
-    checkpoint_file_prefix: str = "ckpt",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
+    checkpoint_file_prefix: str = DEFAULT_PREFIX,
 ) -> list[CheckpointEntry]:
     """Every iteration number with data or a sentinel in ``base_directory``, newest first.
 
@@ -222,7 +248,7 @@ def list_checkpoints(
     [(0, True)]
     """
     base = Path(base_directory)
-    sentinels = _numbers(base, _sentinel_stem(sentinel_file_identifier))
+    sentinels = _numbers(base, sentinel_stem(sentinel_file_identifier))
     data = _numbers(base, checkpoint_file_prefix)
     return [
         CheckpointEntry(n, data.get(n), sentinels.get(n))
@@ -340,7 +366,7 @@ class _Checkpoint:
 
     def __init__(self, base: Path, iteration: int, identifier: str, prefix: str | None) -> None:
         self.iteration = iteration
-        self.sentinel = base / f"{_sentinel_stem(identifier)}.{iteration}"
+        self.sentinel = base / sentinel_name(identifier, iteration)
         self.base = base
         self.prefix = prefix
 
@@ -366,7 +392,9 @@ class _Checkpoint:
 
     def data_path(self, manifest: _Manifest | None) -> Path:
         name = (
-            manifest.data if manifest is not None else f"{self.prefix or 'ckpt'}.{self.iteration}"
+            manifest.data
+            if manifest is not None
+            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
         )
         return self.base / name
 
@@ -449,12 +477,12 @@ def _file_problems(path: Path, entry: _FileEntry, *, head: bool, tensors: bool) 
     if size != entry.size:
         return [f"{path}: {size} bytes, manifest records {entry.size}"]
     if head and _head_digest(path, entry.head_size) != entry.head_xxh3:
-        return [f"{path}: header/metadata bytes differ from the manifest's xxh3 (damaged)"]
+        return [f"{path}: {_HEAD_DAMAGED}"]
     return _tensor_problems(path) if tensors else []
 
 
 def _sentinel_numbers(base: Path, identifier: str) -> list[int]:
-    return sorted(_numbers(base, _sentinel_stem(identifier)), reverse=True)
+    return sorted(_numbers(base, sentinel_stem(identifier)), reverse=True)
 
 
 def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> int:
@@ -474,7 +502,7 @@ def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> in
 def get_latest_checkpoint_number(
     base_directory: str | os.PathLike[str],
     override_number: int | None = None,
-    sentinel_file_identifier: str = "checkpoint",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
 ) -> int:
@@ -502,7 +530,7 @@ def get_latest_checkpoint_number(
 def verify_checkpoint(
     base_directory: str | os.PathLike[str],
     iteration_number: int,
-    sentinel_file_identifier: str = "checkpoint",
+    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
 ) -> list[str]:
     """Every problem found with checkpoint ``iteration_number`` (empty: it verifies).
@@ -551,8 +579,8 @@ class Checkpointer:
     def __init__(
         self,
         base_directory: str | os.PathLike[str],
-        checkpoint_file_prefix: str = "ckpt",
-        sentinel_file_identifier: str = "checkpoint",
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
@@ -591,8 +619,8 @@ class Checkpointer:
 
     def sentinel_path(self, iteration_number: int) -> Path:
         """The sentinel (manifest) file of iteration ``iteration_number`` (it may not exist)."""
-        stem = _sentinel_stem(self.sentinel_file_identifier)
-        return self.base_directory / f"{stem}.{_iteration(iteration_number)}"
+        name = sentinel_name(self.sentinel_file_identifier, _iteration(iteration_number))
+        return self.base_directory / name
 
     def _checkpoint(self, iteration_number: int) -> _Checkpoint:
         return _Checkpoint(
@@ -652,6 +680,8 @@ class Checkpointer:
             path = _record_path(data, key)
             if manifest is not None:
                 problems = _file_problems(path, manifest.files[key], head=True, tensors=False)
+                if problems and problems[0].endswith(_HEAD_DAMAGED):
+                    raise RecordChecksumError(problems)
                 if problems:
                     raise RecordError("io", problems)
             record = load_record(path)
@@ -708,8 +738,8 @@ class Checkpointer:
     def _remove_leftovers(self) -> None:
         """Delete what a crashed save of this checkpointer left: staging or displaced data
         directories and sentinel scratch files (``<name>.<pid>-<k>.tmp``)."""
-        for stem in (self.checkpoint_file_prefix, _sentinel_stem(self.sentinel_file_identifier)):
-            pattern = re.escape(stem) + r"\." + _NUMBER + _SCRATCH
+        for stem in (self.checkpoint_file_prefix, sentinel_stem(self.sentinel_file_identifier)):
+            pattern = re.escape(stem) + r"\." + NUMBER_PATTERN + _SCRATCH
             for _, path in list(_matching(self.base_directory, pattern)):
                 _remove(path)
 
@@ -718,7 +748,8 @@ class Checkpointer:
         target = self.checkpoint_path(n)
         sentinel = self.sentinel_path(n)
         staging, files = self._stage(n, data)
-        old_sentinel = old_data = None
+        old_sentinel: Path | None = None
+        old_data: Path | None = None
         swapped = False
         try:
             if os.path.lexists(target):
@@ -740,9 +771,9 @@ class Checkpointer:
         except BaseException:
             self._roll_back(staging, target, sentinel, swapped, old_data, old_sentinel)
             raise
-        for moved in (old_data, old_sentinel):
-            if moved is not None:
-                _remove(moved)
+        for leftover in (old_data, old_sentinel):
+            if leftover is not None:
+                _remove(leftover)
         return target
 
     def _roll_back(
@@ -807,7 +838,7 @@ class Checkpointer:
         and also catches what crashes, gaps or changed settings left behind.
         """
         f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
-        sentinels = _numbers(self.base_directory, _sentinel_stem(self.sentinel_file_identifier))
+        sentinels = _numbers(self.base_directory, sentinel_stem(self.sentinel_file_identifier))
         data = _numbers(self.base_directory, self.checkpoint_file_prefix)
         complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
         kept = set(complete[:d]) | {n}

@@ -35,7 +35,16 @@ import torch
 from lightning_bpk import burnpack, checkpointer
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records.base import RecordError
+
+__all__ = [
+    "EXIT_BAD_FILE",
+    "EXIT_FOUND",
+    "EXIT_OK",
+    "build_parser",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
@@ -58,9 +67,9 @@ def _json_value(scalar: burnpack.Scalar) -> bool | int | float | str:
     return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
 
 
-def describe(pack: burnpack.Pack) -> dict[str, Any]:
+def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         "file": pack.source,
         "header": {
@@ -94,8 +103,8 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def format_text(info: dict[str, Any]) -> str:
-    """The human-readable ``inspect`` report of :func:`describe`'s output."""
+def _format_text(info: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report of :func:`_describe`'s output."""
     h = info["header"]
     lines = [
         f"file: {info['file']}",
@@ -125,7 +134,7 @@ def format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def describe_sharded(index: Any) -> dict[str, Any]:
+def _describe_sharded(index: Any) -> dict[str, Any]:
     """What ``inspect`` shows for a sharded checkpoint directory (its ``dcp.Index``): its global
     tensors and files."""
     return {
@@ -160,15 +169,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if is_sharded(args.file):
         from lightning_bpk import dcp  # seconds to import: only for a sharded directory
 
-        info = describe_sharded(dcp.read_index(args.file))
+        info = _describe_sharded(dcp.read_index(args.file))
         print(json.dumps(info, indent=2) if args.json else _sharded_text(info))
         return EXIT_OK
     with burnpack.read(args.file) as pack:
-        info = describe(pack)
+        info = _describe(pack)
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(format_text(info))
+        print(_format_text(info))
     return EXIT_OK
 
 
@@ -220,7 +229,7 @@ def _progress(label: str) -> Callable[[int, int, str], None] | None:
     return report
 
 
-def _size_text(n: int) -> str:
+def _size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -243,7 +252,9 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
     print(json.dumps(info, indent=2) if args.json else text)
 
 
-def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> list[dict[str, Any]]:
+def _checkpoint_rows(
+    base: Path, identifier: str, prefix: str, verify: bool
+) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
     problems. ``verified`` is None when ``verify`` is off."""
     rows = []
@@ -260,7 +271,7 @@ def checkpoint_rows(base: Path, identifier: str, prefix: str, verify: bool) -> l
                 "complete": complete,
                 "verified": (not problems) if verify and complete else None,
                 "size": _tree_size(entry.data) if entry.data is not None else 0,
-                "time": _mtime(entry.sentinel or entry.data),
+                "time": _mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
             }
@@ -276,7 +287,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     base = Path(args.dir)
     if not base.is_dir():
         raise OSError(f"{base}: not a directory")
-    rows = checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
+    rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
     table += [
         [
@@ -332,12 +343,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         index = dcp.read_index(target)
         problems = index.check_files(verify_tensors=True)
         count = sum(len(t["chunks"]) for t in index.tensors.values())
-        results = [
+        results: list[dict[str, Any]] = [
             {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
         ]
         results[0]["checksums"] = count
     elif target.is_dir():
-        rows = checkpoint_rows(target, args.identifier, args.prefix, verify=True)
+        rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
                 {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
@@ -390,7 +401,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item()
 
 
-def diff_contents(
+def _diff_contents(
     a: Content, b: Content, progress: Callable[[int, int, str], None] | None = None
 ) -> list[dict[str, Any]]:
     """Tensor-by-tensor comparison of two :class:`~lightning_bpk.interop.Content` objects."""
@@ -433,7 +444,7 @@ def diff_contents(
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = read_content(args.a), read_content(args.b)
-    rows = diff_contents(a, b, _progress("diff"))
+    rows = _diff_contents(a, b, _progress("diff"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
         different = [
@@ -477,8 +488,8 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         return parser
 
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--prefix", default="ckpt", help="checkpoint data prefix (ckpt)")
-        parser.add_argument("--identifier", default="checkpoint", help="sentinel identifier")
+        parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
+        parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")

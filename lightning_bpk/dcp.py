@@ -475,7 +475,7 @@ class _Packs:
         if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
             return pack.tensor(name, verify=self.verify).clone()
         data = torch.empty(info.nbytes, dtype=torch.uint8)
-        self._pread(pack, name, info, memoryview(data.numpy()))
+        self._pread(pack, name, info, burnpack.tensor_bytes(data))
         return data.view(dtype).reshape(info.shape)
 
     def read_into(self, file: str, name: str, target: torch.Tensor) -> bool:

@@ -150,7 +150,8 @@ class _StagedFile(Record):
     def __init__(self, source: Path) -> None:
         self.source = source
         with burnpack.read(source) as pack:
-            self.kind = pack.metadata.get(RECORD_KIND_KEY, "dcp")
+            # per file (shard or index), not per class: the manifest records what DCP wrote
+            self.kind = pack.metadata.get(RECORD_KIND_KEY, "dcp")  # type: ignore[misc]
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         target = Path(path)

@@ -48,6 +48,21 @@ import torch
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import Scalar
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "MAX_DEPTH",
+    "RESERVED_PREFIX",
+    "ROOT_NAME",
+    "STRUCTURE_KEY",
+    "STRUCTURE_VERSION",
+    "Content",
+    "PathHook",
+    "ScalarHook",
+    "StateError",
+    "decode",
+    "encode",
+]
 
 # Metadata entry holding the JSON structure; the "/" keeps it apart from escaped leaf names.
 STRUCTURE_KEY = "lightning_bpk/state"
@@ -64,7 +79,7 @@ MAX_DEPTH = 64
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
 
-class StateError(ValueError):
+class StateError(LightningBpkError, ValueError):
     """A value cannot be encoded, or stored content does not decode; the message names where."""
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -46,6 +45,13 @@ import torch
 
 from lightning_bpk import burnpack, state
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.layout import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    SCHEDULER_KEY,
+    TRAINER_KEY,
+    parse_sentinel_name,
+)
 from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,
@@ -56,10 +62,28 @@ from lightning_bpk.records import (
     load_record,
 )
 
-MODEL_KEY = "model"
-OPTIMIZER_KEY = "optim"
-SCHEDULER_KEY = "scheduler"
-TRAINER_KEY = "trainer"
+__all__ = [
+    "DROPPED_KEY",
+    "HPARAM_KEYS",
+    "HPARAM_TYPE_KEYS",
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "PREEMPTED_KEY",
+    "RNG_KEY",
+    "SCHEDULER_KEY",
+    "TRAINER_KEY",
+    "capture_rng",
+    "file_record",
+    "from_records",
+    "load",
+    "numbered_key",
+    "restore_rng",
+    "save_file",
+    "storable",
+    "to_records",
+    "write_record",
+]
+
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
@@ -70,7 +94,6 @@ HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 HPARAM_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
 # Keys whose content lives in the module/optimizer/scheduler records, not in trainer.bpk.
 _RECORD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
-_SENTINEL = re.compile(r"sentinel_(.+)_complete\.(0|[1-9][0-9]*)")
 
 
 def numbered_key(base: str, index: int) -> str:
@@ -198,7 +221,7 @@ def to_records(
 
 
 def _numbered(data: Mapping[str, Any], base: str) -> list[Any]:
-    items = []
+    items: list[Any] = []
     while numbered_key(base, len(items)) in data:
         items.append(data[numbered_key(base, len(items))])
     return items
@@ -258,7 +281,7 @@ def write_record(record: Record, path: str | os.PathLike[str]) -> Path:
     except burnpack.BurnpackIOError:
         raise
     except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e
+        raise RecordError.from_format_error(e) from e
 
 
 def _checkpointer_for(directory: Path) -> tuple[Checkpointer, int]:
@@ -269,9 +292,9 @@ def _checkpointer_for(directory: Path) -> tuple[Checkpointer, int]:
             "io", f"{directory}: not a checkpoint directory (expected '<prefix>.<number>')"
         )
     identifiers = [
-        m.group(1)
-        for m in map(_SENTINEL.fullmatch, os.listdir(directory.parent))
-        if m is not None and m.group(2) == number
+        parsed[0]
+        for parsed in map(parse_sentinel_name, os.listdir(directory.parent))
+        if parsed is not None and str(parsed[1]) == number
     ]
     if len(identifiers) != 1:
         what = "no sentinel" if not identifiers else f"several sentinels {identifiers}"

@@ -24,6 +24,10 @@ FIXTURES = TESTS / "fixtures"
 # Burn's own MNIST model (see tests/fixtures/README.md): the one file no code of ours wrote.
 MNIST_BPK = FIXTURES / "burn" / "mnist-model.bpk"
 
+# The fuzz harness needs atheris, which the suite does not install; --doctest-modules would
+# import it (tests/scripts import fine: they only run when started as scripts).
+collect_ignore = ["fuzz"]
+
 # The helper scripts (lightning_tiny, crash_saver) are both run as scripts and imported by tests.
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.async_save import AsyncCheckpointSaver, StagingArea, freeze
+from lightning_bpk.async_save import AsyncCheckpointSaver, _freeze, _StagingArea
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
 
@@ -109,7 +109,7 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
 
 
 def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
-    area = StagingArea()
+    area = _StagingArea()
     first = area.copy("m", "a", torch.ones(4))
     area.copy("m", "b", torch.ones(2))
     area.prune()
@@ -237,7 +237,7 @@ def test_save_record_writes_a_snapshot_at_the_path(tmp_path):
 
 
 def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
-    area = StagingArea()
+    area = _StagingArea()
     live = torch.arange(4, dtype=torch.float32)
     raw = bytearray(b"\x01\x02")
     calls = []
@@ -257,7 +257,7 @@ def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
                 {},
             )
 
-    frozen = freeze(area, "m", Deferred({}))
+    frozen = _freeze(area, "m", Deferred({}))
     assert calls == [1]
     live.add_(100)
     raw[0] = 9

@@ -604,6 +604,13 @@ def test_mnist_fixture_reads_with_expected_layout(mnist):
     assert mnist.entries["fc1.weight"].shape == (1600, 128)
     assert mnist.entries["fc3.bias"].data_offsets == (1043200, 1043240)
     assert all(info.param_id is not None for info in mnist.entries.values())
+    # Burn wrote them in module order: weight before bias, gamma before beta
+    block = ["conv.weight", "conv.bias", "norm.gamma", "norm.beta", "norm.running_mean"]
+    linear = ["weight", "bias"]
+    assert mnist.data_order == [
+        *(f"conv{i}.{n}" for i in (1, 2) for n in [*block, "norm.running_var"]),
+        *(f"fc{i}.{n}" for i in (1, 2, 3) for n in linear),
+    ]
 
 
 def test_mnist_fixture_values_are_real_weights(mnist):
@@ -616,7 +623,7 @@ def test_mnist_fixture_values_are_real_weights(mnist):
 
 
 def _entries_in_data_order(pack: burnpack.Pack) -> dict[str, TensorEntry]:
-    order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+    order = pack.data_order
     return {
         n: TensorEntry(
             pack.entries[n].dtype, pack.entries[n].shape, pack.raw(n), pack.entries[n].param_id
@@ -1036,8 +1043,8 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "COPY_CHUNK", 1000)  # several chunks per tensor, one partial
-    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
+    monkeypatch.setattr(burnpack, "_COPY_CHUNK", 1000)  # several chunks per tensor, one partial
+    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
     source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
     path = burnpack.write(tmp_path / "m.bpk", source)
     targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
@@ -1076,7 +1083,7 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "MEMCPY_MAX", memcpy_max)
+    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
     path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
@@ -1690,7 +1697,7 @@ def test_checksums_patched_in_place_around_user_metadata_and_scalars(tmp_path):
     run, multi-byte names, scalars, and big (hashed while written) and small tensors mixed."""
     tensors = {
         "é" * 30: torch.arange(300, dtype=torch.int16),
-        "big": torch.rand(2**18 + 5),  # over PARALLEL_HASH_MIN: hashed on the helper thread
+        "big": torch.rand(2**18 + 5),  # over _PARALLEL_HASH_MIN: hashed on the helper thread
         "b": torch.ones(3, dtype=torch.bool),
     }
     metadata = {"a": "0" * 16, "lightning_bpk/a": "x", "lightning_bpk/z": "0" * 16, "zz": "y"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 from pathlib import Path
 
 import lightning as L
@@ -101,6 +102,17 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert io.load_checkpoint(path)["epoch"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no scratch file left
+
+
+def test_load_accepts_the_state_argument_and_fills_it(tmp_path):
+    io = BurnpackCheckpointIO()
+    path = tmp_path / "x.ckpt"
+    io.save_checkpoint({"epoch": 3, "state_dict": {"w": torch.ones(2)}}, path)
+    state = {"mine": 1}
+    back = io.load_checkpoint(path, state=state)
+    assert back is state and state["epoch"] == 3 and state["mine"] == 1
+    assert torch.equal(state["state_dict"]["w"], torch.ones(2))
+    assert "state" in inspect.signature(BurnpackCheckpointIO.load_checkpoint).parameters
 
 
 def test_remove_and_storage_options(tmp_path):

@@ -563,6 +563,8 @@ DAMAGE = {
     _damage_wrong_iteration: (True, True),
     _damage_missing_data: (True, None),
 }
+# damage a load reports as a checksum failure (RecordChecksumError), not as an I/O error
+CHECKSUM_DAMAGE = {_damage_flip_payload, _damage_flip_metadata}
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=lambda f: f.__name__[len("_damage_") :])
@@ -583,8 +585,10 @@ def test_damaged_latest_is_skipped_with_a_warning(tmp_path: Path, damage) -> Non
     assert c.verify_checkpoint(1) == []
     assert_tensors_payload(c.load_checkpoint(1), 1)
     if load_raises:
-        with pytest.raises(RecordError):
+        with pytest.raises(RecordError) as info:
             c.load_checkpoint(2)
+        assert isinstance(info.value, burnpack.ChecksumError) == (damage in CHECKSUM_DAMAGE)
+        assert (info.value.kind == "checksum") == (damage in CHECKSUM_DAMAGE)
     elif load_raises is None:
         assert c.load_checkpoint(2) is None
     else:

@@ -60,6 +60,28 @@ def test_api_pages_render_the_docstrings(site: Path) -> None:
     assert 'href="../checkpointer/#lightning_bpk.checkpointer.Checkpointer"' in callback
 
 
+def test_error_family_and_layout_are_documented(site: Path) -> None:
+    errors = (site / "api" / "errors" / "index.html").read_text()
+    assert 'id="lightning_bpk.errors.LightningBpkError"' in errors
+    assert "RecordChecksumError" in errors and "CheckpointLockedError" in errors
+    records = (site / "api" / "records" / "index.html").read_text()
+    assert 'id="lightning_bpk.records.base.RecordChecksumError"' in records
+    layout = (site / "api" / "layout" / "index.html").read_text()
+    assert 'id="lightning_bpk.layout.DEFAULT_PREFIX"' in layout
+
+
+def test_api_pages_follow_all(site: Path) -> None:
+    """Private knobs and helpers (a leading underscore, not in ``__all__``) stay off the pages."""
+    burnpack = (site / "api" / "burnpack" / "index.html").read_text()
+    assert 'id="lightning_bpk.burnpack.Pack.data_order"' in burnpack
+    assert "_COPY_CHUNK" not in burnpack and "_PARALLEL_HASH_MIN" not in burnpack
+    async_save = (site / "api" / "async_save" / "index.html").read_text()
+    assert 'id="lightning_bpk.async_save.AsyncCheckpointSaver"' in async_save
+    assert "_StagingArea" not in async_save
+    callback = (site / "api" / "callback" / "index.html").read_text()
+    assert 'id="lightning_bpk.callback.log"' not in callback  # a logger, not API
+
+
 def test_readme_links_point_at_pages(site: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import errno
 from pathlib import Path
 
@@ -10,25 +9,22 @@ import pytest
 import torch
 
 from lightning_bpk import _fs, burnpack
+from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records import (
     RECORD_KIND_KEY,
     LrSchedulerRecord,
     ModuleRecord,
     OptimizerRecord,
     Record,
+    RecordChecksumError,
     RecordError,
     StateRecord,
     load_record,
 )
-from lightning_bpk.records import base as base_mod
 
 from conftest import MNIST_BPK
 
 MNIST = MNIST_BPK
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(base_mod).failed == 0
 
 
 def test_record_error_sorts_and_lists_every_problem() -> None:
@@ -38,7 +34,18 @@ def test_record_error_sorts_and_lists_every_problem() -> None:
     assert str(err) == "Record validation error: a problem; b problem; c problem"
     assert str(RecordError("io", "disk")) == "Record I/O error: disk"
     with pytest.raises(ValueError, match="'io' or 'validation'"):
-        RecordError("other", "x")
+        RecordError("other", "x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'io' or 'validation'"):
+        RecordError("checksum", "x")  # only RecordChecksumError is one
+
+
+def test_format_errors_map_to_record_errors_keeping_checksum_failures() -> None:
+    damaged = RecordError.from_format_error(burnpack.ChecksumError("t: bytes fail"))
+    assert type(damaged) is RecordChecksumError and damaged.kind == "checksum"
+    assert str(damaged) == "Record checksum error: t: bytes fail"
+    assert isinstance(damaged, (burnpack.ChecksumError, RecordError, LightningBpkError))
+    other = RecordError.from_format_error(burnpack.MagicError("not a burnpack"))
+    assert type(other) is RecordError and other.kind == "io"
 
 
 def test_every_kind_is_registered() -> None:
@@ -91,26 +98,28 @@ def test_wrong_kind_is_a_validation_error(cls: type[Record], tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    "damage",
+    ("damage", "kind"),
     [
-        lambda d: d[:5],
-        lambda d: b"XXXX" + d[4:],
-        lambda d: d[:-1],
-        lambda d: d + b"\x00",
-        lambda d: d[:-1] + bytes([d[-1] ^ 1]),
+        (lambda d: d[:5], "io"),
+        (lambda d: b"XXXX" + d[4:], "io"),
+        (lambda d: d[:-1], "io"),
+        (lambda d: d + b"\x00", "io"),
+        # a flipped tensor bit stays a checksum failure, not a file that looks missing
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum"),
     ],
     ids=["short", "magic", "truncated", "trailing", "bitflip"],
 )
-def test_damaged_bytes_and_files_are_io_errors(damage, tmp_path: Path) -> None:
+def test_damaged_bytes_and_files_are_io_or_checksum_errors(damage, kind, tmp_path: Path) -> None:
     data = damage(StateRecord({"w": torch.arange(8.0)}).to_bytes())
     with pytest.raises(RecordError) as info:
         StateRecord.from_bytes(data)
-    assert info.value.kind == "io"
+    assert info.value.kind == kind
+    assert isinstance(info.value, burnpack.ChecksumError) == (kind == "checksum")
     path = tmp_path / "bad.bpk"
     path.write_bytes(data)
     with pytest.raises(RecordError) as info:
         load_record(path)
-    assert info.value.kind == "io" and str(path) in str(info.value)
+    assert info.value.kind == kind and str(path) in str(info.value)
 
 
 def test_missing_file_is_an_io_error(tmp_path: Path) -> None:

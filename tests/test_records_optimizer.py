@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from lightning_bpk.records import (
     load_record,
     param_ids,
 )
-from lightning_bpk.records import optimizer as optimizer_mod
 
 optim = torch.optim
 
@@ -106,10 +104,6 @@ def train(model: nn.Module, opt: optim.Optimizer, steps: range) -> None:
 def by_name(model: nn.Module, opt: optim.Optimizer) -> dict[str, dict]:
     names = {id(p): n for n, p in model.named_parameters()}
     return dict(sorted((names[id(p)], s) for p, s in opt.state.items()))
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(optimizer_mod).failed == 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

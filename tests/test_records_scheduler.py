@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -91,10 +90,6 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, sched: object, i: int) ->
     else:
         sched.step()
     return opt.param_groups[0]["lr"]
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(scheduler_mod).failed == 0
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 import math
+import re
 from collections import Counter, OrderedDict, namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,8 +52,29 @@ def assert_exact(a: object, b: object) -> None:
         assert a == b
 
 
-def test_doctests() -> None:
-    assert doctest.testmod(state).failed == 0
+def _kinds(node: object) -> set[str]:
+    """Every node kind in a structure tree."""
+    if node is None:
+        return {"null"}
+    kind, arg = node[0], node[1]
+    children = [c for _, c in arg] if kind in "DOC" else arg if kind in "LU" else []
+    return {kind}.union(*map(_kinds, children))
+
+
+def test_every_node_kind_is_documented_in_the_format_page() -> None:
+    value = OrderedDict(
+        b=True, i=3, I=2**70, f=0.5, s="x", t=torch.ones(1), z=torch.tensor(4.0),
+        n=np.ones(1), y=b"y", Y=bytearray(b"Y"), L=[None], U=(1,), D={1: 2}, C=Counter("c"),
+    )  # fmt: skip
+    content = encode(value, as_scalar=lambda path: path == ("z",))
+    kinds = _kinds(json.loads(content.metadata[STRUCTURE_KEY])["tree"])
+    assert len(kinds) == 16  # every branch of the encoder
+    page = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+    table = page.split("### The structure of nested data")[1]
+    cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    documented = {kind for cell in cells for kind in re.findall(r'`\[?"?(\w+)', cell)}
+    assert kinds == documented
+    assert_exact(through_pack(value, as_scalar=lambda path: path == ("z",)), value)
 
 
 def test_nested_plain_data_keeps_exact_types() -> None:

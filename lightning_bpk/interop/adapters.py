@@ -39,6 +39,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = [
+    "BurnToPyTorchAdapter",
+    "PyTorchToBurnAdapter",
+]
+
 _NORMS: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._BatchNorm,
     nn.LayerNorm,

@@ -42,8 +42,30 @@ import torch
 
 from lightning_bpk import _fs, burnpack
 from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+
+__all__ = [
+    "BPK_SUFFIXES",
+    "CHECKPOINT_MODEL_FILE",
+    "SAFETENSORS_INFO_KEY",
+    "SAFETENSORS_SUFFIXES",
+    "TORCH_SUFFIXES",
+    "Content",
+    "Progress",
+    "convert",
+    "export_checkpoint",
+    "load_module_record",
+    "read_bpk",
+    "read_content",
+    "read_safetensors",
+    "read_torch",
+    "save_module_record",
+    "write_bpk",
+    "write_content",
+    "write_safetensors",
+]
 
 # Safetensors metadata entry (JSON) with what safetensors cannot hold; see the module docstring.
 SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
@@ -52,9 +74,7 @@ SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
-CHECKPOINT_MODEL_FILE = (
-    "model.bpk"  # the checkpointer key the Lightning callback saves weights under
-)
+CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
 _ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
@@ -105,8 +125,7 @@ def read_bpk(path: str | os.PathLike[str]) -> Content:
                     "validation",
                     [f"{pack.source}: tensor '{n}' is quantized (QFloat)" for n in quantized],
                 )
-            order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
-            tensors = {n: pack.tensor(n) for n in order}
+            tensors = {n: pack.tensor(n) for n in pack.data_order}
             entries = pack.entries
             return Content(
                 tensors,
@@ -120,7 +139,7 @@ def read_bpk(path: str | os.PathLike[str]) -> Content:
                 scalars=dict(pack.scalars),
             )
     except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e
+        raise RecordError.from_format_error(e) from e
 
 
 def _is_quantized(dtype: burnpack.DType) -> bool:
@@ -149,7 +168,7 @@ def write_bpk(
     try:
         return burnpack.write(path, entries, metadata=content.metadata, scalars=content.scalars)
     except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e
+        raise RecordError.from_format_error(e) from e
 
 
 def _reporting(
@@ -219,7 +238,7 @@ def write_safetensors(
         "param_ids": {n: str(v) for n, v in content.param_ids.items()},
         "dtypes": content.dtypes,
         "scalars": {
-            n: [s.kind, s.value.hex() if s.kind == "Float" else s.value]
+            n: [s.kind, float(s.value).hex() if s.kind == "Float" else s.value]
             for n, s in content.scalars.items()
         },
     }

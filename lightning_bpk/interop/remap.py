@@ -56,12 +56,31 @@ import re
 import string
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
 from torch import nn
 
+from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records.module import Adapter, ModuleRecord
+
+__all__ = [
+    "INDEX_FIELD",
+    "Item",
+    "Items",
+    "KeyRemapper",
+    "RemapError",
+    "RemapResult",
+    "Rename",
+    "Rule",
+    "Split",
+    "Transpose",
+    "Unstack",
+    "apply_remapped",
+    "derive_inverse",
+    "record_remapped",
+]
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
 Item = tuple[torch.Tensor, int | None]
@@ -73,7 +92,7 @@ _META = frozenset(".^$*+?{}[]|()\\")
 INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
 
 
-class RemapError(ValueError):
+class RemapError(LightningBpkError, ValueError):
     """A rule cannot be applied or inverted; the message names the rule and the key."""
 
 
@@ -235,7 +254,7 @@ def derive_inverse(pattern: str, replacement: str) -> tuple[str, str]:
     return inv_pattern, inv_replacement
 
 
-def derived_param_id(param_id: int | None, index: int) -> int | None:
+def _derived_param_id(param_id: int | None, index: int) -> int | None:
     """A stable id for part ``index`` (> 0) of a tensor whose id is ``param_id``."""
     if param_id is None:
         return None
@@ -289,14 +308,16 @@ class Rename(Rule):
 
     def __post_init__(self) -> None:
         re.compile(self.pattern)
-        if self.inverse is None:
-            object.__setattr__(self, "inverse", derive_inverse(self.pattern, self.replacement))
-        re.compile(self.inverse[0])
+        inverse = self.inverse or derive_inverse(self.pattern, self.replacement)
+        object.__setattr__(self, "inverse", inverse)
+        re.compile(inverse[0])
 
     def __str__(self) -> str:
         return f"Rename({self.pattern!r} -> {self.replacement!r})"
 
-    def _map(self, items: Items, pattern: str, replacement: str, check: tuple[str, str] | None):
+    def _map(
+        self, items: Items, pattern: str, replacement: str, check: tuple[str, str] | None
+    ) -> tuple[Items, int]:
         out: Items = {}
         touched = 0
         for name, item in items.items():
@@ -317,6 +338,7 @@ class Rename(Rule):
         return self._map(items, self.pattern, self.replacement, None)
 
     def backward(self, items: Items) -> tuple[Items, int]:
+        assert self.inverse is not None  # set by __post_init__
         return self._map(items, *self.inverse, (self.pattern, self.replacement))
 
 
@@ -433,7 +455,7 @@ class Split(Rule):
             parts = self._parts(name, tensor)
             names = self._names(m, len(parts))
             new = {
-                n: (p, pid if k == 0 else derived_param_id(pid, k))
+                n: (p, pid if k == 0 else _derived_param_id(pid, k))
                 for k, (n, p) in enumerate(zip(names, parts, strict=True))
             }
             items = _replace(items, [name], new, str(self))
@@ -543,7 +565,7 @@ def apply_remapped(
     remapper: KeyRemapper,
     *,
     adapter: Adapter | None = None,
-    **apply_options: bool | str,
+    **apply_options: Any,
 ) -> list[str]:
     """Load ``record`` into ``module`` through ``remapper`` (then ``adapter``), with
     :meth:`ModuleRecord.apply`'s checks and options; returns the rules that matched nothing.

@@ -9,6 +9,7 @@
 from lightning_bpk.records.base import (
     RECORD_KIND_KEY,
     Record,
+    RecordChecksumError,
     RecordError,
     StateRecord,
     load_record,
@@ -29,6 +30,7 @@ __all__ = [
     "ModuleRecord",
     "OptimizerRecord",
     "Record",
+    "RecordChecksumError",
     "RecordError",
     "StateRecord",
     "default_param_id",

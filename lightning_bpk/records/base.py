@@ -11,29 +11,74 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from lightning_bpk import burnpack, state
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "RECORD_KIND_KEY",
+    "Record",
+    "RecordChecksumError",
+    "RecordError",
+    "RecordErrorKind",
+    "StateRecord",
+    "load_record",
+    "user_metadata",
+]
 
 RECORD_KIND_KEY = "lightning_bpk/record"
 
 R = TypeVar("R", bound="Record")
 
 
-class RecordError(Exception):
+RecordErrorKind = Literal["io", "validation", "checksum"]
+_LABELS: dict[str, str] = {
+    "io": "Record I/O error",
+    "validation": "Record validation error",
+    "checksum": "Record checksum error",
+}
+
+
+class RecordError(LightningBpkError):
     """A record could not be read, written or applied.
 
-    ``kind`` is ``"io"`` (the file or its bytes) or ``"validation"`` (content that does not
-    fit the target); ``problems`` lists every problem found, sorted, and the message shows them all.
+    ``kind`` is ``"io"`` (the file or its bytes), ``"validation"`` (content that does not fit
+    the target) or ``"checksum"`` (bytes that fail their checksum: always a
+    :class:`RecordChecksumError`); ``problems`` lists every problem found, sorted, and the
+    message shows them all.
     """
 
-    def __init__(self, kind: str, problems: str | Iterable[str]) -> None:
-        if kind not in ("io", "validation"):
+    kind: RecordErrorKind
+
+    def __init__(self, kind: RecordErrorKind, problems: str | Iterable[str]) -> None:
+        if kind not in ("io", "validation") and not (
+            kind == "checksum" and isinstance(self, RecordChecksumError)
+        ):
             raise ValueError(f"RecordError kind must be 'io' or 'validation', not {kind!r}")
         self.kind = kind
         self.problems = sorted([problems] if isinstance(problems, str) else problems)
-        label = "Record I/O error" if kind == "io" else "Record validation error"
-        super().__init__(f"{label}: " + "; ".join(self.problems))
+        super().__init__(f"{_LABELS[kind]}: " + "; ".join(self.problems))
+
+    @classmethod
+    def from_format_error(cls, error: burnpack.BurnpackError) -> RecordError:
+        """The record error for a failure of the format layer: a checksum failure stays one
+        (:class:`RecordChecksumError`), anything else is an ``"io"`` error."""
+        if isinstance(error, burnpack.ChecksumError):
+            return RecordChecksumError(str(error))
+        return RecordError("io", str(error))
+
+
+class RecordChecksumError(RecordError, burnpack.ChecksumError):
+    """Stored bytes fail their checksum: the file is damaged (not missing, not mismatched).
+
+    Both a :class:`RecordError` (kind ``"checksum"``) and a
+    :class:`~lightning_bpk.burnpack.ChecksumError`, so ``except burnpack.ChecksumError`` catches
+    a damaged tensor whether a pack, a record or a checkpoint load found it.
+    """
+
+    def __init__(self, problems: str | Iterable[str]) -> None:
+        super().__init__("checksum", problems)
 
 
 class Record:
@@ -72,7 +117,7 @@ class Record:
         try:
             return burnpack.dumps(tensors, scalars=scalars, metadata=metadata)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the record atomically (``.bpk`` added when ``path`` has no suffix)."""
@@ -80,7 +125,7 @@ class Record:
         try:
             return burnpack.write(path, tensors, scalars=scalars, metadata=metadata)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
 
     @classmethod
     def from_bytes(cls: type[R], data: bytes | bytearray | memoryview) -> R:
@@ -88,7 +133,7 @@ class Record:
         try:
             pack = burnpack.loads(data)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
         return cls._from_checked_pack(pack)
 
     @classmethod
@@ -97,7 +142,7 @@ class Record:
         try:
             pack = burnpack.read(path)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
         with pack:
             return cls._from_checked_pack(pack)
 
@@ -111,7 +156,7 @@ class Record:
         try:
             return cls.from_pack(pack)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
         except state.StateError as e:
             raise RecordError("validation", f"{pack.source}: {e}") from e
 
@@ -150,7 +195,7 @@ def load_record(path: str | os.PathLike[str]) -> Record:
     try:
         pack = burnpack.read(path)
     except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e
+        raise RecordError.from_format_error(e) from e
     with pack:
         kind = pack.metadata.get(RECORD_KIND_KEY)
         record_cls = Record._registry.get(kind) if kind is not None else None

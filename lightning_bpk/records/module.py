@@ -6,7 +6,7 @@ record reads like Burn's ``ModuleRecord`` and a Burn file (no kind tag, Burn's n
 
 **Parameter ids.** Every parameter is written with a u64 ``param_id`` (Burn's ``ParamId``); the
 optimizer record keys its state by these ids. A parameter that was loaded from a record carries
-that record's id (attribute :data:`PARAM_ID_ATTR` on the ``nn.Parameter``). A parameter that was
+that record's id (attribute :data:`_PARAM_ID_ATTR` on the ``nn.Parameter``). A parameter that was
 never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
 passed in: the first 8 bytes of ``blake2b(name, digest_size=8, person=b"lightning_bpk")`` read
 little-endian. That is stable across processes, so a fresh run names the same state the same
@@ -60,8 +60,17 @@ from torch import nn
 from lightning_bpk import burnpack
 from lightning_bpk.records.base import Record, RecordError, user_metadata
 
+__all__ = [
+    "ALIAS_PREFIX",
+    "DTYPE_POLICIES",
+    "Adapter",
+    "ModuleRecord",
+    "default_param_id",
+    "param_ids",
+]
+
 # Attribute on an nn.Parameter holding the u64 id it was loaded with.
-PARAM_ID_ATTR = "_lightning_bpk_param_id"
+_PARAM_ID_ATTR = "_lightning_bpk_param_id"
 # Metadata prefix of tied-weight aliases: "<prefix><alias name>" -> "<stored name>".
 ALIAS_PREFIX = "lightning_bpk/alias/"
 # Personalization of the name hash, so our ids do not coincide with other blake2b uses.
@@ -91,11 +100,11 @@ def default_param_id(name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def param_table(module: nn.Module) -> dict[int, tuple[int, str, nn.Parameter]]:
+def _param_table(module: nn.Module) -> dict[int, tuple[int, str, nn.Parameter]]:
     """``id(parameter) -> (param_id, first name, parameter)`` for every distinct parameter."""
     table: dict[int, tuple[int, str, nn.Parameter]] = {}
     for name, param in module.named_parameters():
-        pid = getattr(param, PARAM_ID_ATTR, None)
+        pid = getattr(param, _PARAM_ID_ATTR, None)
         table[id(param)] = (default_param_id(name) if pid is None else pid, name, param)
     return table
 
@@ -107,7 +116,7 @@ def param_ids(module: nn.Module) -> dict[str, int]:
     >>> sorted(ids), ids["bias"] == default_param_id("bias")
     (['bias', 'weight'], True)
     """
-    table = param_table(module)
+    table = _param_table(module)
     return {name: table[id(p)][0] for name, p in module.named_parameters(remove_duplicate=False)}
 
 
@@ -155,7 +164,7 @@ class ModuleRecord(Record):
         >>> sorted(ModuleRecord.from_module(torch.nn.BatchNorm1d(2)).tensors)[:2]
         ['bias', 'num_batches_tracked']
         """
-        ids = param_table(module)
+        ids = _param_table(module)
         tensors: dict[str, torch.Tensor] = {}
         pids: dict[str, int] = {}
         aliases: dict[str, str] = {}
@@ -184,8 +193,8 @@ class ModuleRecord(Record):
                 tensors[rec_name] = tensor.detach()
                 if isinstance(value, nn.Parameter):
                     pids[rec_name] = ids[id(value)][0]
-                elif getattr(value, PARAM_ID_ATTR, None) is not None:
-                    pids[rec_name] = getattr(value, PARAM_ID_ATTR)
+                elif getattr(value, _PARAM_ID_ATTR, None) is not None:
+                    pids[rec_name] = getattr(value, _PARAM_ID_ATTR)
         if problems:
             raise RecordError("validation", problems)
         return cls(tensors, param_ids=pids, aliases=aliases)
@@ -267,7 +276,7 @@ class ModuleRecord(Record):
                 else:
                     target.data = tensor.to(device=target.device, copy=True)
                 if pid is not None:
-                    setattr(target, PARAM_ID_ATTR, pid)
+                    setattr(target, _PARAM_ID_ATTR, pid)
         return module
 
     def _entries(self) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -323,10 +332,9 @@ class ModuleRecord(Record):
                     for n in quantized
                 ],
             )
-        # Data order is the writer's input order (Burn: the module's visiting order).
-        order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
+        order = pack.data_order  # the writer's input order (Burn: the module's visiting order)
         tensors = {n: pack.tensor(n) for n in order}
-        pids = {n: pack.entries[n].param_id for n in order if pack.entries[n].param_id is not None}
+        pids = {n: e.param_id for n in order if (e := pack.entries[n]).param_id is not None}
         metadata = user_metadata(pack)
         aliases = {
             k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)

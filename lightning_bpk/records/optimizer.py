@@ -48,14 +48,20 @@ from torch import nn
 
 from lightning_bpk import burnpack, state
 from lightning_bpk.records.base import Record, RecordError
-from lightning_bpk.records.module import param_table
+from lightning_bpk.records.module import _param_table
+
+__all__ = [
+    "BURN_NAMES",
+    "OPTIMIZER_CLASS_KEY",
+    "OptimizerRecord",
+]
 
 # Metadata entry naming the optimizer class the state belongs to (module.qualname).
 OPTIMIZER_CLASS_KEY = "lightning_bpk/optimizer"
 # Group keys not stored: "params" is rebuilt from ids; "param_names" follows the target optimizer.
 _GROUP_POSITIONAL_KEYS = ("params", "param_names")
 
-_ADAM_NAMES = {
+_ADAM_NAMES: dict[str, tuple[str, ...]] = {
     "exp_avg": ("momentum", "moment_1"),
     "exp_avg_sq": ("momentum", "moment_2"),
     "max_exp_avg_sq": ("momentum", "max_moment_2"),
@@ -139,7 +145,7 @@ class OptimizerRecord(Record):
 
         Tensors are the optimizer's own (no copy); save or serialize before the next step.
         """
-        table = param_table(module)
+        table = _param_table(module)
         saved = optimizer.state_dict()
         index_to_pid: dict[int, int] = {}
         paths: dict[int, str] = {}
@@ -206,7 +212,7 @@ class OptimizerRecord(Record):
                 f"record holds {self.optimizer_class} state, the optimizer is "
                 f"{_class_name(optimizer)}"
             )
-        table = param_table(module)
+        table = _param_table(module)
         group_of = {pid: g for g, group in enumerate(self.param_groups) for pid in group["params"]}
         target_pids: list[list[int]] = []
         for g, group in enumerate(optimizer.param_groups):
@@ -325,7 +331,8 @@ class OptimizerRecord(Record):
             problems.append(f"no '{OPTIMIZER_CLASS_KEY}' metadata entry")
         if problems:
             raise RecordError("validation", [f"{pack.source}: {p}" for p in problems])
-        paths, ranks = {}, {}
+        paths: dict[int, str] = {}
+        ranks: dict[int, int] = {}
         for key, value in pack.metadata.items():
             if key.isdigit():
                 paths[int(key)] = value
@@ -335,11 +342,11 @@ class OptimizerRecord(Record):
                 dims = [v.dim() for v in param_state.values() if isinstance(v, torch.Tensor)]
                 ranks[pid] = max(dims, default=0)
             else:
-                ranks[pid] = rank.value
+                ranks[pid] = int(rank.value)
         return cls(
             tree["state"],
             tree["param_groups"],
             paths=paths,
             ranks=ranks,
-            optimizer_class=class_name,
+            optimizer_class=str(class_name),  # not None: checked above
         )

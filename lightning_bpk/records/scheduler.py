@@ -36,6 +36,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from lightning_bpk import burnpack, state
 from lightning_bpk.records.base import Record, RecordError
 
+__all__ = [
+    "SCHEDULER_CLASS_KEY",
+    "LrSchedulerRecord",
+    "SchedulerLike",
+]
+
 # Metadata entry naming the scheduler class (module.qualname).
 SCHEDULER_CLASS_KEY = "lightning_bpk/lr_scheduler"
 # torch's key for the children of SequentialLR and ChainedScheduler.
@@ -51,7 +57,7 @@ def _class_name(scheduler: object) -> str:
 
 def _indexed(state_dict: Mapping[str, Any]) -> dict[Any, Any]:
     """torch's state with children moved from ``_schedulers: [...]`` to keys ``0``, ``1``..."""
-    out = {k: v for k, v in state_dict.items() if k != _CHILDREN_KEY}
+    out: dict[Any, Any] = {k: v for k, v in state_dict.items() if k != _CHILDREN_KEY}
     children = state_dict.get(_CHILDREN_KEY)
     if isinstance(children, list):
         out.update((i, _indexed(child)) for i, child in enumerate(children))
@@ -140,4 +146,4 @@ class LrSchedulerRecord(Record):
         tree = state.decode(pack)
         if not isinstance(tree, dict):
             raise RecordError("validation", f"{pack.source}: the scheduler state is not a map")
-        return cls(tree, class_name)
+        return cls(tree, str(class_name))  # not None: checked above

@@ -1,0 +1,95 @@
+"""Every use of Lightning's private API, in one place.
+
+Lightning offers no public hook for what the callback needs in three spots: building the
+checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
+``ckpt_path`` (Lightning chooses the path before any callback runs), and telling Lightning's own
+signal handlers from a user's. Each function here wraps one such touch;
+``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
+that moves one fails there, by name, instead of somewhere inside a training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+__all__ = [
+    "SIGNAL_CONNECTOR_MODULE",
+    "composed_signal_handlers",
+    "dump_checkpoint",
+    "generate_state_key",
+    "intercept_resume_start",
+    "is_lightning_signal_handler",
+    "loops_state_dict",
+    "release_resume_start",
+]
+
+# The module whose handlers Lightning installs for SIGTERM (and SIGUSR1 under SLURM).
+SIGNAL_CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
+
+ResumeStart = Callable[[Any, "bool | None"], None]
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's own checkpoint dict (loops, callback states, hooks), as ``ModelCheckpoint``
+    gets it; ``weights_only=False`` means "with optimizers and schedulers", not unpickling."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def intercept_resume_start(
+    trainer: pl.Trainer,
+    resume_start: Callable[[ResumeStart, Any, bool | None], tuple[Any, dict[str, Any]] | None],
+) -> None:
+    """Route the trainer's next ``resume_start(checkpoint_path, weights_only)`` through
+    ``resume_start(original, checkpoint_path, weights_only)``, once.
+
+    It returns ``None`` after calling ``original`` itself (Lightning's own path), or
+    ``(path, checkpoint)``: Lightning then restores that dict exactly as one it read itself
+    (migrated first) and reports ``path`` as ``trainer.ckpt_path``.
+    """
+    connector = trainer._checkpoint_connector
+    original = type(connector).resume_start.__get__(connector)
+
+    def one_shot(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        del connector.resume_start  # back to the class method
+        loaded = resume_start(original, checkpoint_path, weights_only)
+        if loaded is not None:
+            path, checkpoint = loaded
+            connector._ckpt_path = path
+            connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
+
+    connector.resume_start = one_shot  # type: ignore[method-assign]
+
+
+def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
+    """The loops' state as ``dump_checkpoint`` stores it under ``"loops"`` (progress counters)."""
+    return trainer._checkpoint_connector._get_loops_state_dict()
+
+
+def release_resume_start(trainer: pl.Trainer) -> None:
+    """Undo :func:`intercept_resume_start` if ``fit`` ended before Lightning called it."""
+    connector = trainer._checkpoint_connector
+    if "resume_start" in vars(connector):
+        del connector.resume_start
+
+
+def is_lightning_signal_handler(handler: object) -> bool:
+    """Lightning's own signal-connector handlers (bound methods of its signal connector)."""
+    owner = getattr(handler, "__self__", None)
+    return type(owner).__module__ == SIGNAL_CONNECTOR_MODULE
+
+
+def composed_signal_handlers(handler: object) -> list[Any]:
+    """The callables a handler runs: the list inside Lightning's ``_HandlersCompose``, or the
+    handler itself."""
+    inner = getattr(handler, "signal_handlers", None)
+    return list(inner) if isinstance(inner, list) else [handler]
+
+
+def generate_state_key(callback: Callback, **kwargs: Any) -> str:
+    """``Callback._generate_state_key``: the key of a callback's state in the checkpoint."""
+    return callback._generate_state_key(**kwargs)

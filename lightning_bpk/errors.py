@@ -1,0 +1,47 @@
+"""The root of every error this package raises on purpose: catch :class:`LightningBpkError`.
+
+Each layer has its own error class, all derived from the root; where a user would reasonably
+catch a built-in exception, the class derives from that too::
+
+    LightningBpkError
+    ├── burnpack.BurnpackError                  a .bpk file cannot be read or written
+    │   ├── HeaderError, MagicError, VersionError, MetadataError, ValidationError,
+    │   │   TensorNotFoundError, SizeMismatchError
+    │   ├── ChecksumError                       stored bytes fail their xxh3 checksum
+    │   └── BurnpackIOError (also OSError)      open/read/write/rename failed (a full disk, ...)
+    ├── state.StateError (also ValueError)      a value has no pickle-free form, or stored
+    │                                           state does not decode
+    ├── records.RecordError                     a record cannot be read, written or applied;
+    │   │                                       ``kind`` is "io", "validation" or "checksum"
+    │   └── RecordChecksumError (also burnpack.ChecksumError)
+    ├── interop.RemapError (also ValueError)    a key remapping does not apply
+    ├── dcp.ShardedCheckpointError (also RuntimeError)
+    │                                           a sharded (DCP) checkpoint cannot be written
+    │                                           or read; names the rank file
+    ├── checkpointer.CheckpointLockedError (also RuntimeError)
+    │                                           another process is saving into the directory
+    └── callback.CheckpointSaveError (also RuntimeError)
+                                                a save failed; earlier checkpoints are intact
+
+A checksum failure stays one on its way up: a damaged tensor in a checkpoint raises
+:class:`~lightning_bpk.records.RecordChecksumError` from a record load or
+:meth:`~lightning_bpk.checkpointer.Checkpointer.load_checkpoint`, which is both a
+``RecordError`` and a :class:`~lightning_bpk.burnpack.ChecksumError`. Bad arguments (a negative
+iteration number, an unknown setting) raise the usual ``ValueError``/``TypeError``; warnings
+about skipped checkpoints are :class:`~lightning_bpk.checkpointer.CheckpointWarning`.
+
+>>> from lightning_bpk import burnpack
+>>> try:
+...     burnpack.loads(b"not a burnpack")
+... except LightningBpkError as e:
+...     print(type(e).__name__)
+MagicError
+"""
+
+from __future__ import annotations
+
+__all__ = ["LightningBpkError"]
+
+
+class LightningBpkError(Exception):
+    """Base class of every error lightning-bpk raises on purpose (see the module docstring)."""

@@ -1,0 +1,96 @@
+"""Each touch of Lightning's private API (lightning_bpk/_lightning_compat.py), checked against the
+installed Lightning: if an upgrade renames or reshapes one, the test named after it fails."""
+
+from __future__ import annotations
+
+import inspect
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.trainer.connectors import signal_connector
+
+from lightning_bpk import _lightning_compat as compat
+
+from lightning_tiny import TinyModel, make_trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Probe(L.Callback):
+    """Runs the compat functions on a live trainer at the end of the first epoch."""
+
+    def __init__(self) -> None:
+        self.dumped: dict = {}
+        self.loops: dict = {}
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.dumped = compat.dump_checkpoint(trainer)
+        self.loops = compat.loops_state_dict(trainer)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[L.Trainer, _Probe]:
+    probe = _Probe()
+    trainer = make_trainer(
+        str(tmp_path_factory.mktemp("compat")), 1, [probe], limit_train_batches=2
+    )
+    trainer.fit(TinyModel())
+    return trainer, probe
+
+
+def test_dump_checkpoint_is_lightnings_full_dict(fitted) -> None:
+    _, probe = fitted
+    for key in ("epoch", "global_step", "loops", "state_dict", "optimizer_states", "callbacks"):
+        assert key in probe.dumped, key
+
+
+def test_loops_state_dict_is_what_dump_checkpoint_stores(fitted) -> None:
+    _, probe = fitted
+    assert probe.loops.keys() == probe.dumped["loops"].keys()
+    assert "fit_loop" in probe.loops
+
+
+def test_resume_start_interception_loads_our_dict_once(fitted, tmp_path: Path) -> None:
+    trainer, probe = fitted
+    connector = trainer._checkpoint_connector
+    # Lightning's signature, which our one-shot replacement mimics
+    params = list(inspect.signature(type(connector).resume_start).parameters)
+    assert params[:3] == ["self", "checkpoint_path", "weights_only"]
+    calls = []
+
+    def resume_start(original, checkpoint_path, weights_only):
+        calls.append((callable(original), checkpoint_path, weights_only))
+        return tmp_path / "ckpt.3", dict(probe.dumped)
+
+    compat.intercept_resume_start(trainer, resume_start)
+    assert "resume_start" in vars(connector)
+    connector.resume_start(None, True)
+    assert calls == [(True, None, True)]
+    assert "resume_start" not in vars(connector)  # one shot: back to the class method
+    assert connector._ckpt_path == tmp_path / "ckpt.3"
+    assert connector._loaded_checkpoint["global_step"] == probe.dumped["global_step"]
+    connector._ckpt_path = connector._loaded_checkpoint = None
+
+    compat.intercept_resume_start(trainer, resume_start)
+    compat.release_resume_start(trainer)  # fit failed before Lightning called it
+    assert "resume_start" not in vars(connector)
+
+
+def test_lightning_signal_handlers_are_recognised() -> None:
+    assert signal_connector.__name__ == compat.SIGNAL_CONNECTOR_MODULE
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu")
+    connector = signal_connector._SignalConnector(trainer)
+    assert compat.is_lightning_signal_handler(connector._sigterm_notifier_fn)
+    assert not compat.is_lightning_signal_handler(print)
+    composed = signal_connector._HandlersCompose([connector._sigterm_notifier_fn, print])
+    assert compat.composed_signal_handlers(composed) == [connector._sigterm_notifier_fn, print]
+    assert compat.composed_signal_handlers(signal.SIG_DFL) == [signal.SIG_DFL]
+
+
+def test_generate_state_key_names_the_callback(tmp_path: Path) -> None:
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    key = compat.generate_state_key(BurnpackCheckpoint(tmp_path), dirpath=str(tmp_path))
+    assert key.startswith("BurnpackCheckpoint{") and str(tmp_path) in key
