@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         get_latest_checkpoint_number,
         verify_checkpoint,
     )
+    from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
     from lightning_bpk.errors import LightningBpkError
     from lightning_bpk.records import (
         LrSchedulerRecord,
@@ -74,6 +75,8 @@ _EXPORTS = {
 __all__ = [
     "BurnpackCheckpoint",
     "BurnpackCheckpointIO",
+    "BurnpackStorageReader",
+    "BurnpackStorageWriter",
     "CheckpointLockedError",
     "CheckpointSaveError",
     "CheckpointWarning",

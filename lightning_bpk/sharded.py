@@ -72,11 +72,13 @@ from lightning_bpk.records.optimizer import BURN_NAMES
 
 __all__ = [
     "ShardedCheckpointError",
+    "discard",
     "holds_dtensors",
     "is_sharded",
     "lightning_dict",
     "load",
     "module_record",
+    "records",
     "restore",
     "save_shards",
 ]
