@@ -1,9 +1,10 @@
 """Every use of Lightning's private API, in one place.
 
-Lightning offers no public hook for what the callback needs in three spots: building the
+Lightning offers no public hook for what the callback needs in a few spots: building the
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
-``ckpt_path`` (Lightning chooses the path before any callback runs), and telling Lightning's own
-signal handlers from a user's. Each function here wraps one such touch;
+``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
+signal handlers from a user's and choosing what its teardown reinstalls, and the cluster
+environment it detected (SLURM). Each function here wraps one such touch;
 ``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
 that moves one fails there, by name, instead of somewhere inside a training run.
 """
@@ -14,14 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
 __all__ = [
     "SIGNAL_CONNECTOR_MODULE",
+    "cluster_environment",
     "composed_signal_handlers",
     "dump_checkpoint",
     "generate_state_key",
+    "handlers_restored_at_teardown",
     "intercept_resume_start",
     "is_lightning_signal_handler",
     "loops_state_dict",
@@ -88,6 +92,17 @@ def composed_signal_handlers(handler: object) -> list[Any]:
     handler itself."""
     inner = getattr(handler, "signal_handlers", None)
     return list(inner) if isinstance(inner, list) else [handler]
+
+
+def handlers_restored_at_teardown(trainer: pl.Trainer) -> dict[int, Any]:
+    """The signal handlers Lightning found at fit start and reinstalls at its teardown, by
+    signal number; changing an entry changes what teardown reinstalls (empty before fit)."""
+    return trainer._signal_connector._original_handlers
+
+
+def cluster_environment(trainer: pl.Trainer) -> ClusterEnvironment | None:
+    """The cluster environment Lightning detected or was given (``SLURMEnvironment``, ...)."""
+    return trainer._accelerator_connector.cluster_environment
 
 
 def generate_state_key(callback: Callback, **kwargs: Any) -> str:

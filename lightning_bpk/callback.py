@@ -40,7 +40,14 @@ still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast c
 At the next ``on_train_batch_end`` all ranks agree on the flag (all-reduce MAX), save, and stop
 with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit``
 without code: exit status 0). A signal during validation is acted on at epoch end, after the
-regular save.
+regular save. From then on a repeated signal (schedulers send more than one) is ignored until the
+process has exited, so the exit status stays 0; a later ``fit`` in the same process brings the
+default handlers back.
+
+**SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
+SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
+requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
+complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
 
 **What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
 saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
@@ -57,6 +64,7 @@ the marked checkpoint stays until garbage collection passes it).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -73,7 +81,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _lightning_compat, sharded, trainer_state
+from lightning_bpk import _lightning_compat, sharded, slurm, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.errors import LightningBpkError
@@ -110,6 +118,33 @@ def _others(handler: object) -> list[Callable[..., Any]]:
     ]
 
 
+def _ignore_while_stopping(signum: int, frame: FrameType | None) -> None:
+    """Stands in for a default (fatal) disposition once a preemption stop has saved.
+
+    Schedulers repeat their signal (SLURM signals every step, a requeue sends SIGTERM, a user
+    presses twice); between the save and the process's exit that must not turn exit status 0
+    into death by signal.
+    """
+
+
+def _ignore_at_exit(signums: Sequence[int]) -> None:
+    """Interpreter finalization resets Python-level handlers to the default (fatal) one before
+    torch and the other modules are torn down, so for that last stretch ignore them outright."""
+    for signum in signums:
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _stop_ignoring(trainer: pl.Trainer, signums: Sequence[int]) -> None:
+    """A new fit in a process that survived a preemption stop: the defaults are back."""
+    originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+    for signum in signums:
+        if originals.get(signum) is _ignore_while_stopping:
+            originals[signum] = signal.SIG_DFL
+        if signal.getsignal(signum) is _ignore_while_stopping:
+            signal.signal(signum, signal.SIG_DFL)
+
+
 @gin.configurable(module="lightning_bpk")
 class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
@@ -126,12 +161,17 @@ class BurnpackCheckpoint(Checkpoint):
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
-        preemption_signals: signals that trigger a save-and-stop (empty: none).
+        preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
+            with auto-requeue, the environment's ``requeue_signal`` too.
         async_save: write checkpoints on a background thread
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write.
+        auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
+            default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
+            ``scontrol requeue`` once the preemption checkpoint is complete
+            (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
         distributed_save: with replicated state (DDP), every rank writes a share of the model
             and optimizer tensors (torch DCP through :mod:`lightning_bpk.sharded`), so a save's
             wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
@@ -156,6 +196,7 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
+        auto_requeue: bool = True,
         distributed_save: bool = False,
     ) -> None:
         super().__init__()
@@ -169,6 +210,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
+        self.auto_requeue = auto_requeue
         self.distributed_save = distributed_save
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
@@ -179,6 +221,10 @@ class BurnpackCheckpoint(Checkpoint):
         self._fit_started = False
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
+        self._requeue_signal: int | None = None  # set in setup when SLURM auto-requeue applies
+        self._requeue_requested = False  # that signal arrived (on this rank)
+        self._requeue_agreed = False  # ... on any rank, at the agreed step
+        self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
 
     @property
@@ -214,6 +260,7 @@ class BurnpackCheckpoint(Checkpoint):
                 verify=self.verify,
             )
         self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
 
     def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
@@ -286,7 +333,9 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
-        self._install_signal_handlers()
+        if trainer.is_global_zero:
+            slurm.log_restart(None if trainer.ckpt_path is None else str(trainer.ckpt_path))
+        self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -399,14 +448,20 @@ class BurnpackCheckpoint(Checkpoint):
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Never save here: the main thread may be anywhere (inside a collective, a write).
         self._preempt_requested = True
+        self._requeue_requested |= signum == self._requeue_signal
         for handler in _others(self._previous_handlers.get(signum)):
             handler(signum, frame)
 
-    def _install_signal_handlers(self) -> None:
-        self._preempt_requested = False
+    def _install_signal_handlers(self, trainer: pl.Trainer) -> None:
+        self._preempt_requested = self._requeue_requested = False
+        self._stopping = False
         if self._previous_handlers:
             return
-        for signum in self.preemption_signals:
+        signums = list(self.preemption_signals)
+        if signums and self._requeue_signal is not None and self._requeue_signal not in signums:
+            signums.append(self._requeue_signal)  # SLURMEnvironment(requeue_signal=...)
+        _stop_ignoring(trainer, signums)
+        for signum in signums:
             try:
                 self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
             except ValueError:  # not the main thread: signals cannot be handled here
@@ -419,23 +474,48 @@ class BurnpackCheckpoint(Checkpoint):
         self._previous_handlers = {}
 
     def _preemption_agreed(self, trainer: pl.Trainer) -> bool:
-        if trainer.world_size == 1:
-            return self._preempt_requested
-        return bool(_agree(trainer, int(self._preempt_requested)))
+        requested = int(self._preempt_requested) + int(self._requeue_requested)  # 0, 1 or 2
+        agreed = requested if trainer.world_size == 1 else _agree(trainer, requested)
+        self._requeue_agreed = agreed == 2  # a requeue signal reached some rank
+        return agreed > 0
 
     def _stop(self, trainer: pl.Trainer, where: str) -> None:
+        """Stop after the preemption save (complete and flushed on every rank by now)."""
         if trainer.is_global_zero:
+            if self._requeue_agreed:
+                assert self.checkpointer is not None and self.last_saved_number is not None
+                slurm.requeue(str(self.checkpointer.checkpoint_path(self.last_saved_number)))
             log.info(
                 "preemption signal: saved checkpoint %s %s; stopping (exit status 0)",
                 self.last_saved_number,
                 where,
             )
+        self._stopping = True
         raise SIGTERMException()
+
+    def _keep_ignoring_signals(self, trainer: pl.Trainer) -> None:
+        """After a preemption stop, no further preemption signal may kill the exiting process.
+
+        Our handler stays until Lightning's teardown reinstalls the handlers it found at fit
+        start; where that was the fatal default, it reinstalls :func:`_ignore_while_stopping`
+        instead (and :func:`_ignore_at_exit` covers interpreter finalization). Handlers the user
+        installed come back as they were.
+        """
+        originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+        signums = [s for s in self._previous_handlers if originals.get(s) == signal.SIG_DFL]
+        for signum in signums:
+            originals[signum] = _ignore_while_stopping
+        atexit.unregister(_ignore_at_exit)
+        atexit.register(_ignore_at_exit, signums)
+        self._previous_handlers = {}
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._restore_signal_handlers()
+        if self._stopping and isinstance(exception, SIGTERMException):
+            self._keep_ignoring_signals(trainer)
+        else:
+            self._restore_signal_handlers()
         try:
             self._flush()
         except CheckpointSaveError as e:  # reported with, not instead of, the training error

@@ -94,3 +94,29 @@ def test_generate_state_key_names_the_callback(tmp_path: Path) -> None:
 
     key = compat.generate_state_key(BurnpackCheckpoint(tmp_path), dirpath=str(tmp_path))
     assert key.startswith("BurnpackCheckpoint{") and str(tmp_path) in key
+
+
+def test_handlers_restored_at_teardown_are_the_ones_found_at_fit_start(fitted) -> None:
+    trainer, _ = fitted
+    connector = trainer._signal_connector
+    assert compat.handlers_restored_at_teardown(trainer) is connector._original_handlers
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        connector.register_signal_handlers()  # what fit does before training
+        restored = compat.handlers_restored_at_teardown(trainer)
+        assert restored[signal.SIGUSR2] == previous
+        restored[signal.SIGUSR2] = signal.SIG_IGN
+        connector.teardown()
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # teardown reinstalled ours
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_cluster_environment_is_the_detected_or_given_one() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    plain = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    assert isinstance(compat.cluster_environment(plain), LightningEnvironment)
+    slurm = SLURMEnvironment(auto_requeue=False)
+    given = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[slurm])
+    assert compat.cluster_environment(given) is slurm

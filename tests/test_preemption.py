@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import lightning as L
 import pytest
 
 from lightning_bpk import trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint
+from lightning_bpk.callback import BurnpackCheckpoint, _ignore_while_stopping
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import StateRecord
 
@@ -53,6 +56,43 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(
     assert trainer_state.PREEMPTED_KEY not in _trainer_value(tmp_path, 2)  # replaced at epoch end
 
 
+def test_repeated_sigterm_while_saving_and_exiting_does_not_kill_the_process(tmp_path):
+    # Schedulers repeat their signal (and a requeue sends SIGTERM): from the first training epoch
+    # until the process is gone it gets SIGTERM every 50 ms, through the save, Lightning's
+    # teardown (which used to reinstall the fatal default) and interpreter finalization.
+    command = [sys.executable, str(SCRIPT), "--root", str(tmp_path), "--epochs", "40"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    training = threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if "saved checkpoint 0 at" in line:  # our handlers are installed by now
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    try:
+        assert training.wait(RUN_TIMEOUT), "".join(lines)
+        sent = 0
+        while process.poll() is None and time.monotonic() < deadline:
+            os.kill(process.pid, signal.SIGTERM)
+            sent += 1
+            time.sleep(0.05)
+        returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    reader.join(10)
+    log = "".join(lines)
+    assert returncode == 0, f"exit status {returncode} after {sent} SIGTERMs\n{log}"
+    assert sent >= 2
+    assert log.count("stopping (exit status 0)") == 1, log
+    assert get_latest_checkpoint_number(tmp_path / "checkpoints") >= 1
+
+
 class _SignalAt(L.Callback):
     def __init__(self, step: int, signum: int) -> None:
         self.step, self.signum = step, signum
@@ -65,6 +105,7 @@ class _SignalAt(L.Callback):
 def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tmp_path):
     calls = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+    term_before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         L.seed_everything(0)
         trainer = make_trainer(
@@ -76,8 +117,14 @@ def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tm
         assert calls == [signal.SIGUSR1]  # the user's handler still ran
         assert signal.getsignal(signal.SIGUSR1) is not None
         assert signal.getsignal(signal.SIGUSR1).__name__ == "<lambda>"  # and is back in place
+        # the process is stopping: a further SIGTERM must not kill it before it exits ...
+        assert signal.getsignal(signal.SIGTERM) is _ignore_while_stopping
+        # ... unless it goes on with another fit, which brings the default back
+        make_trainer(str(tmp_path / "other"), 1, [BurnpackCheckpoint()]).fit(TinyModel())
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.signal(signal.SIGTERM, term_before)
     value = _trainer_value(tmp_path, 0)
     # callbacks run before Checkpoint callbacks: the flag is seen at the same batch end
     assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 0, "batches": 2}
