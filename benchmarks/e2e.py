@@ -11,6 +11,10 @@ cost, so a second, clearly labelled measurement passes over the same data ``REPE
 epoch (same model, same checkpoint) to show the overhead at a more realistic epoch length. The
 time the training thread spends inside each save (``BurnpackCheckpoint._save``: Lightning's
 ``dump_checkpoint``, building the records, the staging copy) is reported too.
+
+:func:`measure_steps` checkpoints every ``STEP_INTERVAL`` optimizer steps instead (on the longer
+epochs), against Lightning's own ``ModelCheckpoint(every_n_train_steps=50)``, and reports what
+``every_n_train_steps="auto"`` chose for overhead budgets of 1, 2 and 5 %.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import ConcatDataset
 
 from lightning_bpk.callback import BurnpackCheckpoint
@@ -34,6 +39,9 @@ import train_digits  # noqa: E402  (the example is a script, not a package)
 EPOCHS = 20  # the example's default is 10; more epochs, less per-run noise
 QUICK_EPOCHS = 10
 REPEAT = 10  # data passes per epoch of the "longer epochs" measurement
+STEP_INTERVAL = 50  # optimizer steps between checkpoints in measure_steps
+STEP_EPOCHS = 4  # of the longer epochs (250 steps each): 20 checkpoints per run
+BUDGETS = (0.01, 0.02, 0.05)  # max_overhead values tried with every_n_train_steps="auto"
 
 
 class _RepeatedData(train_digits.DigitsData):
@@ -145,3 +153,104 @@ def measure(directory: Path, *, quick: bool, reps: int | None = None, repeat: in
             blocked.clear()  # keep what the measured rounds blocked, not the warm-up's
         print(f"  end to end (data x{repeat}): round {rnd}/{reps} done", flush=True)
     return Overhead(times, epochs, repeat, blocked)
+
+
+@dataclass
+class StepOverhead:
+    """Fit times with a checkpoint every ``STEP_INTERVAL`` steps, and what "auto" chose."""
+
+    times: dict[str, list[float]]
+    blocked: list[float]  # seconds the training thread spent in each async save
+    auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
+    epochs: int = STEP_EPOCHS
+    repeat: int = REPEAT
+    what: str = f"training with async checkpoints every {STEP_INTERVAL} steps: overhead"
+
+    @property
+    def overhead(self) -> float:
+        return statistics.median(self.times["async"]) / statistics.median(self.times["none"]) - 1
+
+    def markdown(self) -> list[str]:
+        base = statistics.median(self.times["none"])
+        lines = [
+            f"`examples/train_digits.py` model, data passed {self.repeat}x per epoch, "
+            f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} "
+            f"({self.epochs * 25 * self.repeat} optimizer steps), a "
+            f"checkpoint every {STEP_INTERVAL} steps, {len(self.times['none'])} interleaved runs "
+            "per variant. Each async save blocks the training thread for "
+            f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}):",
+            "",
+            "| variant | median fit time | range | overhead |",
+            "|---|---|---|---|",
+        ]
+        names = {
+            "none": "no checkpoints",
+            "lightning": f"Lightning `ModelCheckpoint(every_n_train_steps={STEP_INTERVAL})`",
+            "async": f"`BurnpackCheckpoint(every_n_train_steps={STEP_INTERVAL}, async_save=True)`",
+        }
+        for variant, times in self.times.items():
+            med = statistics.median(times)
+            lines.append(
+                f"| {names[variant]} | {med:.3f} s | {min(times):.3f} - {max(times):.3f} s | "
+                f"{(med / base - 1) * 100:+.1f} % |"
+            )
+        lines += [
+            "",
+            '`every_n_train_steps="auto"` (async) on the same run, one run per budget:',
+            "",
+            "| max_overhead | interval chosen (last) | checkpoints saved |",
+            "|---|---|---|",
+            *(
+                f"| {budget * 100:g} % | {interval} steps | {saved} |"
+                for budget, (interval, saved) in self.auto.items()
+            ),
+        ]
+        return lines
+
+
+class _CountingCheckpoint(BurnpackCheckpoint):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.saves = 0
+
+    def _save(self, *args: object, **kwargs: object) -> None:
+        super()._save(*args, **kwargs)
+        self.saves += 1
+
+
+def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> StepOverhead:
+    """Interleaved runs: no checkpoints, Lightning's ModelCheckpoint and ours every
+    ``STEP_INTERVAL`` steps; then one "auto" run per budget in ``BUDGETS``."""
+    reps = reps or (2 if quick else 5)
+    epochs = 1 if quick else STEP_EPOCHS
+    blocked: list[float] = []
+
+    def variants() -> dict[str, list[L.Callback]]:
+        return {
+            "none": [],
+            "lightning": [ModelCheckpoint(every_n_train_steps=STEP_INTERVAL)],
+            "async": [
+                _TimedCheckpoint(blocked, every_n_train_steps=STEP_INTERVAL, async_save=True)
+            ],
+        }
+
+    names = list(variants())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rnd in range(reps + 1):
+        for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            with tempfile.TemporaryDirectory(dir=directory) as root:
+                elapsed = _fit(Path(root), epochs, variants()[name], REPEAT)
+            if rnd:
+                times[name].append(elapsed)
+        if not rnd:
+            blocked.clear()
+        print(f"  every {STEP_INTERVAL} steps: round {rnd}/{reps} done", flush=True)
+    auto: dict[float, tuple[int | None, int]] = {}
+    for budget in BUDGETS:
+        callback = _CountingCheckpoint(
+            every_n_train_steps="auto", max_overhead=budget, async_save=True
+        )
+        with tempfile.TemporaryDirectory(dir=directory) as root:
+            _fit(Path(root), epochs, [callback], REPEAT)
+        auto[budget] = (callback.auto_interval, callback.saves)
+    return StepOverhead(times, blocked, auto, epochs)

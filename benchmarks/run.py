@@ -11,6 +11,8 @@ Everything runs in one process, side by side, on the same tensors and the same d
   ``burnpack.read_into``, ``burnpack.read`` + ``copy_``, ``ModuleRecord.load`` + ``apply``,
   ``torch.load`` (+ ``mmap=True``) + ``copy_``, ``safetensors`` ``load_file`` + ``copy_``, DCP
   ``load`` (in place). The page cache is warm (the file was just written);
+- **object storage**: the same saves and loads to ``s3://`` on a local moto server, burnpack
+  vs Lightning's ``TorchCheckpointIO`` vs DCP's ``FsspecWriter`` (``benchmarks/object_store.py``);
 - **opening** a pack (header and metadata only) and **peak extra RSS while saving** (a fresh
   subprocess per method: warm-up save, reset the high-water mark through
   ``/proc/self/clear_refs``, save again, read ``VmHWM``);
@@ -52,6 +54,7 @@ from pathlib import Path
 import chart
 import e2e
 import numpy
+import object_store
 import safetensors
 import safetensors.torch
 import sharded
@@ -494,10 +497,11 @@ def write_report(
     by_state: dict[str, dict[str, Result]],
     benches: dict[str, Bench],
     peaks: dict[str, dict[str, int]],
-    e2e_results: list[e2e.Overhead],
+    e2e_results: list[e2e.Overhead | e2e.StepOverhead],
     sharded_result: sharded.ShardedResult | None,
     args: argparse.Namespace,
     elapsed: float,
+    object_store_lines: list[str],
 ) -> None:
     svg = path.parent / "img" / (path.stem + ".svg")  # beside the report, never over the repo's
     svg.parent.mkdir(parents=True, exist_ok=True)
@@ -516,8 +520,8 @@ def write_report(
     svg.write_text(chart.render(panels))
     goals = targets(by_state, peaks, benches)
     for result in e2e_results:
-        what = "training with async per-epoch checkpoints: overhead"
-        if result.repeat != 1:
+        what = getattr(result, "what", "training with async per-epoch checkpoints: overhead")
+        if result.repeat != 1 and not hasattr(result, "what"):
             what += f" (extra row: data passed {result.repeat}x per epoch, longer epochs)"
         goals.append(Target(what, result.overhead, E2E_LIMIT, "%"))
     if sharded_result is not None:
@@ -566,6 +570,7 @@ def write_report(
         lines += ["## End to end", ""]
         for result in e2e_results:
             lines += [*result.markdown(), ""]
+    lines += object_store_lines
     path.write_text("\n".join(lines))
 
 
@@ -575,6 +580,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="rounds after the warm-up")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--no-e2e", action="store_true", help="skip the training run")
+    parser.add_argument("--no-s3", action="store_true", help="skip the object-storage rows")
     parser.add_argument("--no-sharded", action="store_true", help="skip the 2-rank DCP rows")
     parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     parser.add_argument("--peak-rss-child", nargs=3, help=argparse.SUPPRESS)
@@ -614,6 +620,11 @@ def main() -> None:
             e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
             if not args.quick:
                 e2e_results.append(e2e.measure(Path(tmp), quick=False, repeat=e2e.REPEAT))
+            e2e_results.append(e2e.measure_steps(Path(tmp), quick=args.quick))
+        s3_states = {k: STATES[k] for k in ("64 MiB (16 tensors)", "1 GiB (16 tensors)")}
+        if args.quick:
+            s3_states.pop("1 GiB (16 tensors)")
+        s3_lines = [] if args.no_s3 else object_store.measure(s3_states, args.reps)
         info["Load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_report(
         Path(args.out),
@@ -625,6 +636,7 @@ def main() -> None:
         sharded_result,
         args,
         time.perf_counter() - start,
+        s3_lines,
     )
     print(Path(args.out).read_text())
 

@@ -9,8 +9,8 @@ SIGUSR1) into "save at the next batch end, then stop cleanly":
 2. the run saves checkpoint 2 after the batch it is in and exits with status 0;
 3. the directory is listed with ``lightning-bpk ls``, and checkpoint 2 is shown to be marked as
    a mid-epoch (preemption) save;
-4. the same command runs again: it resumes from checkpoint 2, replays epoch 2 from its first
-   batch (a plain DataLoader cannot restart mid-epoch), and trains to the end.
+4. the same command runs again: it resumes from checkpoint 2 with the next batch of epoch 2's
+   shuffled order (no batch replayed or skipped), and trains to the end.
 
 Run: ``.venv/bin/python examples/preemption_walkthrough.py [--base_dir runs/preemption]``
 (the directory is emptied first). Takes about 20-40 s on 2 CPU cores.

@@ -27,9 +27,13 @@ __all__ = [
     "generate_state_key",
     "handlers_restored_at_teardown",
     "intercept_resume_start",
+    "intercept_train_dataloaders",
+    "is_last_batch",
     "is_lightning_signal_handler",
     "loops_state_dict",
     "release_resume_start",
+    "release_train_dataloaders",
+    "validation_follows",
 ]
 
 # The module whose handlers Lightning installs for SIGTERM (and SIGUSR1 under SLURM).
@@ -108,3 +112,54 @@ def cluster_environment(trainer: pl.Trainer) -> ClusterEnvironment | None:
 def generate_state_key(callback: Callback, **kwargs: Any) -> str:
     """``Callback._generate_state_key``: the key of a callback's state in the checkpoint."""
     return callback._generate_state_key(**kwargs)
+
+
+def intercept_train_dataloaders(trainer: pl.Trainer, install: Callable[[Any, int], None]) -> None:
+    """Call ``install(dataloader, n)`` on each training dataloader the fit loop sets up from now
+    on (the n-th of this set-up), after Lightning processed it (distributed sampler injected)
+    and before it is first iterated.
+
+    Lightning builds them in ``fit_loop.setup_data`` (early, when the module reads
+    ``estimated_stepping_batches``) and iterates them at once; the strategy's
+    ``process_dataloader`` is the last step in between, so it is intercepted while
+    ``setup_data`` runs (evaluation loaders are set up elsewhere and are not seen).
+    """
+    fit_loop, strategy = trainer.fit_loop, trainer.strategy
+    original_setup = type(fit_loop).setup_data.__get__(fit_loop)
+    original_process = type(strategy).process_dataloader.__get__(strategy)
+
+    def setup_data() -> None:
+        count = 0
+
+        def process_dataloader(dataloader: Any) -> Any:
+            nonlocal count
+            dataloader = original_process(dataloader)
+            count += 1
+            install(dataloader, count)
+            return dataloader
+
+        strategy.process_dataloader = process_dataloader  # type: ignore[method-assign]
+        try:
+            original_setup()
+        finally:
+            del strategy.process_dataloader
+
+    fit_loop.setup_data = setup_data  # type: ignore[method-assign]
+
+
+def release_train_dataloaders(trainer: pl.Trainer) -> None:
+    """Undo :func:`intercept_train_dataloaders`."""
+    if "setup_data" in vars(trainer.fit_loop):
+        del trainer.fit_loop.setup_data
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch loop runs validation right after the current batch (what it
+    asks itself next, in ``on_advance_end``)."""
+    fetcher = trainer.fit_loop._data_fetcher
+    return fetcher is not None and bool(trainer.fit_loop.epoch_loop._should_check_val_fx(fetcher))
+
+
+def is_last_batch(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch is the epoch's last (as the epoch loop knows it)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)

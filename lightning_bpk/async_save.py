@@ -97,6 +97,17 @@ class _StagingArea:
         self._used.add(key)
         return buffer
 
+    def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate and fault in buffers for ``(owner, name, shape, dtype)`` ahead of the first
+        snapshot (fresh memory is slow to touch; see :meth:`AsyncCheckpointSaver.reserve`)."""
+        for owner, name, shape, dtype in wanted:
+            buffer = self._buffers.get((owner, name))
+            if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
+                buffer = torch.empty(shape, dtype=dtype, device="cpu")
+                buffer.zero_()  # touch every page now, not during the first save
+                self._buffers[(owner, name)] = buffer
+                self.allocations += 1
+
     def prune(self) -> None:
         """Free buffers the snapshots since the last prune did not use (removed tensors)."""
         for key in set(self._buffers) - self._used:
@@ -195,6 +206,20 @@ class AsyncCheckpointSaver:
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
         self._submit(what, checkpointer.save_checkpoint, iteration_number, staged)
+
+    def reserve(self, data: Mapping[str, Any]) -> None:
+        """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
+        ``data`` needs, on the writer thread, so the first save costs the training thread a
+        copy only. Returns at once; the next save waits for it (as for any write in flight)."""
+        self.wait()
+        wanted = []
+        for key, value in data.items():
+            record = value if isinstance(value, Record) else StateRecord(value)
+            for name, entry in record.to_content()[0].items():
+                tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
+                if isinstance(tensor, torch.Tensor):
+                    wanted.append((key, name, tuple(tensor.shape), tensor.dtype))
+        self._submit("staging buffers", self.staging.reserve, wanted)
 
     def save_record(
         self,

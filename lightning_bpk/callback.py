@@ -1,4 +1,4 @@
-"""``BurnpackCheckpoint``: save every epoch, resume by itself, survive preemption.
+"""``BurnpackCheckpoint``: save every epoch (or k steps), resume exactly, survive preemption.
 
 One line of setup::
 
@@ -21,45 +21,58 @@ and ``trainer.bpk`` (with the RNG states), and saved as checkpoint N by a
 Only global rank 0 writes; all ranks then agree on the outcome, so a failed save (a full disk)
 raises :class:`CheckpointSaveError` on every rank and leaves every earlier checkpoint intact.
 
+**Step and time triggers.** ``every_n_train_steps=k`` also saves after every k-th optimizer
+step, ``train_time_interval=timedelta(...)`` when that much time passed since the last save (rank
+0's clock; the decision reaches every rank in the all-reduce the preemption flag already uses).
+Saves happen only at optimizer-step boundaries, never inside gradient accumulation; a save that
+falls due right before a validation run waits until after it, and one on an epoch's last batch
+becomes that epoch's end save. With either trigger set, **checkpoint N is the one saved after
+global step N** (epoch-end, preemption and final saves too); without, N is the epoch.
+
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
 falls back past damaged ones and honours gin's ``override_number``); the number is shared with
 every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the callback
 intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
 ``ckpt_path`` it loads checkpoint N there, and Lightning restores everything in its own order
-(model, callbacks, precision, loops, optimizers, schedulers), continuing at epoch N+1. An
-explicit ``ckpt_path`` wins (a checkpoint directory of ours works there too, without the IO
-plugin); ``resume=False`` starts fresh. The RNG states are restored at ``on_fit_start``, the
-last hook before Lightning creates the training DataLoader iterator (sanity validation runs in
-``isolate_rng``), so the continued run is bit-identical to one that never stopped. Under DDP
-rank 0's states are saved and every rank restores them (exact when all ranks were seeded alike,
-as ``seed_everything`` does; per-rank streams that differ are not captured).
+(model, callbacks, precision, loops, optimizers, schedulers). An explicit ``ckpt_path`` wins (a
+checkpoint directory of ours works there too, without the IO plugin); ``resume=False`` starts
+fresh.
+
+**Exactly where it stopped.** Every save records, per rank, the RNG states (Python, NumPy,
+torch, CUDA) and the training data's position (:mod:`lightning_bpk.data_position`): for a plain
+DataLoader the RNG and generator states its sampler shuffled from and the number of batches the
+model consumed; for a ``StatefulDataLoader`` its own state. Each rank restores its own when the
+checkpoint is loaded, before ``configure_optimizers`` (which may set the data up early through
+``estimated_stepping_batches``), and the data resumes with the next batch of the same order, its
+consumed indices skipped without loading their samples. Loop counters, ``global_step`` and
+per-step schedulers are Lightning's own, saved mid-epoch as they were: the continued run is
+bit-identical to one that never stopped. Where that is impossible (an iterable dataset without
+state) one warning says so and a mid-epoch checkpoint holds the loop counters of the start of its
+epoch instead, which that resume replays; step-numbered saves then wait until the replay passes
+the checkpoint it resumed from.
 
 **Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
-At the next ``on_train_batch_end`` all ranks agree on the flag (all-reduce MAX), save, and stop
-with :class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit``
-without code: exit status 0). A signal during validation is acted on at epoch end, after the
-regular save. From then on a repeated signal (schedulers send more than one) is ignored until the
-process has exited, so the exit status stays 0; a later ``fit`` in the same process brings the
-default handlers back.
+At the next ``on_train_batch_end`` at an optimizer-step boundary all ranks agree on the flag
+(all-reduce MAX), save as above (by epoch number E, whatever the frequency, without a step
+trigger; a later save of E replaces it), and stop with
+:class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` (a ``SystemExit`` without
+code: exit status 0). A signal during validation is acted on at the next batch end or the
+epoch's end. A mid-epoch checkpoint is marked in ``trainer.bpk`` under
+``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays). From then on a
+repeated signal (schedulers send more than one) is ignored until the process has exited, so the
+exit status stays 0; a later ``fit`` in the same process brings the default handlers back.
 
 **SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
 SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
 requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
 complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
 
-**What a mid-epoch save replays.** A plain DataLoader cannot resume mid-epoch, so a checkpoint
-saved after ``k`` batches of epoch E holds the model, optimizer, schedulers and RNG as they were
-after those ``k`` batches, but Lightning's loop counters as they were at the start of epoch E
-(those of checkpoint E-1; none for E = 0). It is saved as number E (forced, whatever the
-frequency) and marked in ``trainer.bpk`` under ``lightning_bpk_preempted``. Resuming from it
-runs epoch E again from its first batch, with the next shuffle of the RNG stream: the ``k``
-batches' updates are kept and all of epoch E's data is seen once more; ``global_step`` goes back
-to its value at the start of epoch E (the optimizer's own step counts, e.g. Adam's, keep the
-``k`` steps), and a per-step scheduler keeps its ``k`` steps. The end-of-epoch save of E then
-replaces the marked checkpoint (with ``checkpoint_frequency > 1`` and E not a multiple of it,
-the marked checkpoint stays until garbage collection passes it).
+**A finished run stays finished.** The save at the end of training (``max_epochs`` or
+``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
+whatever the frequency, and marked. Run again with the same limits, the callback says the run
+already finished and Lightning trains nothing; raise ``max_epochs``/``max_steps`` to continue.
 """
 
 from __future__ import annotations
@@ -67,9 +80,12 @@ from __future__ import annotations
 import atexit
 import copy
 import logging
+import math
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -81,13 +97,16 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _lightning_compat, sharded, slurm, trainer_state
+from lightning_bpk import _lightning_compat, sharded, slurm, storage, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 __all__ = [
+    "FINISHED_KEY",
     "PREEMPTION_SIGNALS",
     "BurnpackCheckpoint",
     "CheckpointSaveError",
@@ -100,6 +119,12 @@ log = logging.getLogger("lightning_bpk")
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+# every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
+AUTO_FIRST_SAVE = 10
+# Top-level key of a checkpoint saved when the run ended (why, and the limit it reached).
+FINISHED_KEY = "lightning_bpk_finished"
+
+
 class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
 
@@ -108,6 +133,54 @@ def _agree(trainer: pl.Trainer, value: int) -> int:
     """The maximum of ``value`` over all ranks (every rank must call this at the same point)."""
     tensor = torch.tensor(value, dtype=torch.int64, device=trainer.strategy.root_device)
     return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+
+
+def _agree_all(trainer: pl.Trainer, values: Sequence[int]) -> list[int]:
+    """Element-wise maximum of ``values`` over all ranks, in one collective."""
+    if trainer.world_size == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.int64, device=trainer.strategy.root_device)
+    return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]
+
+
+def _gather(trainer: pl.Trainer, value: Any) -> list[Any] | None:
+    """Every rank's ``value`` on rank 0 (``None`` on the others), in rank order."""
+    if trainer.world_size == 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def _finished(trainer: pl.Trainer, epoch_end: bool) -> dict | None:
+    """Why the fit loop stops after this point, or ``None`` while it goes on."""
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return {"by": "max_steps", "limit": trainer.max_steps}
+    epochs = trainer.current_epoch + int(epoch_end)
+    if epoch_end and trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
+        return {"by": "max_epochs", "limit": trainer.max_epochs}
+    min_ok = epochs >= (trainer.min_epochs or 0) and trainer.global_step >= (trainer.min_steps or 0)
+    if trainer.should_stop and min_ok:
+        return {"by": "should_stop", "limit": -1}
+    return None
+
+
+def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
+    """Whether a run that ``finished`` is still finished under this trainer's limits."""
+    by, limit = finished["by"], finished["limit"]
+    if by == "max_steps":
+        return trainer.max_steps not in (None, -1) and limit >= trainer.max_steps
+    if by == "max_epochs":
+        return trainer.max_epochs not in (None, -1) and limit >= trainer.max_epochs
+    return True  # stopped early (EarlyStopping, should_stop): a decision, not a limit
+
+
+def _describe(finished: dict) -> str:
+    if finished["by"] == "should_stop":
+        return "it was stopped early (trainer.should_stop, e.g. by EarlyStopping)"
+    return f"{finished['by']}={finished['limit']} was reached"
 
 
 def _others(handler: object) -> list[Callable[..., Any]]:
@@ -151,6 +224,8 @@ class BurnpackCheckpoint(Checkpoint):
 
     Args:
         dirpath: where checkpoints go; ``None`` means ``{trainer.default_root_dir}/checkpoints``.
+            A URL (``s3://bucket/run``, ``gs://...``) stores them there (see "Checkpoints on
+            object storage" in the docs); the store is checked in ``setup``, before training.
         checkpoint_file_prefix: data directories are ``{prefix}.{N}``.
         sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{N}``.
         checkpoint_frequency: save the epochs that are multiples of this.
@@ -163,11 +238,22 @@ class BurnpackCheckpoint(Checkpoint):
             back to older ones); ``False`` checks sentinels and file sizes only.
         preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
             with auto-requeue, the environment's ``requeue_signal`` too.
+        every_n_train_steps: also save every this many optimizer steps (global steps), as
+            Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
+            ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
+            a save costs the training thread, and saves as often as keeps that cost under
+            ``max_overhead`` of training time (re-measured at every save, logged when it
+            changes; ``train_time_interval`` still bounds the time between saves).
+        max_overhead: the share of training time ``"auto"`` may spend in saves.
+        train_time_interval: also save when this much wall-clock time passed since the last
+            save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
             a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
-            save or at teardown; a preemption save and teardown wait for the write.
+            save or at teardown; a preemption save and teardown wait for the write. With a URL
+            ``dirpath`` this is "upload behind": the upload and commit run on that thread.
+        storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
             ``scontrol requeue`` once the preemption checkpoint is complete
@@ -196,11 +282,46 @@ class BurnpackCheckpoint(Checkpoint):
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
+        every_n_train_steps: int | str | None = None,
+        train_time_interval: timedelta | None = None,
+        max_overhead: float = 0.02,
         auto_requeue: bool = True,
+        storage_options: dict[str, Any] | None = None,
         distributed_save: bool = False,
     ) -> None:
         super().__init__()
-        self.dirpath = None if dirpath is None else Path(dirpath)
+        if not isinstance(max_overhead, (int, float)) or not 0 < max_overhead <= 1:
+            raise ValueError(f"max_overhead must be in (0, 1], got {max_overhead!r}")
+        if (
+            every_n_train_steps is not None
+            and every_n_train_steps != "auto"
+            and (
+                isinstance(every_n_train_steps, bool)
+                or not isinstance(every_n_train_steps, int)
+                or every_n_train_steps < 1
+            )
+        ):
+            raise ValueError(
+                "every_n_train_steps must be a positive int, 'auto' or None, "
+                f"got {every_n_train_steps!r}"
+            )
+        if train_time_interval is not None and (
+            not isinstance(train_time_interval, timedelta)
+            or train_time_interval.total_seconds() <= 0
+        ):
+            raise ValueError(
+                "train_time_interval must be a positive timedelta or None, "
+                f"got {train_time_interval!r}"
+            )
+        step_numbered = every_n_train_steps is not None or train_time_interval is not None
+        if step_numbered and checkpoint_frequency != 1:
+            raise ValueError(
+                "checkpoint_frequency selects epochs; with every_n_train_steps or "
+                "train_time_interval checkpoints are numbered by global step, so leave it at 1"
+            )
+        # never Path(url): Path("s3://b/run") is the local folder "s3:/b/run"
+        self.dirpath = None if dirpath is None else storage.location(dirpath)
+        self.storage_options = storage_options
         self.checkpoint_file_prefix = checkpoint_file_prefix
         self.sentinel_file_identifier = sentinel_file_identifier
         self.checkpoint_frequency = checkpoint_frequency
@@ -210,6 +331,13 @@ class BurnpackCheckpoint(Checkpoint):
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
+        self.every_n_train_steps = every_n_train_steps
+        self.max_overhead = float(max_overhead)
+        self.auto_interval: int | None = None  # what "auto" chose last (rank 0)
+        self._step_time: float | None = None  # moving average of an optimizer step (seconds)
+        self._save_cost: float | None = None  # the training thread's time in the last save
+        self._last_step_end: float | None = None
+        self.train_time_interval = train_time_interval
         self.auto_requeue = auto_requeue
         self.distributed_save = distributed_save
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
@@ -217,15 +345,28 @@ class BurnpackCheckpoint(Checkpoint):
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
         self.last_saved_number: int | None = None
         self._resume_number = -1
-        self._rng: dict | None = None  # RNG states to restore at fit start
-        self._fit_started = False
+        self._position = DataPosition()
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
+        self._preempt_agreed = False  # all ranks agreed; acted on at the next step boundary
+        self._due: int | None = None  # batches consumed when a save fell due after validation
+        self._step_before = 0  # global step when the current batch started
+        self._last_save_time = time.monotonic()
+        self._replay_floor = -1  # step-numbered saves up to this number repeat a replayed epoch
+        self._finished: str | None = None  # why a resumed run has nothing left to train
+        self._saved_step = -1  # global step of the last save
+        self._resumed_batches = 0
+        self._reserved = False  # the async saver's staging buffers were requested
         self._requeue_signal: int | None = None  # set in setup when SLURM auto-requeue applies
         self._requeue_requested = False  # that signal arrived (on this rank)
         self._requeue_agreed = False  # ... on any rank, at the agreed step
         self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def step_numbered(self) -> bool:
+        """Checkpoints are numbered by global step (a step or time trigger is set), not epoch."""
+        return self.every_n_train_steps is not None or self.train_time_interval is not None
 
     @property
     def state_key(self) -> str:
@@ -240,16 +381,25 @@ class BurnpackCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dirpath = self.dirpath or Path(trainer.default_root_dir) / "checkpoints"
-        dirpath = Path(trainer.strategy.broadcast(str(dirpath)))
+        dirpath = self.dirpath or storage.join(
+            storage.location(trainer.default_root_dir), "checkpoints"
+        )
+        dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
+            # this run owns the directory until another one takes over (lightning_bpk.lease)
+            self.checkpointer.take_over()
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
-        self._fit_started = False
-        self._rng = None
+        self._position = DataPosition()
+        self._position.attach(trainer)
+        self._reserved = False
         self._boundary_loops = None
+        self._preempt_agreed = self._requeue_agreed = False
+        self._due = None
+        self._replay_floor = -1
+        self._finished = None
         self.restored_number = None
         number = -1
         if self.resume and trainer.is_global_zero:
@@ -258,19 +408,23 @@ class BurnpackCheckpoint(Checkpoint):
                 sentinel_file_identifier=self.sentinel_file_identifier,
                 checkpoint_file_prefix=self.checkpoint_file_prefix,
                 verify=self.verify,
+                storage_options=self.storage_options,
             )
         self._resume_number = _agree(trainer, number) if self.resume else -1
         self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
 
-    def _make_checkpointer(self, dirpath: Path, **overrides: Any) -> Checkpointer:
+    def _make_checkpointer(self, dirpath: Path | str, **overrides: Any) -> Checkpointer:
         settings: dict[str, Any] = dict(
+            storage_options=self.storage_options,
             checkpoint_file_prefix=self.checkpoint_file_prefix,
             sentinel_file_identifier=self.sentinel_file_identifier,
             checkpoint_frequency=self.checkpoint_frequency,
             checkpoint_duration=self.checkpoint_duration,
             keep_every=self.keep_every,
         )
+        if self.step_numbered:  # the triggers choose the steps; the checkpointer keeps them all
+            settings["checkpoint_frequency"] = 1
         settings.update(overrides)
         return Checkpointer(dirpath, **settings)
 
@@ -284,60 +438,101 @@ class BurnpackCheckpoint(Checkpoint):
             if path is None and self._resume_number >= 0:
                 assert self.checkpointer is not None
                 path = self.checkpointer.checkpoint_path(self._resume_number)
-            if path is None or not Path(path).is_dir():
+            ours = checkpoint_path is None and path is not None
+            if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
                 return None
-            if checkpoint_path is None:
+            if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            if sharded.is_sharded(path):  # FSDP2 / split writes: every rank reads its part
-                return path, sharded.restore(trainer, path)
-            return path, trainer_state.load(path)
+            if storage.is_local(path) and sharded.is_sharded(path):  # FSDP2 / split writes
+                return path, sharded.restore(trainer, path)  # every rank reads its part
+            return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        self._rng = checkpoint.get(trainer_state.RNG_KEY)
-        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
-            self._restore_rng()
+        # This rank's RNG states and data position, restored now: before configure_optimizers
+        # (which may read estimated_stepping_batches, and so build and iterate the data) and
+        # before anything else can draw from them.
+        ranks = checkpoint.get(POSITION_KEY)
+        if isinstance(ranks, list) and len(ranks) == trainer.world_size:
+            self._position.resume_from(ranks[trainer.global_rank])
+        else:
+            if isinstance(ranks, list) and trainer.is_global_zero:
+                log.warning(
+                    "checkpoint %s was saved by %d ranks and is resumed on %d: every rank "
+                    "continues with rank 0's RNG states and the data restarts its epoch",
+                    trainer.ckpt_path,
+                    len(ranks),
+                    trainer.world_size,
+                )
+            rng = checkpoint.get(trainer_state.RNG_KEY)
+            self._position.resume_from(None if rng is None else {"rng": rng})
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
         preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
+        self._resumed_batches = 0  # batches of the current epoch the restored run consumed
         if preempted:
             batches = preempted["batches"]
-            where = (
-                f"epoch {checkpoint.get('epoch')}, preempted after {batches} "
-                f"batch{'es' if batches != 1 else ''} (that epoch is replayed from its first batch)"
-            )
+            where = f"epoch {checkpoint.get('epoch')}, after {batches} batch"
+            where += "es" if batches != 1 else ""
+            if preempted.get("replay", True):
+                where += " (that epoch is replayed from its first batch)"
+            else:
+                self._resumed_batches = batches
+                if self.step_numbered and self.restored_number is not None:
+                    self._replay_floor = self.restored_number
         else:
             where = f"the end of epoch {checkpoint.get('epoch')}"
+        finished = checkpoint.get(FINISHED_KEY)
+        if (
+            finished
+            and self.restored_number is not None
+            and _still_finished(trainer, finished, checkpoint)
+        ):
+            self._finished = _describe(finished)
         if trainer.is_global_zero:
             log.info("restored %s, saved at %s", trainer.ckpt_path, where)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_started = True
-        self._restore_rng()
-
-    def _restore_rng(self) -> None:
-        if self._rng is not None:
-            trainer_state.restore_rng(self._rng)
-            self._rng = None
+        if self._finished is not None:
+            # Lightning's fit loop stops before its first batch when should_stop is set.
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                log.info(
+                    "the run in %s already finished at checkpoint %s (%s); nothing to train "
+                    "(resume=False or another directory trains again)",
+                    self.checkpointer.base_directory if self.checkpointer else "?",
+                    self.restored_number,
+                    self._finished,
+                )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.restored_number is not None:
             log.info(
-                "continuing training at epoch %d (global step %d) after checkpoint %d",
+                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
                 trainer.current_epoch,
+                f", batch {self._resumed_batches}" if self._resumed_batches else "",
                 trainer.global_step,
                 self.restored_number,
             )
+        self._last_save_time = time.monotonic()
+        self._saved_step = trainer.global_step  # intervals count from here
         if trainer.is_global_zero:
-            slurm.log_restart(None if trainer.ckpt_path is None else str(trainer.ckpt_path))
+            path = trainer.ckpt_path
+            slurm.log_restart(None if path is None else str(path))
         self._install_signal_handlers(trainer)
 
     # -- saving --------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+        self._position.before_batch()
 
     def on_train_batch_end(
         self,
@@ -347,29 +542,139 @@ class BurnpackCheckpoint(Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._preemption_agreed(trainer):
+        if self._saver is not None and not self._reserved and trainer.global_step > 0:
+            self._reserve_staging(trainer)
+        preempt, timed = _agree_all(
+            trainer,
+            [
+                int(self._preempt_requested) + int(self._requeue_requested),  # 0, 1 or 2
+                int(trainer.is_global_zero and self._rank0_due(trainer)),
+            ],
+        )
+        self._preempt_agreed = self._preempt_agreed or bool(preempt)
+        self._requeue_agreed = self._requeue_agreed or preempt == 2  # SLURM's requeue signal
+        if trainer.global_step == self._step_before:
+            return  # inside gradient accumulation: saves happen at optimizer-step boundaries
+        n = self.every_n_train_steps
+        stepped = isinstance(n, int) and trainer.global_step % n == 0
+        if not (self._preempt_agreed or timed or stepped):
             return
+        self._due = batch_idx + 1
+        if self._epoch_ends_here(trainer):
+            return  # on_train_epoch_end saves, after the validation that follows this batch
+        if _lightning_compat.validation_follows(trainer):
+            return  # on_validation_end saves, so the resumed run does not validate again
+        self._save_due(trainer)
+
+    def _reserve_staging(self, trainer: pl.Trainer) -> None:
+        """After the first optimizer step (its state exists now), let the async saver allocate
+        the model's and optimizers' staging buffers on its own thread, before any save."""
+        self._reserved = True
+        if trainer.is_global_zero and self._saver is not None:
+            module = trainer.lightning_module
+            data: dict[str, Any] = {trainer_state.MODEL_KEY: ModuleRecord.from_module(module)}
+            for i, optimizer in enumerate(trainer.optimizers):
+                key = trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)
+                data[key] = OptimizerRecord.from_optimizer(optimizer, module)
+            self._saver.reserve(data)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        due = self._due is not None and not trainer.sanity_checking
+        if due and not self._epoch_ends_here(trainer):
+            self._save_due(trainer)
+
+    @staticmethod
+    def _epoch_ends_here(trainer: pl.Trainer) -> bool:
+        max_steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
+        last = _lightning_compat.is_last_batch(trainer)
+        return bool(last or max_steps or trainer.should_stop)
+
+    def _rank0_due(self, trainer: pl.Trainer) -> bool:
+        """Rank 0's decisions: the time interval passed, or "auto" wants a save now."""
+        if self.every_n_train_steps == "auto":
+            now = time.perf_counter()
+            if self._last_step_end is not None and trainer.global_step != self._step_before:
+                step = now - self._last_step_end
+                average = self._step_time
+                self._step_time = step if average is None else 0.9 * average + 0.1 * step
+            self._last_step_end = now
+            if self._auto_due(trainer):
+                return True
+        return self._time_due()
+
+    def _auto_due(self, trainer: pl.Trainer) -> bool:
+        if self._save_cost is None or self._step_time is None:
+            return trainer.global_step >= AUTO_FIRST_SAVE  # measure a save early
+        interval = max(1, math.ceil(self._save_cost / (self.max_overhead * self._step_time)))
+        if self.auto_interval is None or not 0.5 <= interval / self.auto_interval <= 2:
+            log.info(
+                "every_n_train_steps='auto': a save costs the training thread %.1f ms, an "
+                "optimizer step %.1f ms; saving every %d steps keeps it under %g%%",
+                self._save_cost * 1000,
+                self._step_time * 1000,
+                interval,
+                self.max_overhead * 100,
+            )
+            self.auto_interval = interval
+        return trainer.global_step - max(self._saved_step, 0) >= self.auto_interval
+
+    def _time_due(self) -> bool:
+        interval = self.train_time_interval
+        return interval is not None and time.monotonic() - self._last_save_time >= (
+            interval.total_seconds()
+        )
+
+    def _save_due(self, trainer: pl.Trainer) -> None:
+        """Save the mid-epoch checkpoint that fell due (and stop, if preempted)."""
+        consumed, self._due = self._due, None
+        assert consumed is not None
         epoch = trainer.current_epoch
-        preempted = {"epoch": epoch, "batches": batch_idx + 1}
-        self._save(trainer, epoch, preempted=preempted, flush=True)
-        self._stop(trainer, f"after batch {batch_idx} of epoch {epoch}")
+        number = trainer.global_step if self.step_numbered else epoch
+        preempted = self._preempt_agreed
+        self._save(trainer, number, consumed=consumed, preempted=preempted, flush=preempted)
+        if preempted:
+            self._stop(trainer, f"after batch {consumed - 1} of epoch {epoch}")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
-        preempted = self._preemption_agreed(trainer)
-        if preempted or epoch % self.checkpoint_frequency == 0:
-            self._save(trainer, epoch, flush=preempted)
+        requeue = self._requeue_agreed  # agreed at an earlier batch end, acted on now
+        self._preempt_agreed = self._preemption_agreed(trainer) or self._preempt_agreed
+        self._requeue_agreed = self._requeue_agreed or requeue
+        preempted = self._preempt_agreed
+        finished = _finished(trainer, epoch_end=True)
+        if self.step_numbered:
+            due = self._due is not None or preempted or finished is not None
+            number = trainer.global_step
+        else:
+            due = preempted or finished is not None or epoch % self.checkpoint_frequency == 0
+            number = epoch
+        self._due = None
+        if due and not (
+            self.last_saved_number == number and self._saved_step == trainer.global_step
+        ):
+            self._save(trainer, number, preempted=preempted, flush=preempted)
         self._boundary_loops = copy.deepcopy(_lightning_compat.loops_state_dict(trainer))
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
     def _save(
-        self, trainer: pl.Trainer, number: int, preempted: dict | None = None, flush: bool = False
+        self,
+        trainer: pl.Trainer,
+        number: int,
+        consumed: int | None = None,
+        preempted: bool = False,
+        flush: bool = False,
     ) -> None:
         """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result).
 
-        ``flush`` waits for an asynchronous write to be durable (before stopping on preemption).
+        ``consumed`` is the number of batches of this epoch a mid-epoch save comes after
+        (``None``: the epoch's end). ``flush`` waits for an asynchronous write to be durable.
         """
+        self._last_save_time = time.monotonic()
+        started = time.perf_counter()
+        epoch_end = consumed is None
+        if number <= self._replay_floor:
+            return  # this replayed epoch has not yet passed the checkpoint it resumed from
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _lightning_compat.dump_checkpoint(trainer)
@@ -381,10 +686,27 @@ class BurnpackCheckpoint(Checkpoint):
                 staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike
                 raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
+        ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
+        extra: dict[str, Any] = {POSITION_KEY: ranks}
+        finished = _finished(trainer, epoch_end)
+        if finished is not None:
+            extra[FINISHED_KEY] = finished
+        if not epoch_end:
+            replay = not self._position.exact
+            extra[trainer_state.PREEMPTED_KEY] = {
+                "epoch": trainer.current_epoch,
+                "batches": consumed,
+                "replay": replay,
+            }
+            if replay:  # the data restarts its epoch: so do the loop counters
+                checkpoint.pop("loops")
+                if self._boundary_loops is not None:
+                    checkpoint["loops"] = self._boundary_loops
+        forced = preempted or finished is not None or not epoch_end
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
-                self._write(trainer, number, checkpoint, preempted, staged)
+                self._write(trainer, number, dict(checkpoint, **extra), forced, staged)
                 if flush and self._saver is not None:
                     self._saver.wait()
             except Exception as e:
@@ -400,22 +722,16 @@ class BurnpackCheckpoint(Checkpoint):
                 ) from error
             raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
         self.last_saved_number = number
+        self._saved_step = trainer.global_step
+        self._save_cost = time.perf_counter() - started
+        self._last_step_end = None  # the next step's time does not include this save
 
     def _write(
-        self,
-        trainer: pl.Trainer,
-        number: int,
-        checkpoint: dict,
-        preempted: dict | None,
-        staged: dict,
+        self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: dict
     ) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
-        if preempted is not None:
-            checkpoint = dict(checkpoint, **{trainer_state.PREEMPTED_KEY: preempted})
-            checkpoint.pop("loops")
-            if self._boundary_loops is not None:
-                checkpoint["loops"] = self._boundary_loops
+        if forced and number % checkpointer.checkpoint_frequency:
             # Saved whatever the frequency; the same retention (the last d, the same milestones).
             f, k = self.checkpoint_frequency, self.keep_every
             checkpointer = self._make_checkpointer(
@@ -423,6 +739,7 @@ class BurnpackCheckpoint(Checkpoint):
                 checkpoint_frequency=1,
                 keep_every=None if k is None else k * f,
             )
+            checkpointer.lease = self.checkpointer.lease
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         if staged:  # the shards are written; publish them with the rest, synchronously
             try:
@@ -537,6 +854,7 @@ class BurnpackCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_signal_handlers()
+        self._position.detach(trainer)
         # fit may have failed before Lightning restored anything
         _lightning_compat.release_resume_start(trainer)
         self._flush()  # the last checkpoint is complete when fit returns

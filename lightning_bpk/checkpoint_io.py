@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 
-from lightning_bpk import trainer_state
+from lightning_bpk import storage, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 
 __all__ = [
@@ -46,6 +45,9 @@ class BurnpackCheckpointIO(CheckpointIO):
     >>> io.save_checkpoint({"epoch": 1, "optimizer_states": [{"state": {0: {}}}]}, path)
     >>> io.load_checkpoint(path)["optimizer_states"]
     [{'state': {0: {}}}]
+
+    Paths may be URLs (``ModelCheckpoint(dirpath="s3://bucket/run")`` with this plugin): each
+    file is written locally and uploaded as one object, and read back with ranged reads.
 
     ``async_save=True`` writes on a background thread
     (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): ``save_checkpoint`` returns after
@@ -66,11 +68,13 @@ class BurnpackCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
     ) -> None:
-        """Write ``checkpoint`` atomically as one burnpack file at ``path``."""
+        """Write ``checkpoint`` atomically as one burnpack file at ``path`` (a path or a URL:
+        a local scratch file uploaded as one object)."""
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
-                f"{type(self).__name__}; it writes local burnpack files"
+                f"{type(self).__name__}; configure the store through fsspec (environment, "
+                "profiles) instead"
             )
         if self._saver is not None:
             record = trainer_state.file_record(checkpoint)
@@ -102,7 +106,15 @@ class BurnpackCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
         self._wait()  # never delete an old checkpoint before the new one is durable
-        target = Path(path)
+        target = storage.location(path)
+        if isinstance(target, str):
+            store = storage.object_store(storage.parent_of(target))
+            name = storage.name_of(target)
+            if store.list("").get(name, 0) is None:
+                store.remove_prefix(name)
+            else:
+                store.remove([name])
+            return
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         else:

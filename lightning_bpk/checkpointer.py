@@ -1,5 +1,11 @@
 """Dopamine's checkpointer protocol (sentinel files, frequency, retention), made crash-safe.
 
+``base_directory`` may also be a URL (``s3://bucket/run``, ``gs://...``, ``memory://...``): the
+same layout and manifest are then committed on the object store by
+:mod:`lightning_bpk.object_checkpoints` (no rename there: upload, confirm, sentinel last and
+create-only). :meth:`Checkpointer.take_over` makes a run the directory's owner
+(:mod:`lightning_bpk.lease`): a superseded writer stops before its next write.
+
 The names, arguments and retention arithmetic are Google Dopamine's
 (``dopamine/discrete_domains/checkpointer.py``); what changed is how the bytes reach the disk and
 what a sentinel promises. A checkpoint directory looks like this (defaults ``prefix="ckpt"``,
@@ -101,7 +107,7 @@ from typing import Any, TypeVar
 import gin
 import xxhash
 
-from lightning_bpk import _fs, burnpack
+from lightning_bpk import _fs, burnpack, storage
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -111,6 +117,7 @@ from lightning_bpk.layout import (
     sentinel_name,
     sentinel_stem,
 )
+from lightning_bpk.lease import Lease
 from lightning_bpk.records.base import (
     Record,
     RecordChecksumError,
@@ -132,6 +139,7 @@ __all__ = [
     "Checkpointer",
     "get_latest_checkpoint_number",
     "list_checkpoints",
+    "number_matches",
     "verify_checkpoint",
 ]
 
@@ -212,6 +220,15 @@ def _matching(base: Path, pattern: str) -> Iterator[tuple[re.Match[str], Path]]:
             yield match, Path(entry.path)
 
 
+def number_matches(names: Iterable[str], stem: str) -> Iterator[tuple[str, re.Match[str]]]:
+    """The names ``stem.N`` (canonical N) among ``names``, with their matches (group 1: N)."""
+    compiled = re.compile(re.escape(stem) + r"\." + NUMBER_PATTERN)
+    for name in names:
+        match = compiled.fullmatch(name)
+        if match:
+            yield name, match
+
+
 def _numbers(base: Path, stem: str) -> dict[int, Path]:
     """``{N: path}`` for the entries of ``base`` named ``stem.N``."""
     pattern = re.escape(stem) + r"\." + NUMBER_PATTERN
@@ -223,8 +240,8 @@ class CheckpointEntry:
     """What the directory holds for one iteration number: its data and/or its sentinel."""
 
     number: int
-    data: Path | None
-    sentinel: Path | None
+    data: Path | str | None  # a URL string on object stores
+    sentinel: Path | str | None
 
     @property
     def complete(self) -> bool:
@@ -236,6 +253,7 @@ def list_checkpoints(
     base_directory: str | os.PathLike[str],
     sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str = DEFAULT_PREFIX,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[CheckpointEntry]:
     """Every iteration number with data or a sentinel in ``base_directory``, newest first.
 
@@ -247,13 +265,24 @@ def list_checkpoints(
     >>> [(e.number, e.complete) for e in list_checkpoints(base)]
     [(0, True)]
     """
-    base = Path(base_directory)
+    if not storage.is_local(base_directory):
+        store = storage.object_store(base_directory, storage_options)
+        return _objects().list_checkpoints(store, sentinel_file_identifier, checkpoint_file_prefix)
+    base = storage.local_path(base_directory)
     sentinels = _numbers(base, sentinel_stem(sentinel_file_identifier))
     data = _numbers(base, checkpoint_file_prefix)
     return [
         CheckpointEntry(n, data.get(n), sentinels.get(n))
         for n in sorted(set(sentinels) | set(data), reverse=True)
     ]
+
+
+def _objects() -> Any:
+    """The object-store protocol (:mod:`lightning_bpk.object_checkpoints`), which builds on this
+    module's manifest and retention and so is imported on first use."""
+    from lightning_bpk import object_checkpoints
+
+    return object_checkpoints
 
 
 def _remove(path: Path) -> None:
@@ -505,6 +534,7 @@ def get_latest_checkpoint_number(
     sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     """The newest complete checkpoint's iteration number in ``base_directory``, or -1.
 
@@ -514,7 +544,8 @@ def get_latest_checkpoint_number(
     manifest and the tensor checksums (what resume should use). A candidate that fails is skipped
     with a :class:`CheckpointWarning` saying why, and the next older one is tried.
     ``checkpoint_file_prefix`` (None: any, as named by each manifest; ``"ckpt"`` for Dopamine
-    sentinels) restricts the search to one checkpointer's data.
+    sentinels) restricts the search to one checkpointer's data. ``base_directory`` may be a URL
+    (``s3://bucket/run``, one listing; ``storage_options`` go to fsspec).
 
     >>> get_latest_checkpoint_number("/does/not/exist"), get_latest_checkpoint_number("/x", 12)
     (-1, 12)
@@ -524,7 +555,10 @@ def get_latest_checkpoint_number(
     identifier = _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-    return _latest(Path(base_directory), identifier, checkpoint_file_prefix, verify)
+    if not storage.is_local(base_directory):
+        store = storage.object_store(base_directory, storage_options)
+        return _objects().latest(store, identifier, checkpoint_file_prefix, verify)
+    return _latest(storage.local_path(base_directory), identifier, checkpoint_file_prefix, verify)
 
 
 def verify_checkpoint(
@@ -532,6 +566,7 @@ def verify_checkpoint(
     iteration_number: int,
     sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Every problem found with checkpoint ``iteration_number`` (empty: it verifies).
 
@@ -545,9 +580,15 @@ def verify_checkpoint(
     if checkpoint_file_prefix is not None:
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     n = _iteration(iteration_number)
-    return _Checkpoint(Path(base_directory), n, identifier, checkpoint_file_prefix).problems(
-        full=True
-    )
+    if not storage.is_local(base_directory):
+        store = storage.object_store(base_directory, storage_options)
+        return (
+            _objects()
+            .RemoteCheckpoint(store, n, identifier, checkpoint_file_prefix)
+            .problems(full=True)
+        )
+    base = storage.local_path(base_directory)
+    return _Checkpoint(base, n, identifier, checkpoint_file_prefix).problems(full=True)
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
@@ -584,10 +625,13 @@ class Checkpointer:
         checkpoint_frequency: int = 1,
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
-        self.base_directory = Path(base_directory)
+        # a Path for local directories, the URL for object stores (never Path("s3://..."))
+        # (typed Any: a Path in every local code path below, a str only where _remote is set)
+        self.base_directory: Any = storage.location(base_directory)
         self.checkpoint_file_prefix = _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
         self.sentinel_file_identifier = _safe_name(
             sentinel_file_identifier, "sentinel_file_identifier"
@@ -595,13 +639,21 @@ class Checkpointer:
         self.checkpoint_frequency = _setting(checkpoint_frequency, "checkpoint_frequency")
         self.checkpoint_duration = _setting(checkpoint_duration, "checkpoint_duration")
         self.keep_every = _setting(keep_every, "keep_every", optional=True)
+        # Set by take_over(): then every commit and garbage collection first checks that no
+        # newer run took over the directory (lightning_bpk.lease).
+        self.lease: Lease | None = None
+        self._store = storage.open_store(self.base_directory, storage_options)
+        if isinstance(self._store, storage.ObjectStore):
+            self._store.check()  # unreachable, wrong credentials, no bucket: fail now
+            return
+        local = storage.local_path(self.base_directory)
         try:
-            self.base_directory.mkdir(parents=True, exist_ok=True)
+            local.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(
                 f"Unable to create checkpoint path: {base_directory}. ({e.strerror or e})"
             ) from e
-        if not self.base_directory.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
+        if not local.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
             raise ValueError(f"Unable to create checkpoint path: {base_directory}. (not a dir)")
 
     def __repr__(self) -> str:
@@ -613,28 +665,50 @@ class Checkpointer:
 
     # -- paths ---------------------------------------------------------------------------------
 
-    def checkpoint_path(self, iteration_number: int) -> Path:
-        """The data directory of iteration ``iteration_number`` (it may not exist)."""
-        return self.base_directory / f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
+    @property
+    def _remote(self) -> storage.ObjectStore | None:
+        return self._store if isinstance(self._store, storage.ObjectStore) else None
 
-    def sentinel_path(self, iteration_number: int) -> Path:
-        """The sentinel (manifest) file of iteration ``iteration_number`` (it may not exist)."""
+    def checkpoint_path(self, iteration_number: int) -> Path | str:
+        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist)."""
+        name = f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
+        return storage.join(self.base_directory, name)
+
+    def sentinel_path(self, iteration_number: int) -> Path | str:
+        """The sentinel (manifest) of iteration ``iteration_number`` (it may not exist)."""
         name = sentinel_name(self.sentinel_file_identifier, _iteration(iteration_number))
-        return self.base_directory / name
+        return storage.join(self.base_directory, name)
 
-    def _checkpoint(self, iteration_number: int) -> _Checkpoint:
-        return _Checkpoint(
-            self.base_directory,
+    def _checkpoint(self, iteration_number: int) -> Any:
+        args = (
             _iteration(iteration_number),
             self.sentinel_file_identifier,
             self.checkpoint_file_prefix,
         )
+        if self._remote is not None:
+            return _objects().RemoteCheckpoint(self._remote, *args)
+        return _Checkpoint(self.base_directory, *args)
+
+    def take_over(self) -> Lease:
+        """Own the directory from now on: a newer lease than any before (a run that held one
+        stops at its next write; see :mod:`lightning_bpk.lease`). Waits for a save in flight
+        in a local directory, so the take-over falls between two saves."""
+        if self._remote is None:
+            with self._lock(wait=True):
+                self.lease = Lease.acquire(self._store)
+        else:
+            self.lease = Lease.acquire(self._store)
+        return self.lease
 
     # -- reading -------------------------------------------------------------------------------
 
     def latest_checkpoint_number(self, verify: bool = False) -> int:
         """:func:`get_latest_checkpoint_number` for this checkpointer's prefix and identifier
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
+        if self._remote is not None:
+            return _objects().latest(
+                self._remote, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
+            )
         return _latest(
             self.base_directory, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
         )
@@ -655,6 +729,8 @@ class Checkpointer:
         Read-only and lock-free.
         """
         checkpoint = self._checkpoint(iteration_number)
+        if self._remote is not None:
+            return checkpoint.load(keys)
         try:
             manifest = checkpoint.read_manifest()
         except FileNotFoundError:
@@ -690,7 +766,7 @@ class Checkpointer:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def save_checkpoint(self, iteration_number: int, data: Mapping[str, Any]) -> Path | None:
+    def save_checkpoint(self, iteration_number: int, data: Mapping[str, Any]) -> Path | str | None:
         """Save ``data`` as iteration ``iteration_number``; returns its directory, or ``None``
         when the iteration is skipped by ``checkpoint_frequency``.
 
@@ -709,19 +785,23 @@ class Checkpointer:
             )
         for key in data:
             _safe_name(key, f"checkpoint {n} data key")
+        if self._remote is not None:
+            return _objects().save(self, self._remote, n, data)
         with self._lock():
+            if self.lease is not None:
+                self.lease.check()
             self._remove_leftovers()
             target = self._publish(n, data)
             self._collect_garbage(n)
         return target
 
     @contextlib.contextmanager
-    def _lock(self) -> Any:
+    def _lock(self, wait: bool = False) -> Any:
         path = self.base_directory / LOCK_FILE_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 raise CheckpointLockedError(
@@ -745,8 +825,8 @@ class Checkpointer:
 
     def _publish(self, n: int, data: Mapping[str, Any]) -> Path:
         """Stage, swap into place, write the sentinel (steps 2-5 of the module docstring)."""
-        target = self.checkpoint_path(n)
-        sentinel = self.sentinel_path(n)
+        target = Path(self.checkpoint_path(n))  # local: Paths
+        sentinel = Path(self.sentinel_path(n))
         staging, files = self._stage(n, data)
         old_sentinel: Path | None = None
         old_data: Path | None = None
@@ -799,14 +879,19 @@ class Checkpointer:
                 os.rename(old_sentinel, sentinel)
             _fs.fsync_dir(self.base_directory)
 
-    def _stage(self, n: int, data: Mapping[str, Any]) -> tuple[Path, dict[str, _FileEntry]]:
+    def _stage(
+        self, n: int, data: Mapping[str, Any], under: Path | None = None
+    ) -> tuple[Path, dict[str, _FileEntry]]:
         """Write every entry into a fresh staging directory; return it and the manifest entries.
 
         Each file is fsynced and renamed into the staging directory, which is fsynced after each
         rename (:func:`_fs.atomic_file`), so the staged data is durable before it is published.
+        The staging directory is made in ``under`` (default: the base directory; a local
+        scratch folder for an object store's upload).
         """
+        name = f"{self.checkpoint_file_prefix}.{n}"
         while True:
-            staging = _fs.scratch_path(self.checkpoint_path(n))
+            staging = _fs.scratch_path((under or Path(self.base_directory)) / name)
             try:
                 staging.mkdir()
                 break
@@ -829,6 +914,20 @@ class Checkpointer:
             raise
         return staging, files
 
+    def _doomed(self, n: int, sentinels: set[int], data: set[int]) -> tuple[set[int], set[int]]:
+        """Retention after saving ``n``, given the numbers with a sentinel and with data: the
+        sentinels to delete (first) and the data to delete (then); the docstring below."""
+        f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
+        complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
+        kept = set(complete[:d]) | {n}
+        doomed = {
+            m
+            for m in sentinels | data
+            if m <= n and m not in kept and not (k is not None and m % (k * f) == 0)
+        }
+        orphans = {m for m in sentinels if m not in data and m != n}
+        return (doomed | orphans) & sentinels, doomed & data
+
     def _collect_garbage(self, n: int) -> None:
         """Keep the ``d`` newest complete checkpoints ``<= n`` and the ``keep_every`` milestones;
         remove the rest ``<= n`` and sentinels whose data is gone; all sentinels first (one
@@ -837,25 +936,15 @@ class Checkpointer:
         Dopamine removes only ``n - f*d``; this gives the same result for an uninterrupted run
         and also catches what crashes, gaps or changed settings left behind.
         """
-        f, d, k = self.checkpoint_frequency, self.checkpoint_duration, self.keep_every
         sentinels = _numbers(self.base_directory, sentinel_stem(self.sentinel_file_identifier))
         data = _numbers(self.base_directory, self.checkpoint_file_prefix)
-        complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
-        kept = set(complete[:d]) | {n}
-        doomed = {
-            m
-            for m in set(sentinels) | set(data)
-            if m <= n and m not in kept and not (k is not None and m % (k * f) == 0)
-        }
-        orphans = {m for m in sentinels if m not in data and m != n}
+        doomed_sentinels, doomed_data = self._doomed(n, set(sentinels), set(data))
         try:
-            for m in sorted(doomed | orphans):
-                if m in sentinels:
-                    _remove(sentinels[m])
+            for m in sorted(doomed_sentinels):
+                _remove(sentinels[m])
             _fs.fsync_dir(self.base_directory)
-            for m in sorted(doomed):
-                if m in data:
-                    _remove(data[m])
+            for m in sorted(doomed_data):
+                _remove(data[m])
         except OSError as e:
             warnings.warn(
                 f"checkpoint {n} in {self.base_directory} is complete, but removing old "

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, checkpointer
+from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.interop import Content, convert, read_content
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records.base import RecordError
 
 __all__ = [
@@ -165,14 +166,36 @@ def _sharded_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _open_pack(target: str) -> burnpack.Pack:
+    """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
+    location = storage.location(target)
+    if isinstance(location, Path):
+        return burnpack.read(location)
+    store = storage.object_store(storage.parent_of(location))
+    size = store.size(storage.name_of(location))
+    if size is None:
+        raise OSError(f"{location}: no such object")
+    return fetch_pack(store, storage.name_of(location), size)
+
+
+def _local_only(path: str, command: str) -> str:
+    """``convert`` and ``diff`` read local files; a URL gets a clear error, not a local path."""
+    if not storage.is_local(path):
+        raise OSError(
+            f"{path}: {command} reads local files only (ls, verify and inspect accept URLs); "
+            "copy the object first"
+        )
+    return path
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    if is_sharded(args.file):
+    if storage.is_local(args.file) and is_sharded(args.file):
         from lightning_bpk import dcp  # seconds to import: only for a sharded directory
 
         info = _describe_sharded(dcp.read_index(args.file))
         print(json.dumps(info, indent=2) if args.json else _sharded_text(info))
         return EXIT_OK
-    with burnpack.read(args.file) as pack:
+    with _open_pack(args.file) as pack:
         info = _describe(pack)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -186,14 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-bpk", description="Inspect Burn burnpack (.bpk) files."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="show header, tensors, scalars and metadata")
-    inspect.add_argument(
-        "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
-    )
-    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    inspect.set_defaults(func=_cmd_inspect)
-    _add_tool_commands(sub)
+    _add_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -237,13 +253,17 @@ def _size_text(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _tree_size(path: Path) -> int:
+def _tree_size(path: Path | str) -> int:
+    if isinstance(path, str):  # a URL: the sizes one listing reports
+        return sum(size or 0 for size in storage.object_store(path).list("").values())
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _mtime(path: Path) -> str:
+def _mtime(path: Path | str) -> str:
+    if isinstance(path, str):
+        return "-"  # not asked of object stores: one request per checkpoint for a column
     stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).astimezone()
     return stamp.isoformat(timespec="seconds")
 
@@ -253,7 +273,7 @@ def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
 
 
 def _checkpoint_rows(
-    base: Path, identifier: str, prefix: str, verify: bool
+    base: Path | str, identifier: str, prefix: str, verify: bool
 ) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
     problems. ``verified`` is None when ``verify`` is off."""
@@ -284,8 +304,10 @@ def _yes_no(value: bool | None) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    base = Path(args.dir)
-    if not base.is_dir():
+    base = storage.location(args.dir)
+    if isinstance(base, str):
+        storage.object_store(base).check()  # a wrong URL fails here, naming it
+    elif not base.is_dir():
         raise OSError(f"{base}: not a directory")
     rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
     table = [["number", "complete", "verified", "size", "time"]]
@@ -335,9 +357,27 @@ def _verify_file(path: Path) -> dict[str, Any]:
     return result
 
 
+def _verify_object(url: str) -> dict[str, Any]:
+    """:func:`_verify_file` for one object of a store, read with ranged requests."""
+    store = storage.object_store(storage.parent_of(url))
+    name = storage.name_of(url)
+    size = store.size(name)
+    if size is None:
+        raise OSError(f"{url}: no such object")
+    result: dict[str, Any] = {"file": url, "ok": True, "problems": []}
+    try:
+        pack = fetch_pack(store, name, size)
+        result["tensors"], result["checksums"] = len(pack), len(pack.checksums)
+        pack.verify()
+    except burnpack.BurnpackError as e:
+        result["problems"] = [str(e)]
+    result["ok"] = not result["problems"]
+    return result
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
-    target = Path(args.target)
-    if is_sharded(target):  # one checkpoint's data directory, or any DCP directory of ours
+    target = storage.location(args.target)
+    if isinstance(target, Path) and is_sharded(target):  # a checkpoint's data, any DCP dir of ours
         from lightning_bpk import dcp
 
         index = dcp.read_index(target)
@@ -347,7 +387,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
         ]
         results[0]["checksums"] = count
-    elif target.is_dir():
+    elif isinstance(target, str) or target.is_dir():
+        if isinstance(target, str):
+            storage.object_store(target).check()  # a wrong URL fails here, naming it
         rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
         if rows:
             results = [
@@ -356,6 +398,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 else {"checkpoint": r["number"], "ok": True, "problems": [], "incomplete": True}
                 for r in rows
             ]
+        elif isinstance(target, str):
+            results = [_verify_object(target)]
         else:
             files = sorted(target.glob("*.bpk"))
             if not files:
@@ -385,6 +429,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    _local_only(args.src, "convert"), _local_only(args.dst, "convert")
     written = convert(args.src, args.dst, progress=_progress(f"convert {Path(args.src).name}"))
     info = {"src": args.src, "dst": str(written), "size": written.stat().st_size}
     _emit(args, info, f"wrote {written} ({_size_text(info['size'])})")
@@ -443,7 +488,7 @@ def _diff_contents(
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = read_content(args.a), read_content(args.b)
+    a, b = read_content(_local_only(args.a, "diff")), read_content(_local_only(args.b, "diff"))
     rows = _diff_contents(a, b, _progress("diff"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
@@ -476,8 +521,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_FOUND if different else EXIT_OK
 
 
-def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``ls``, ``verify``, ``convert`` and ``diff``."""
+def _add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register every command (``inspect``, ``ls``, ``verify``, ``convert``, ``diff``): the one
+    place a command is added."""
 
     def command(
         name: str, func: Callable[[argparse.Namespace], int], summary: str
@@ -491,6 +537,10 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
         parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
         parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
 
+    inspect = command("inspect", _cmd_inspect, "show header, tensors, scalars and metadata")
+    inspect.add_argument(
+        "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
+    )
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory")
     ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")

@@ -121,7 +121,7 @@ def _scontrol_requeue(job: str) -> str | None:
     return f"`{' '.join(command)}` failed with exit status {result.returncode}: {output}"
 
 
-def log_restart(resumed_from: str | None) -> None:
+def log_restart(resumed_from: str | os.PathLike[str] | None) -> None:
     """On a job SLURM has restarted (requeued), say so and what this run continues from.
 
     ``resumed_from`` names the checkpoint the run resumed from (``None``: none, from scratch).

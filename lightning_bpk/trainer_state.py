@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_bpk import burnpack, state
+from lightning_bpk import burnpack, state, storage
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.layout import (
     MODEL_KEY,
@@ -52,6 +54,7 @@ from lightning_bpk.layout import (
     TRAINER_KEY,
     parse_sentinel_name,
 )
+from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,
@@ -61,6 +64,7 @@ from lightning_bpk.records import (
     StateRecord,
     load_record,
 )
+from lightning_bpk.records.base import record_from_pack
 
 __all__ = [
     "DROPPED_KEY",
@@ -75,6 +79,7 @@ __all__ = [
     "capture_rng",
     "file_record",
     "from_records",
+    "is_checkpoint_directory",
     "load",
     "numbered_key",
     "restore_rng",
@@ -253,7 +258,7 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
 # --- files and directories --------------------------------------------------------------------
 
 
-def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path | str:
     """Write Lightning's whole dict (plus RNG states) as one burnpack at exactly ``path``.
 
     Atomic: a scratch file beside ``path`` is fsynced and renamed over it, so a failure leaves
@@ -269,11 +274,23 @@ def file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
     return StateRecord(value)
 
 
-def write_record(record: Record, path: str | os.PathLike[str]) -> Path:
+def write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:
     """Write ``record`` atomically at exactly ``path`` (no ``.bpk`` suffix rule), streamed: peak
     extra memory is about the largest tensor, not the file. A full disk raises an ``OSError``
-    (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a RecordError."""
-    target = Path(path)
+    (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a RecordError.
+
+    A URL (``s3://bucket/run/last.ckpt``) is written to a local scratch file first and then
+    uploaded as one object, which appears whole or not at all."""
+    target = storage.location(path)
+    if isinstance(target, str):
+        store = storage.object_store(storage.parent_of(target))
+        scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
+        try:
+            local = write_record(record, scratch / "record.bpk")
+            store.upload(local, storage.name_of(target))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return target
     tensors, scalars, metadata = record.content()
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -284,16 +301,37 @@ def write_record(record: Record, path: str | os.PathLike[str]) -> Path:
         raise RecordError.from_format_error(e) from e
 
 
-def _checkpointer_for(directory: Path) -> tuple[Checkpointer, int]:
+def _listing(directory: Path | str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    """The names beside ``directory`` (a local path or a URL)."""
+    if isinstance(directory, Path):
+        return os.listdir(directory.parent)
+    return list(storage.object_store(storage.parent_of(directory), storage_options).list(""))
+
+
+def is_checkpoint_directory(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> bool:
+    """True for a Checkpointer's data directory (``{base}/{prefix}.{N}``), local or a URL."""
+    target = storage.location(path)
+    if isinstance(target, Path):
+        return target.is_dir()
+    store = storage.object_store(storage.parent_of(target), storage_options)
+    name = storage.name_of(target)
+    return name in (listing := store.list("")) and listing[name] is None
+
+
+def _checkpointer_for(
+    directory: Path | str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Checkpointer, int]:
     """The Checkpointer that wrote ``{base}/{prefix}.{N}`` and N, found from N's sentinel."""
-    prefix, _, number = directory.name.rpartition(".")
+    prefix, _, number = storage.name_of(directory).rpartition(".")
     if not prefix or not number.isdigit():
         raise RecordError(
             "io", f"{directory}: not a checkpoint directory (expected '<prefix>.<number>')"
         )
     identifiers = [
         parsed[0]
-        for parsed in map(parse_sentinel_name, os.listdir(directory.parent))
+        for parsed in map(parse_sentinel_name, _listing(directory, storage_options))
         if parsed is not None and str(parsed[1]) == number
     ]
     if len(identifiers) != 1:
@@ -301,27 +339,45 @@ def _checkpointer_for(directory: Path) -> tuple[Checkpointer, int]:
         raise RecordError(
             "io", f"{directory}: {what} for checkpoint {number}, so it is not known to be complete"
         )
-    return Checkpointer(directory.parent, prefix, identifiers[0]), int(number)
+    parent = storage.parent_of(directory)
+    checkpointer = Checkpointer(parent, prefix, identifiers[0], storage_options=storage_options)
+    return checkpointer, int(number)
 
 
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Read a checkpoint directory or a single-file checkpoint back into Lightning's dict.
 
+    ``path`` may be a URL (read with ranged requests into memory, checksums verified).
     Read-only; the same bytes give every rank the same dict. Raises ``FileNotFoundError`` for a
     missing path and :class:`RecordError` (naming the file) for anything unreadable.
     """
-    target = Path(path)
-    if target.is_dir():
-        checkpointer, number = _checkpointer_for(target)
+    target = storage.location(path)
+    if is_checkpoint_directory(target, storage_options):
+        checkpointer, number = _checkpointer_for(target, storage_options)
         data = checkpointer.load_checkpoint(number)
         if data is None:
             raise RecordError("io", f"{target}: checkpoint {number} is not complete")
         return from_records(data, str(target))
-    if not target.exists():
-        raise FileNotFoundError(f"checkpoint not found: {target}")
-    record = load_record(target)
+    record = _load_file(target, storage_options)
     if not isinstance(record, StateRecord) or not isinstance(record.value, dict):
         raise RecordError(
             "validation", f"{target}: holds a {record.kind!r} record, not a checkpoint"
         )
     return record.value
+
+
+def _load_file(target: Path | str, storage_options: Mapping[str, Any] | None) -> Record:
+    if isinstance(target, Path):
+        if not target.exists():
+            raise FileNotFoundError(f"checkpoint not found: {target}")
+        return load_record(target)
+    store = storage.object_store(storage.parent_of(target), storage_options)
+    size = store.size(storage.name_of(target))
+    if size is None:
+        raise FileNotFoundError(f"checkpoint not found: {target}")
+    try:
+        return record_from_pack(fetch_pack(store, storage.name_of(target), size))
+    except burnpack.BurnpackError as e:
+        raise RecordError("io", str(e)) from e

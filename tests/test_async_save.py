@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.async_save import AsyncCheckpointSaver, _freeze, _StagingArea
+from lightning_bpk.async_save import (
+    _WRITER_THREAD_NAME,
+    AsyncCheckpointSaver,
+    _freeze,
+    _StagingArea,
+)
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
 
@@ -106,6 +111,27 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
             saver.wait()
             assert saver.staging.allocations == allocations
             assert {k: b.data_ptr() for k, b in saver.staging._buffers.items()} == pointers
+
+
+def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    threads = []
+    checkpointer = Checkpointer(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        original = saver.staging.reserve
+        saver.staging.reserve = lambda wanted: (
+            threads.append(threading.current_thread().name),
+            original(wanted),
+        )
+        saver.reserve({"model": ModuleRecord.from_module(net)})
+        saver.wait()
+        reserved = saver.staging.allocations
+        assert reserved == len(net.state_dict())
+        assert threads and threads[0].startswith(_WRITER_THREAD_NAME)
+        saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
+        assert saver.staging.allocations == reserved  # nothing allocated on this thread
+    saved = checkpointer.load_checkpoint(0)["model"].tensors
+    assert all(torch.equal(saved[k], v) for k, v in net.state_dict().items())
 
 
 def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
@@ -383,7 +409,7 @@ def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
     assert checkpointer.latest_checkpoint_number(verify=True) == 1  # epoch 1, mid-epoch save
     assert load_record(checkpointer.checkpoint_path(1) / "trainer.bpk").value[
         "lightning_bpk_preempted"
-    ] == {"epoch": 1, "batches": 3}
+    ] == {"epoch": 1, "batches": 3, "replay": False}
 
 
 def test_async_checkpoint_io_matches_sync_with_model_checkpoint_top_k(tmp_path):

@@ -1043,8 +1043,9 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "_COPY_CHUNK", 1000)  # several chunks per tensor, one partial
-    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
+    # several chunks per tensor, one partial
+    monkeypatch.setattr(burnpack.reader, "_COPY_CHUNK", 1000)
+    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
     source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
     path = burnpack.write(tmp_path / "m.bpk", source)
     targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
@@ -1083,7 +1084,7 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
 
 @pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
 def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack, "_MEMCPY_MAX", memcpy_max)
+    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
     path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
@@ -1524,7 +1525,7 @@ def test_hostile_error_messages_are_bounded():
 
 def test_tensor_count_over_limit(monkeypatch):
     data = burnpack.dumps({f"t{i}": torch.ones(1) for i in range(4)})
-    monkeypatch.setattr(burnpack, "MAX_TENSOR_COUNT", 3)
+    monkeypatch.setattr(burnpack.reader, "MAX_TENSOR_COUNT", 3)
     with pytest.raises(
         burnpack.ValidationError, match="File contains 4 tensors, exceeding maximum of 3"
     ):
@@ -1533,7 +1534,7 @@ def test_tensor_count_over_limit(monkeypatch):
 
 def test_file_size_limit_is_checked_first(tmp_path, monkeypatch):
     path = burnpack.write(tmp_path / "s.bpk", {"a": torch.ones(100)})
-    monkeypatch.setattr(burnpack, "MAX_FILE_SIZE", 100)
+    monkeypatch.setattr(burnpack.reader, "MAX_FILE_SIZE", 100)
     with pytest.raises(burnpack.ValidationError, match="exceeds maximum allowed size"):
         burnpack.read(path)
 

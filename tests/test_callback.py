@@ -79,8 +79,9 @@ def test_layout_records_and_retention(tmp_path):
 
 def test_frequency_and_keep_every(tmp_path):
     _fit(tmp_path, 6, checkpoint_frequency=2, checkpoint_duration=1, keep_every=2)
-    # saved 0, 2, 4; after 4, everything <= 4 - 2*1 goes except multiples of 2*2
-    assert _numbers(tmp_path / "checkpoints") == [0, 4]
+    # saved 0, 2, 4; after 4, everything <= 4 - 2*1 goes except multiples of 2*2; the last
+    # epoch, 5, is saved whatever the frequency (a finished run is saved, so it stays finished)
+    assert _numbers(tmp_path / "checkpoints") == [0, 4, 5]
 
 
 def test_resume_continues_at_the_next_epoch_and_logs_it(tmp_path, caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -33,6 +34,15 @@ def pack_path(tmp_path_factory) -> Path:
         scalars={"epoch": 3, "lr": 0.5, "nan": float("nan")},
         metadata={"producer": "test"},
     )
+
+
+def test_every_command_is_registered_with_a_handler():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == ["convert", "diff", "inspect", "ls", "verify"]
+    for name, command in sub.choices.items():
+        assert callable(command.get_default("func")), name
+        assert any("--json" in a.option_strings for a in command._actions), name
 
 
 def test_console_script_is_installed():

@@ -96,6 +96,33 @@ def test_generate_state_key_names_the_callback(tmp_path: Path) -> None:
     assert key.startswith("BurnpackCheckpoint{") and str(tmp_path) in key
 
 
+class _BatchProbe(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen.append((compat.validation_follows(trainer), compat.is_last_batch(trainer)))
+
+
+def test_train_dataloader_interception_validation_follows_and_last_batch(tmp_path: Path) -> None:
+    installed: list[tuple[object, int]] = []
+    probe = _BatchProbe()
+    # one_cycle reads estimated_stepping_batches: the data is set up inside configure_optimizers
+    trainer = make_trainer(str(tmp_path), 1, [probe], val_check_interval=0.5)
+    compat.intercept_train_dataloaders(trainer, lambda loader, n: installed.append((loader, n)))
+    trainer.fit(TinyModel(one_cycle=True))
+    assert len(installed) == 1 and installed[0][1] == 1  # the training loader, once
+    assert installed[0][0] is trainer.train_dataloader
+    # 6 batches, validation after batches 3 and 6
+    assert probe.seen == [(False, False), (False, False), (True, False)] * 1 + [
+        (False, False),
+        (False, False),
+        (True, True),
+    ]
+    compat.release_train_dataloaders(trainer)
+    assert "setup_data" not in vars(trainer.fit_loop)
+
+
 def test_handlers_restored_at_teardown_are_the_ones_found_at_fit_start(fitted) -> None:
     trainer, _ = fitted
     connector = trainer._signal_connector

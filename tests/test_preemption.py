@@ -1,5 +1,5 @@
 """Preemption: a signal sets a flag, the next batch end saves and stops with status 0, the next
-start replays the interrupted epoch from its first batch."""
+start continues with the next batch, exactly as if it had never stopped."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_bpk import trainer_state
 from lightning_bpk.callback import BurnpackCheckpoint, _ignore_while_stopping
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
-from lightning_bpk.records import StateRecord
+from lightning_bpk.records import ModuleRecord, StateRecord
 
 from conftest import SCRIPTS, run_process
 from lightning_tiny import TinyModel, make_trainer
@@ -33,27 +34,50 @@ def _trainer_value(root: Path, n: int) -> dict:
     return StateRecord.load(root / "checkpoints" / f"ckpt.{n}" / "trainer.bpk").value
 
 
-def test_sigterm_saves_stops_with_status_0_and_the_next_start_replays_the_epoch(tmp_path):
-    command = [sys.executable, SCRIPT, "--root", tmp_path, "--epochs", "4"]
-    term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 1 of epoch 2
+def _ids_from(path: Path, step: int) -> list[str]:
+    """The id log's lines from global step ``step`` on (``epoch batch_idx step ids``)."""
+    return [line for line in path.read_text().splitlines() if int(line.split()[2]) >= step]
+
+
+def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(tmp_path):
+    # num_workers=2: the data order must not depend on what the workers had prefetched
+    common = ["--epochs", "4", "--workers", "2"]
+    outputs = ["--ids", str(tmp_path / "ref.ids"), "--out", str(tmp_path / "ref.bpk")]
+    reference = run_process(
+        [sys.executable, SCRIPT, "--root", tmp_path / "ref", *common, *outputs],
+        timeout=RUN_TIMEOUT,
+    )
+    assert reference.returncode == 0, reference.stderr
+    command = [sys.executable, SCRIPT, "--root", tmp_path, *common]
+    command += ["--ids", str(tmp_path / "run.ids")]
+    term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 2 of epoch 2
     stopped = run_process([*command, "--term-at-step", term_step], timeout=RUN_TIMEOUT)
     assert stopped.returncode == 0, stopped.stderr
     assert "FINISHED" not in stopped.stdout  # fit did not return: the process stopped
     assert "saved checkpoint 2 after batch 2 of epoch 2" in stopped.stderr
     assert get_latest_checkpoint_number(tmp_path / "checkpoints") == 2
     value = _trainer_value(tmp_path, 2)
-    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 2, "batches": 3}
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 2, "batches": 3, "replay": False}
     assert value["global_step"] == term_step + 1
-    # loop counters are those of the end of epoch 1, so Lightning restarts epoch 2
-    assert value["loops"] == _trainer_value(tmp_path, 1)["loops"]
+    # Lightning's own loop counters, mid-epoch: the resumed run continues with batch 3
+    progress = value["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert progress["processed"] == 3
 
-    resumed = run_process(command, timeout=RUN_TIMEOUT)
+    resumed = run_process([*command, "--out", tmp_path / "resumed.bpk"], timeout=RUN_TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr
-    replayed = "preempted after 3 batches (that epoch is replayed from its first batch)"
-    assert replayed in resumed.stderr
-    assert "continuing training at epoch 2 (global step 12) after checkpoint 2" in resumed.stderr
+    assert "saved at epoch 2, after 3 batches" in resumed.stderr
+    assert "replayed" not in resumed.stderr
+    assert "continuing training at epoch 2, batch 3 (global step 15) after checkpoint 2" in (
+        resumed.stderr
+    )
     assert "epoch=4 step=24 restored=2" in resumed.stdout
     assert trainer_state.PREEMPTED_KEY not in _trainer_value(tmp_path, 2)  # replaced at epoch end
+    # the resumed run saw exactly the reference's batches from the save point on, and nothing else
+    resumed_ids = (tmp_path / "run.ids").read_text().splitlines()[term_step + 1 :]
+    assert resumed_ids == _ids_from(tmp_path / "ref.ids", term_step + 1)
+    expected = ModuleRecord.load(tmp_path / "ref.bpk").tensors
+    got = ModuleRecord.load(tmp_path / "resumed.bpk").tensors
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def test_repeated_sigterm_while_saving_and_exiting_does_not_kill_the_process(tmp_path):
@@ -102,7 +126,7 @@ class _SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tmp_path):
+def test_sigusr1_in_epoch_0_chains_the_user_handler_and_continues_after_it(tmp_path):
     calls = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
     term_before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -127,8 +151,7 @@ def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tm
         signal.signal(signal.SIGTERM, term_before)
     value = _trainer_value(tmp_path, 0)
     # callbacks run before Checkpoint callbacks: the flag is seen at the same batch end
-    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 0, "batches": 2}
-    assert "loops" not in value  # no epoch finished yet: Lightning starts at epoch 0
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 0, "batches": 2, "replay": False}
 
     class Start(L.Callback):
         def on_train_start(self, trainer, pl_module) -> None:
@@ -136,5 +159,5 @@ def test_sigusr1_in_epoch_0_chains_the_user_handler_and_restarts_from_scratch(tm
 
     start, callback = Start(), BurnpackCheckpoint()
     make_trainer(str(tmp_path), 2, [callback, start]).fit(TinyModel())
-    assert start.at == (0, 0) and callback.restored_number == 0
+    assert start.at == (0, 2) and callback.restored_number == 0  # after the 2 batches done
     assert get_latest_checkpoint_number(tmp_path / "checkpoints") == 1

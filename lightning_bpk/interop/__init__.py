@@ -4,11 +4,27 @@
   :class:`PyTorchToBurnAdapter` for ``ModuleRecord.apply``/``from_module``;
 - :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
   :class:`Split`, :class:`Unstack`, :class:`Transpose` rules, inverted on save;
+- :mod:`~lightning_bpk.interop.conversions`: transformers' vocabulary as rules,
+  :class:`WeightRenaming` and :class:`WeightConverter` with the ops :class:`Chunk`,
+  :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`, ``Transpose``,
+  :class:`PermuteForRope`, :class:`Interleave`;
+- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 """
 
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
+from lightning_bpk.interop.conversions import (
+    Chunk,
+    Concatenate,
+    ConversionOps,
+    Interleave,
+    MergeModulelist,
+    PermuteForRope,
+    SplitModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
 from lightning_bpk.interop.formats import (
     SAFETENSORS_INFO_KEY,
     Content,
@@ -19,6 +35,7 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
+from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.remap import (
     KeyRemapper,
     RemapError,
@@ -36,21 +53,31 @@ from lightning_bpk.interop.remap import (
 __all__ = [
     "SAFETENSORS_INFO_KEY",
     "BurnToPyTorchAdapter",
+    "Chunk",
+    "Concatenate",
     "Content",
+    "ConversionOps",
+    "Interleave",
     "KeyRemapper",
+    "MergeModulelist",
+    "PermuteForRope",
     "PyTorchToBurnAdapter",
     "RemapError",
     "RemapResult",
     "Rename",
     "Rule",
     "Split",
+    "SplitModulelist",
     "Transpose",
     "Unstack",
+    "WeightConverter",
+    "WeightRenaming",
     "apply_remapped",
     "convert",
     "derive_inverse",
     "export_checkpoint",
     "load_module_record",
+    "load_remapped",
     "read_content",
     "record_remapped",
     "save_module_record",

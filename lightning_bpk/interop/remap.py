@@ -10,7 +10,12 @@ and param ids. Four kinds of rule:
 - :class:`Split` a fused tensor into parts along a dim on load, concatenated on save (``qkv`` ->
   ``q``, ``k``, ``v``);
 - :class:`Unstack` one tensor into a numbered list of tensors on load, stacked on save;
-- :class:`Transpose` two dims of matching tensors on load, and back on save.
+- :class:`Transpose` two dims of matching tensors on load, and back on save (without a pattern,
+  ``Transpose(dim0, dim1)`` is transformers' op of that name, for a ``WeightConverter``).
+
+transformers' vocabulary (``WeightRenaming``, ``WeightConverter`` and its ops, in
+:mod:`lightning_bpk.interop.conversions`) are rules too, and mix with these: a run of
+consecutive transformers rules behaves as transformers runs a mapping.
 
 **How a rule is inverted.** A rename's inverse is given explicitly (``inverse=(pattern,
 replacement)``) or derived when the pattern is *simple*: optional ``^``, then literal text
@@ -52,9 +57,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +87,8 @@ __all__ = [
     "apply_remapped",
     "derive_inverse",
     "record_remapped",
+    "trace_step",
+    "tracing",
 ]
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
@@ -261,15 +270,48 @@ def _derived_param_id(param_id: int | None, index: int) -> int | None:
     return xxhash.xxh3_64_intdigest(f"{param_id}/{index}".encode())
 
 
+# While tracing (see :func:`tracing`): one entry per rule step that renamed, split or fused
+# tensors, listing ``(input names, output names)`` pairs that all read the same input.
+Links = list[list[tuple[list[str], list[str]]]]
+_LINKS: contextvars.ContextVar[Links | None] = contextvars.ContextVar(
+    "lightning_bpk_remap_links", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[Links]:
+    """Record which names each rule step turned into which, in order. The parallel loader uses
+    them to find the tensors that must be converted together."""
+    links: Links = []
+    token = _LINKS.set(links)
+    try:
+        yield links
+    finally:
+        _LINKS.reset(token)
+
+
+def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
+    """Note that, in one step, each ``(old, new)`` pair's tensors ``old`` became ``new`` (a
+    no-op unless :func:`tracing`)."""
+    links = _LINKS.get()
+    if links is not None and pairs:
+        links.append(pairs)
+
+
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
     """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
-    old = list(old)
-    first = old[0]
-    dropped = set(old)
+    return _replace_all(items, [(list(old), new)], where)
+
+
+def _replace_all(items: Items, replacements: list[tuple[list[str], Items]], where: str) -> Items:
+    """:func:`_replace` for several disjoint ``(old, new)`` replacements, in one pass."""
+    trace_step([(old, list(new)) for old, new in replacements])
+    at = {old[0]: new for old, new in replacements}
+    dropped = {name for old, _ in replacements for name in old}
     out: Items = {}
     for name, item in items.items():
-        if name == first:
-            for new_name, new_item in new.items():
+        if name in at:
+            for new_name, new_item in at[name].items():
                 if new_name in out or (new_name in items and new_name not in dropped):
                     raise RemapError(f"{where}: produces {new_name!r}, which already exists")
                 out[new_name] = new_item
@@ -285,7 +327,15 @@ def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
 
 class Rule:
     """A reversible step. ``forward`` maps file names to module names, ``backward`` inverts it;
-    each returns the new items and how many names the step touched."""
+    each returns the new items and how many names the step touched.
+
+    A rule that renames, splits or fuses names reports it with :func:`trace_step` (the built-in
+    rules do), which lets :func:`~lightning_bpk.interop.loading.load_remapped` convert
+    independent tensors in parallel; it loads sequentially past any rule without ``traced``.
+    """
+
+    traced = False  # reports every name it changes through trace_step
+    _phase: str | None = None  # "rename"/"convert": transformers' vocabulary, run as a block
 
     def forward(self, items: Items) -> tuple[Items, int]:
         raise NotImplementedError
@@ -305,6 +355,7 @@ class Rename(Rule):
     pattern: str
     replacement: str
     inverse: tuple[str, str] | None = None
+    traced = True
 
     def __post_init__(self) -> None:
         re.compile(self.pattern)
@@ -320,10 +371,12 @@ class Rename(Rule):
     ) -> tuple[Items, int]:
         out: Items = {}
         touched = 0
+        links = []
         for name, item in items.items():
             new = re.sub(pattern, replacement, name)
             if new != name:
                 touched += 1
+                links.append(([name], [new]))
                 if check is not None and re.sub(check[0], check[1], new) != name:
                     raise RemapError(
                         f"{self}: cannot invert for {name!r} (saved as {new!r}, which loads "
@@ -332,6 +385,7 @@ class Rename(Rule):
             if new in out:
                 raise RemapError(f"{self}: two tensors map to {new!r}")
             out[new] = item
+        trace_step(links)
         return out, touched
 
     def forward(self, items: Items) -> tuple[Items, int]:
@@ -350,6 +404,19 @@ class Transpose(Rule):
     pattern: str
     dim0: int = 0
     dim1: int = 1
+    traced = True
+
+    def __new__(cls, *args: object, **kwargs: object) -> Transpose:
+        # Without a pattern (``Transpose(0, 1)``, ``Transpose(dim0=1, dim1=0)``) it is
+        # transformers' op of that name, for a WeightConverter's operations. Without any
+        # argument it is copy's and pickle's call, which fill in the fields afterwards.
+        first = args[0] if args else kwargs.get("pattern")
+        if (args or kwargs) and not isinstance(first, str):
+            from lightning_bpk.interop.conversions import Transpose as TransposeOp
+
+            op: Any = TransposeOp
+            return op(*args, **kwargs)
+        return super().__new__(cls)
 
     def __str__(self) -> str:
         return f"Transpose({self.pattern!r}, {self.dim0}, {self.dim1})"
@@ -387,6 +454,7 @@ class Split(Rule):
     sizes: Sequence[int] | None = None
     _simple: _SimplePattern = field(init=False, repr=False, compare=False)
     _first: re.Pattern = field(init=False, repr=False, compare=False)
+    traced = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -535,7 +603,10 @@ class KeyRemapper:
         self.rules = list(rules)
         for rule in self.rules:
             if not isinstance(rule, Rule):
-                raise TypeError(f"{rule!r} is not a Rule (Rename, Split, Unstack, Transpose)")
+                raise TypeError(
+                    f"{rule!r} is not a Rule (Rename, Split, Unstack, Transpose, WeightRenaming, "
+                    "WeightConverter)"
+                )
 
     def __repr__(self) -> str:
         return f"KeyRemapper([{', '.join(map(str, self.rules))}])"
@@ -551,12 +622,59 @@ class KeyRemapper:
     @staticmethod
     def _run(tensors: Mapping[str, Item], rules: list[Rule], direction: str) -> RemapResult:
         items: Items = dict(tensors)
-        unmatched = []
-        for rule in rules:
-            items, touched = getattr(rule, direction)(items)
-            if not touched:
-                unmatched.append(str(rule))
+        unmatched: list[str] = []
+        k = 0
+        while k < len(rules):
+            if rules[k]._phase is None:
+                items, touched = getattr(rules[k], direction)(items)
+                if not touched:
+                    unmatched.append(str(rules[k]))
+                k += 1
+                continue
+            end = k
+            while end < len(rules) and rules[end]._phase is not None:
+                end += 1
+            items = _run_block(items, rules[k:end], direction, unmatched)
+            k = end
         return RemapResult(items, unmatched)
+
+
+def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[str]) -> Items:
+    """Consecutive transformers rules, run as transformers runs a mapping: on load every
+    renaming (in order), then each name through at most one converter (the first matching);
+    on save (``block`` reversed) the converters first, then the renamings. Problems of all the
+    converters are reported together."""
+    renamings = [r for r in block if r._phase == "rename"]
+    converters = [r for r in block if r._phase == "convert"]
+    steps = renamings + converters if direction == "forward" else converters + renamings
+    produced: set[str] = set()
+    problems: list[str] = []
+    origin = {n: n for n in items}  # on load, each name as the file has it (for messages)
+    for rule in steps:
+        if rule._phase == "rename":
+            renamed, touched = getattr(rule, direction)(items)
+            origin = {new: origin.get(old, old) for new, old in zip(renamed, items, strict=True)}
+            items = renamed
+        else:
+            transform: Any = rule  # a WeightConverter (conversions imports this module)
+            converter = transform if direction == "forward" else transform.reverse_transform()
+            before = set(items)
+            try:
+                items, touched = converter.convert_items(
+                    items,
+                    frozenset(produced),
+                    check=None if direction == "forward" else rule,
+                    origin=origin if direction == "forward" else None,
+                )
+            except RemapError as e:
+                problems.append(str(e))
+                continue
+            produced |= set(items) - before
+        if not touched:
+            unmatched.append(str(rule))
+    if problems:
+        raise RemapError("\n".join(problems))
+    return items
 
 
 def apply_remapped(

@@ -24,6 +24,7 @@ __all__ = [
     "RecordErrorKind",
     "StateRecord",
     "load_record",
+    "record_from_pack",
     "user_metadata",
 ]
 
@@ -197,11 +198,17 @@ def load_record(path: str | os.PathLike[str]) -> Record:
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        kind = pack.metadata.get(RECORD_KIND_KEY)
-        record_cls = Record._registry.get(kind) if kind is not None else None
-        if record_cls is None:
-            raise RecordError(
-                "validation",
-                f"{pack.source} has no known record kind ({RECORD_KIND_KEY} = {kind!r})",
-            )
-        return record_cls._from_checked_pack(pack)
+        return record_from_pack(pack)
+
+
+def record_from_pack(pack: burnpack.Pack) -> Record:
+    """The record held by an open pack (a file, or an object read into memory), choosing the
+    class from its kind tag."""
+    kind = pack.metadata.get(RECORD_KIND_KEY)
+    record_cls = Record._registry.get(kind) if kind is not None else None
+    if record_cls is None:
+        raise RecordError(
+            "validation",
+            f"{pack.source} has no known record kind ({RECORD_KIND_KEY} = {kind!r})",
+        )
+    return record_cls._from_checked_pack(pack)

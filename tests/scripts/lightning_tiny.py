@@ -5,11 +5,14 @@ As a script (run by the end-to-end, preemption and DDP tests)::
 
     python lightning_tiny.py --root DIR --epochs 4 [--kill-at-step K] [--term-at-step K]
         [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES --fsize-at-step K]
+        [--every-n-steps N] [--workers W] [--ids FILE] [--one-cycle] [--max-steps M]
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
 multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank ``--term-rank``;
 ``--fsize-limit`` caps file sizes (RLIMIT_FSIZE, SIGXFSZ ignored) from step ``--fsize-at-step``.
+``--ids FILE`` appends ``epoch batch_idx global_step id,id,...`` per training batch (``FILE.rankR``
+under DDP): every sample carries a unique id, so a resumed run's data order can be compared.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import resource
 import signal
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -35,40 +39,61 @@ SEED = 1234
 class TinyModel(L.LightningModule):
     """Linear -> ReLU -> Dropout -> Linear classifier with Adam and a per-epoch StepLR."""
 
-    def __init__(self, hidden: int = 16, lr: float = 0.05) -> None:
+    def __init__(
+        self, hidden: int = 16, lr: float = 0.05, one_cycle: bool = False, workers: int = 0
+    ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters("hidden", "lr")
+        self.one_cycle, self.workers = one_cycle, workers
         self.net = nn.Sequential(
             nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3)
         )
         self.on_step = None  # optional callable(global_step), used to kill/signal mid-epoch
+        self.ids_file: Path | None = None  # where each batch's sample ids are appended
 
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        x, y = batch
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y, ids = batch
+        if self.ids_file is not None:
+            with self.ids_file.open("a") as f:
+                line = ",".join(str(i) for i in ids.tolist())
+                f.write(f"{self.current_epoch} {batch_idx} {self.global_step} {line}\n")
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         if self.on_step is not None:
             self.on_step(self.trainer.global_step)
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y, _ = batch
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        if self.one_cycle:  # per step, sized the usual way (this sets the data up early)
+            total = self.trainer.estimated_stepping_batches
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+            }
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
     def _data(self, seed: int, n: int) -> TensorDataset:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, FEATURES, generator=g)
-        return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+        y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+        return TensorDataset(x, y, torch.arange(n))  # the third column: a unique sample id
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._data(0, SAMPLES), batch_size=BATCH_SIZE, shuffle=True)
+        workers = self.workers
+        return DataLoader(
+            self._data(0, SAMPLES),
+            batch_size=BATCH_SIZE,
+            shuffle=True,
+            num_workers=workers,
+            multiprocessing_context="fork" if workers else None,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._data(1, 16), batch_size=BATCH_SIZE)
@@ -105,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fsize-limit", type=int)
     parser.add_argument("--fsize-at-step", type=int, default=0)
     parser.add_argument("--frequency", type=int, default=1)
+    parser.add_argument("--every-n-steps", type=int)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--one-cycle", action="store_true")
+    parser.add_argument("--ids")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
 
@@ -115,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
 
-    L.seed_everything(SEED, workers=True)
-    model = TinyModel()
     rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Under DDP each rank gets its own RNG stream (different dropout masks), as a resume must
+    # restore every rank's own states; DDP broadcasts rank 0's initial weights.
+    L.seed_everything(SEED + rank, workers=True)
+    model = TinyModel(one_cycle=args.one_cycle, workers=args.workers)
+    if args.ids:
+        model.ids_file = Path(args.ids + (f".rank{rank}" if args.devices > 1 else ""))
 
     def on_step(step: int) -> None:
         if args.fsize_limit is not None and step == args.fsize_at_step:
@@ -131,8 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     extra = {}
     if args.devices > 1:
         extra = dict(strategy="ddp", devices=args.devices, use_distributed_sampler=True)
-    callback = BurnpackCheckpoint(checkpoint_frequency=args.frequency)
-    trainer = make_trainer(args.root, args.epochs, [callback], **extra)
+    callback = BurnpackCheckpoint(
+        checkpoint_frequency=args.frequency, every_n_train_steps=args.every_n_steps
+    )
+    epochs = args.epochs if args.max_steps == -1 else -1
+    trainer = make_trainer(args.root, epochs, [callback], max_steps=args.max_steps, **extra)
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)

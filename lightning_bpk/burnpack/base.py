@@ -1,0 +1,311 @@
+"""What the burnpack reader and writer share: format constants, errors, scalars, dtypes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "CHECKSUM_PREFIX",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAGIC_BYTES",
+    "MAX_CBOR_DEPTH",
+    "MAX_FILE_SIZE",
+    "MAX_METADATA_SIZE",
+    "MAX_RANK",
+    "MAX_TENSOR_COUNT",
+    "MAX_TENSOR_SIZE",
+    "TENSOR_ALIGNMENT",
+    "BurnpackError",
+    "BurnpackIOError",
+    "ChecksumError",
+    "DType",
+    "HeaderError",
+    "MagicError",
+    "MetadataError",
+    "Scalar",
+    "ScalarKind",
+    "SizeMismatchError",
+    "TensorNotFoundError",
+    "ValidationError",
+    "VersionError",
+    "burn_dtype",
+    "torch_dtype",
+]
+
+
+# --- Format constants (Burn's values; the reason for each is beside it) -------------------------
+
+MAGIC = 0x4255524E  # "BURN" as a little-endian u32, so the file starts with b"NRUB"
+MAGIC_BYTES = MAGIC.to_bytes(4, "little")
+FORMAT_VERSION = 1  # the only version Burn writes; readers reject anything newer
+HEADER_SIZE = 10  # magic u32 + version u16 + metadata_size u32
+TENSOR_ALIGNMENT = 256  # data section and every tensor start are 256-byte aligned (mmap/SIMD)
+MAX_METADATA_SIZE = 100 * 1024 * 1024  # checked before allocating: a header cannot demand 4 GiB
+MAX_TENSOR_COUNT = 100_000  # bounds the work of parsing a hostile index
+MAX_TENSOR_SIZE = 10 * 1024**3  # one tensor at most 10 GiB, as Burn on 64-bit targets
+MAX_CBOR_DEPTH = 128  # nesting limit of the metadata decoder (stack safety)
+MAX_FILE_SIZE = 100 * 1024**3  # larger files are refused before anything is mapped
+MAX_RANK = 64  # no real tensor has more dimensions; bounds shape parsing
+
+# Reserved metadata prefix for per-tensor checksums: "lightning_bpk/xxh3/<tensor name>" -> 16 hex.
+CHECKSUM_PREFIX = "lightning_bpk/xxh3/"
+_CHECKSUM_PLACEHOLDER = "0" * 16  # same length as a real digest, so metadata size is known upfront
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _is_digest(text: str) -> bool:
+    """True for what ``xxh3_64_hexdigest`` produces: 16 lowercase hex digits."""
+    return len(text) == len(_CHECKSUM_PLACEHOLDER) and _HEX_DIGITS.issuperset(text)
+
+
+_I64_MIN, _I64_MAX, _U32_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**32 - 1, 2**64 - 1
+
+# --- Errors -------------------------------------------------------------------------------------
+
+
+class BurnpackError(LightningBpkError):
+    """Base class of every error raised while reading or writing a burnpack."""
+
+
+class HeaderError(BurnpackError):
+    """The input is shorter than its header or than the metadata the header announces."""
+
+
+class MagicError(BurnpackError):
+    """The first four bytes are not ``NRUB``: this is not a burnpack file."""
+
+
+class VersionError(BurnpackError):
+    """The header names a format version this reader does not understand."""
+
+
+class MetadataError(BurnpackError):
+    """The CBOR metadata is malformed, too deep, or does not follow Burn's schema."""
+
+
+class ValidationError(BurnpackError):
+    """A limit is exceeded or offsets, shapes and sizes are inconsistent."""
+
+
+class TensorNotFoundError(BurnpackError):
+    """The pack has no tensor of the requested name."""
+
+
+class ChecksumError(BurnpackError):
+    """A tensor's bytes do not match the checksum recorded when it was written."""
+
+
+class SizeMismatchError(BurnpackError):
+    """A deferred tensor produced a different number of bytes than it declared."""
+
+
+class BurnpackIOError(BurnpackError, OSError):
+    """A file could not be opened, read, written or renamed."""
+
+
+# --- Scalars ------------------------------------------------------------------------------------
+
+ScalarKind = str  # "Int" | "UInt" | "Float" | "Bool"
+
+
+class Scalar:
+    """A typed scalar as Burn stores it: ``Int`` (i64), ``UInt`` (u64), ``Float`` (f64), ``Bool``.
+
+    >>> Scalar.UInt(42) == Scalar.UInt(42), Scalar.UInt(42) == Scalar.Int(42)
+    (True, False)
+    >>> Scalar.coerce(2**63).kind
+    'UInt'
+    """
+
+    __slots__ = ("kind", "value")
+    kind: str
+    value: int | float | bool
+
+    def __init__(self, kind: str, value: int | float | bool) -> None:
+        if kind == "Int" or kind == "UInt":
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Scalar.{kind} needs an int, got {type(value).__name__}")
+            value = int(value)  # numpy/torch integers become plain ints
+            lo, hi = (_I64_MIN, _I64_MAX) if kind == "Int" else (0, _U64_MAX)
+            if not lo <= value <= hi:
+                raise ValueError(f"{value} does not fit Scalar.{kind} ({lo}..{hi})")
+        elif kind == "Float":
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"Scalar.Float needs a number, got {type(value).__name__}")
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{value} does not fit Scalar.Float (f64)") from None
+        elif kind == "Bool":
+            if not isinstance(value, (bool, numpy.bool_)):
+                raise TypeError(f"Scalar.Bool needs a bool, got {type(value).__name__}")
+            value = bool(value)
+        else:
+            raise ValueError(
+                f"unknown scalar kind {_short(kind)}; expected Int, UInt, Float or Bool"
+            )
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "value", value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Scalar is immutable")
+
+    @classmethod
+    def Int(cls, value: int) -> Scalar:
+        """A signed 64-bit integer scalar."""
+        return cls("Int", value)
+
+    @classmethod
+    def UInt(cls, value: int) -> Scalar:
+        """An unsigned 64-bit integer scalar."""
+        return cls("UInt", value)
+
+    @classmethod
+    def Float(cls, value: float) -> Scalar:
+        """A 64-bit float scalar."""
+        return cls("Float", value)
+
+    @classmethod
+    def Bool(cls, value: bool) -> Scalar:
+        """A boolean scalar."""
+        return cls("Bool", value)
+
+    @classmethod
+    def coerce(cls, value: Scalar | bool | int | float) -> Scalar:
+        """Turn a plain Python value into a Scalar: bool -> Bool, int -> Int (UInt past i64),
+        float -> Float (numpy scalars likewise). A Scalar is returned unchanged."""
+        if isinstance(value, Scalar):
+            return value
+        if isinstance(value, (bool, numpy.bool_)):
+            return cls("Bool", bool(value))
+        if isinstance(value, numbers.Integral):
+            return cls("UInt" if value > _I64_MAX else "Int", value)
+        if isinstance(value, numbers.Real):
+            return cls("Float", value)
+        raise TypeError(f"cannot store {type(value).__name__} as a burnpack scalar")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Scalar):
+            return NotImplemented
+        if self.kind != other.kind:
+            return False
+        if self.kind == "Float" and math.isnan(self.value) and math.isnan(other.value):
+            return True
+        return self.value == other.value
+
+    def __hash__(self) -> int:
+        # NaN hashes by identity in Python; all NaN Floats are equal here, so hash them alike.
+        nan = self.kind == "Float" and math.isnan(self.value)
+        return hash((self.kind, "nan" if nan else self.value))
+
+    def __repr__(self) -> str:
+        return f"Scalar.{self.kind}({self.value!r})"
+
+
+# --- DTypes -------------------------------------------------------------------------------------
+
+DType = str | dict  # Burn's dtype value as it appears in the metadata
+
+
+@dataclass(frozen=True)
+class _DTypeInfo:
+    itemsize: int  # bytes per element; 0 for the opaque QFloat
+    torch_dtype: torch.dtype | None  # dtype of the stored bytes when viewed by torch
+
+
+_SIMPLE_DTYPES: dict[str, _DTypeInfo] = {
+    "F64": _DTypeInfo(8, torch.float64),
+    "F32": _DTypeInfo(4, torch.float32),
+    "Flex32": _DTypeInfo(4, torch.float32),
+    "F16": _DTypeInfo(2, torch.float16),
+    "BF16": _DTypeInfo(2, torch.bfloat16),
+    "I64": _DTypeInfo(8, torch.int64),
+    "I32": _DTypeInfo(4, torch.int32),
+    "I16": _DTypeInfo(2, torch.int16),
+    "I8": _DTypeInfo(1, torch.int8),
+    "U64": _DTypeInfo(8, torch.uint64),
+    "U32": _DTypeInfo(4, torch.uint32),
+    "U16": _DTypeInfo(2, torch.uint16),
+    "U8": _DTypeInfo(1, torch.uint8),
+}
+_BOOL_DTYPES: dict[str, _DTypeInfo] = {
+    "Native": _DTypeInfo(1, torch.bool),
+    "U8": _DTypeInfo(1, torch.uint8),
+    "U32": _DTypeInfo(4, torch.uint32),
+}
+_QFLOAT = _DTypeInfo(0, None)
+
+_TORCH_TO_BURN: dict[torch.dtype, DType] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: {"Bool": "Native"},
+}
+
+
+def _parsed_dtype_info(dtype: DType) -> _DTypeInfo:
+    """:func:`_dtype_info` of a dtype that parsing already accepted (so never ``None``)."""
+    info = _dtype_info(dtype)
+    if info is None:  # pragma: no cover - _parse_descriptor refuses unknown dtypes
+        raise ValidationError(f"unknown dtype {dtype!r}")
+    return info
+
+
+def _dtype_info(dtype: object) -> _DTypeInfo | None:
+    """Look up a Burn dtype value; ``None`` when it is not one Burn defines."""
+    if isinstance(dtype, str):
+        return _SIMPLE_DTYPES.get(dtype)
+    if isinstance(dtype, dict) and len(dtype) == 1:
+        ((variant, payload),) = dtype.items()
+        if variant == "Bool" and isinstance(payload, str):
+            return _BOOL_DTYPES.get(payload)
+        if variant == "QFloat" and isinstance(payload, dict):
+            return _QFLOAT
+    return None
+
+
+def burn_dtype(dtype: torch.dtype) -> DType:
+    """Burn's dtype value for a torch dtype (``torch.float32`` -> ``"F32"``).
+
+    >>> burn_dtype(torch.bool)
+    {'Bool': 'Native'}
+    """
+    try:
+        return _TORCH_TO_BURN[dtype]
+    except KeyError:
+        raise ValidationError(f"torch dtype {dtype} has no burnpack equivalent") from None
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch dtype a tensor of Burn dtype ``dtype`` reads as (Bool variants -> torch.bool)."""
+    info = _dtype_info(dtype)
+    if info is None or info.torch_dtype is None:
+        raise ValidationError(f"dtype {dtype!r} has no torch equivalent")
+    return torch.bool if isinstance(dtype, dict) else info.torch_dtype
+
+
+_REPR_LIMIT = 80  # hostile values can be megabytes long; error messages show a prefix
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to a readable length for error messages."""
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."

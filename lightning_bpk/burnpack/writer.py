@@ -1,0 +1,536 @@
+"""Writing burnpack files and bytes: planning offsets, streaming tensors, atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import operator
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import cbor2
+import torch
+import xxhash
+
+from lightning_bpk import _fs
+from lightning_bpk.burnpack.base import (
+    _CHECKSUM_PLACEHOLDER,
+    _I64_MAX,
+    _QFLOAT,
+    _TORCH_TO_BURN,
+    _U32_MAX,
+    _U64_MAX,
+    CHECKSUM_PREFIX,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC_BYTES,
+    TENSOR_ALIGNMENT,
+    BurnpackError,
+    BurnpackIOError,
+    DType,
+    MetadataError,
+    Scalar,
+    SizeMismatchError,
+    ValidationError,
+    _dtype_info,
+    burn_dtype,
+)
+
+__all__ = [
+    "BytesLike",
+    "TensorEntry",
+    "TensorsArg",
+    "data_section_start",
+    "dumps",
+    "size",
+    "tensor_bytes",
+    "with_suffix",
+    "write",
+]
+
+
+# --- Writing ------------------------------------------------------------------------------------
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class TensorEntry:
+    """A tensor to write: Burn dtype, shape, bytes (or a provider of them) and an optional param id.
+
+    ``data`` is a bytes-like object, a ``torch.Tensor`` or a zero-argument callable returning
+    either (a *deferred* tensor, called exactly once while writing; ``nbytes`` is then required).
+
+    >>> TensorEntry("F32", [2], b"\\x00" * 8, param_id=7).nbytes
+    8
+    """
+
+    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape")
+
+    def __init__(
+        self,
+        dtype: DType,
+        shape: Iterable[int],
+        data: BytesLike | torch.Tensor | Callable[[], BytesLike | torch.Tensor],
+        param_id: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        self.dtype = dtype
+        self.shape = tuple(operator.index(d) for d in shape)  # 2.5 is an error, not 2
+        self.data = data
+        self.param_id = param_id
+        if nbytes is None:
+            if callable(data) and not isinstance(data, torch.Tensor):
+                raise ValueError("a deferred TensorEntry needs nbytes")
+            nbytes = _nbytes_of(data)
+        self.nbytes = int(nbytes)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
+        """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU."""
+        return cls(
+            burn_dtype(tensor.dtype),
+            tensor.shape,
+            tensor,
+            param_id=param_id,
+            nbytes=tensor.numel() * tensor.element_size(),
+        )
+
+
+def _nbytes_of(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
+
+
+# dtypes numpy can view directly (not bfloat16); the others are reinterpreted as uint8 first.
+_NUMPY_DTYPES = frozenset(
+    d for d in _TORCH_TO_BURN if d not in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64)
+)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, without a copy when it is contiguous on CPU."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
+    if t.dtype in _NUMPY_DTYPES:  # one call instead of four: counts with thousands of tensors
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _as_bytes(data: Any) -> memoryview:
+    if isinstance(data, torch.Tensor):
+        return tensor_bytes(data)
+    return memoryview(data).cast("B")
+
+
+class _Float:
+    """A float to be encoded in the smallest lossless CBOR width (as ciborium does)."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, value: float) -> None:
+        bits = struct.pack(">d", value)
+        for code, fmt in ((b"\xf9", ">e"), (b"\xfa", ">f")):
+            try:
+                narrow = struct.pack(fmt, value)
+            except OverflowError:
+                continue
+            if struct.pack(">d", struct.unpack(fmt, narrow)[0]) == bits:
+                self.encoded = code + narrow
+                return
+        self.encoded = b"\xfb" + bits
+
+
+def _encode_default(encoder: cbor2.CBOREncoder, value: object) -> None:
+    if isinstance(value, _Float):
+        encoder.write(value.encoded)
+        return
+    raise MetadataError(f"cannot encode {type(value).__name__} in burnpack metadata")
+
+
+def _cbor_value(value: Any) -> Any:
+    """Prepare a dtype value (possibly QFloat's nested struct) for encoding, floats narrowed."""
+    if isinstance(value, float):
+        return _Float(value)
+    if isinstance(value, dict):
+        return {k: _cbor_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cbor_value(v) for v in value]
+    return value
+
+
+@dataclass
+class _Planned:
+    name: str
+    entry: TensorEntry
+    start: int  # relative to the data section
+    end: int
+
+
+@dataclass
+class _Plan:
+    tensors: list[_Planned]
+    metadata: dict[str, str]
+    scalars: dict[str, Scalar]
+    checksums: bool
+    encoded: bytes = b""  # the metadata blob (checksum placeholders), set once planning succeeds
+    # offset in ``encoded`` of each tensor's checksum placeholder, by tensor name
+    digest_offsets: dict[str, int] = field(default_factory=dict)
+
+    def encode_metadata(self) -> None:
+        """Encode the metadata once, with placeholders, and find where each digest goes.
+
+        Digests are patched into ``encoded`` in place after the data is written (re-encoding
+        would cost as much again: ~10 ms for 5,000 tensors).
+        """
+        descriptors = {}
+        for p in sorted(self.tensors, key=lambda p: p.name):
+            desc: dict[str, Any] = {
+                "dtype": _cbor_value(p.entry.dtype),
+                "shape": list(p.entry.shape),
+                "data_offsets": [p.start, p.end],
+            }
+            if p.entry.param_id is not None:
+                desc["param_id"] = p.entry.param_id
+            descriptors[p.name] = desc
+        top: dict[str, Any] = {"tensors": descriptors}
+        metadata = dict(self.metadata)
+        if self.checksums:
+            for p in self.tensors:
+                metadata[CHECKSUM_PREFIX + p.name] = _CHECKSUM_PLACEHOLDER
+        keys = sorted(metadata)
+        if metadata:
+            top["metadata"] = {k: metadata[k] for k in keys}
+        if self.scalars:
+            top["scalars"] = {
+                k: {s.kind: _Float(s.value) if s.kind == "Float" else s.value}
+                for k, s in sorted(self.scalars.items())
+            }
+        self.encoded = _cbor(top)
+        if not (self.checksums and self.tensors):
+            return
+        # Keys sharing the prefix are adjacent once sorted, so the checksum entries are one run
+        # of the metadata map; what follows the run (later user keys, then the scalars) is
+        # encoded on its own to find where the run ends.
+        first = next(i for i, k in enumerate(keys) if k.startswith(CHECKSUM_PREFIX))
+        after = first + len(self.tensors)
+        tail = sum(len(_cbor(k)) + len(_cbor(metadata[k])) for k in keys[after:])
+        if "scalars" in top:
+            tail += len(_cbor("scalars")) + len(_cbor(top["scalars"]))
+        position = len(self.encoded) - tail
+        value_size = len(_cbor(_CHECKSUM_PLACEHOLDER))
+        for key in reversed(keys[first:after]):
+            position -= value_size  # the digest text: a 1-byte header, then 16 hex digits
+            self.digest_offsets[key[len(CHECKSUM_PREFIX) :]] = position + 1
+            position -= _text_size(key)
+
+    def patched(self, digests: Mapping[str, str]) -> bytearray:
+        """``encoded`` with every placeholder replaced by its tensor's digest."""
+        blob = bytearray(self.encoded)
+        for name, offset in self.digest_offsets.items():
+            blob[offset : offset + len(_CHECKSUM_PLACEHOLDER)] = digests[name].encode()
+        return blob
+
+    @property
+    def data_size(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+
+def _cbor(value: Any) -> bytes:
+    return cbor2.dumps(value, default=_encode_default)
+
+
+def _text_size(text: str) -> int:
+    """Bytes of ``text`` encoded as a CBOR text string: header (1-9 bytes, minimal) + UTF-8."""
+    n = len(text.encode())
+    return n + (1 if n < 24 else 2 if n < 2**8 else 3 if n < 2**16 else 5 if n < 2**32 else 9)
+
+
+def _align(n: int) -> int:
+    return -(-n // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
+
+def data_section_start(metadata_size: int) -> int:
+    """Absolute offset of the data section for a metadata blob of ``metadata_size`` bytes.
+
+    >>> [data_section_start(m) for m in (0, 246, 247)]
+    [256, 256, 512]
+    """
+    return _align(HEADER_SIZE + metadata_size)
+
+
+TensorsArg = Mapping[str, torch.Tensor | TensorEntry] | Iterable[tuple]
+
+
+def _plan(
+    tensors: TensorsArg,
+    metadata: Mapping[str, str] | None,
+    scalars: Mapping[str, Any] | None,
+    checksums: bool,
+) -> _Plan:
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    planned: list[_Planned] = []
+    seen: set[str] = set()
+    offset = 0
+    for name, value in items:
+        if not isinstance(name, str):
+            raise ValidationError(f"tensor name {name!r} is not a string")
+        if name in seen:
+            raise ValidationError(f"Duplicate tensor name '{name}'")
+        seen.add(name)
+        entry = value if isinstance(value, TensorEntry) else None
+        if entry is None:
+            if not isinstance(value, torch.Tensor):
+                raise ValidationError(
+                    f"tensor '{name}': expected a torch.Tensor or TensorEntry, "
+                    f"got {type(value).__name__}"
+                )
+            try:
+                entry = TensorEntry.from_tensor(value)
+            except ValidationError as e:
+                raise ValidationError(f"tensor '{name}': {e}") from None
+        _check_entry(name, entry)
+        start = _align(offset)
+        planned.append(_Planned(name, entry, start, start + entry.nbytes))
+        offset = start + entry.nbytes
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValidationError(f"metadata entry {k!r}: keys and values must be strings")
+        if k.startswith(CHECKSUM_PREFIX):
+            raise ValidationError(
+                f"metadata key {k!r} uses the reserved prefix {CHECKSUM_PREFIX!r}"
+            )
+    scal = {}
+    for k, v in (scalars or {}).items():
+        if not isinstance(k, str):
+            raise ValidationError(f"scalar name {k!r} is not a string")
+        try:
+            scal[k] = Scalar.coerce(v)
+        except (TypeError, ValueError) as e:
+            raise ValidationError(f"scalar '{k}': {e}") from None
+    plan = _Plan(planned, meta, scal, checksums)
+    try:
+        plan.encode_metadata()
+    except UnicodeEncodeError as e:  # lone surrogates cannot be stored as UTF-8 text
+        raise ValidationError(f"{e.object!r} is not valid UTF-8 text: {e.reason}") from None
+    if len(plan.encoded) > _U32_MAX:
+        raise BurnpackIOError(f"metadata of {len(plan.encoded)} bytes does not fit the u32 header")
+    return plan
+
+
+def _check_entry(name: str, entry: TensorEntry) -> None:
+    info = _dtype_info(entry.dtype)
+    if info is None:
+        raise ValidationError(f"tensor '{name}': unknown dtype {entry.dtype!r}")
+    if any(not 0 <= d <= _I64_MAX for d in entry.shape):
+        raise ValidationError(
+            f"tensor '{name}': shape {list(entry.shape)} has a negative or over-i64 dim"
+        )
+    if entry.param_id is not None and not (
+        isinstance(entry.param_id, int) and 0 <= entry.param_id <= _U64_MAX
+    ):
+        raise ValidationError(f"tensor '{name}': param_id {entry.param_id!r} is not a u64")
+    if info is not _QFLOAT:
+        need = math.prod(entry.shape) * info.itemsize
+        if entry.nbytes != need:
+            raise ValidationError(
+                f"tensor '{name}' declares {entry.nbytes} bytes but its shape "
+                f"{list(entry.shape)} and dtype {entry.dtype} need {need}"
+            )
+    data = entry.data
+    if isinstance(data, torch.Tensor) and data.dtype == torch.bool and info.itemsize != 1:
+        raise ValidationError(f"tensor '{name}': a torch.bool tensor must be stored as 1 byte")
+
+
+def _materialize(p: _Planned) -> memoryview:
+    """Call a deferred provider exactly once and check the length it returns."""
+    data = p.entry.data
+    if callable(data) and not isinstance(data, torch.Tensor):
+        try:
+            data = data()
+        except BurnpackError as e:
+            raise type(e)(f"tensor '{p.name}': {e}") from e
+        except Exception as e:
+            raise BurnpackIOError(f"tensor '{p.name}': {e}") from e
+    view = _as_bytes(data)
+    if view.nbytes != p.entry.nbytes:
+        raise SizeMismatchError(
+            f"tensor '{p.name}': deferred source has inconsistent length "
+            f"(expected {p.entry.nbytes}, got {view.nbytes})"
+        )
+    return view
+
+
+# Tensors of at least this many bytes are checksummed on a helper thread while this thread writes
+# them: xxhash and os.write both release the GIL, so on two cores the hash costs no wall time.
+# Below it, handing the work over costs more than hashing inline (xxh3 runs at ~10 GB/s).
+_PARALLEL_HASH_MIN = 1024 * 1024
+# Smaller tensors, the header and the zero padding are gathered into one buffer of this size per
+# write: 5,000 tensors of 4 KiB take 20 writes instead of 10,000 (half the write time).
+_GATHER_SIZE = 1024 * 1024
+
+
+class _Gather:
+    """Collects small pieces in one reused buffer and writes them to ``sink`` together."""
+
+    def __init__(self, sink: BinaryIO, size: int) -> None:
+        self._sink = sink
+        self._buffer = memoryview(bytearray(size))
+        self._used = 0
+
+    def add(self, data: memoryview | bytes) -> None:
+        n = len(data)
+        if self._used + n > self._buffer.nbytes:
+            self.flush()
+            if n > self._buffer.nbytes:
+                _fs.write_all(self._sink, data)
+                return
+        self._buffer[self._used : self._used + n] = data
+        self._used += n
+
+    def flush(self) -> None:
+        if self._used:
+            _fs.write_all(self._sink, self._buffer[: self._used])
+            self._used = 0
+
+
+def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
+    """Stream header, metadata and tensors to a seekable sink; patch checksums in at the end.
+
+    Large tensors are hashed on a helper thread while they are written (each hash finishes
+    before the next tensor's provider runs, so peak memory stays one tensor); small ones are
+    hashed inline and gathered with the padding into few writes.
+    """
+    meta = plan.encoded
+    data_start = data_section_start(len(meta))
+    header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
+    # no larger than what is gathered: a pack of big tensors needs a few hundred bytes
+    small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < _PARALLEL_HASH_MIN)
+    gather = _Gather(
+        sink, min(_GATHER_SIZE, data_start + small + TENSOR_ALIGNMENT * len(plan.tensors))
+    )
+    gather.add(header + meta + bytes(data_start - HEADER_SIZE - len(meta)))
+    position = 0
+    digests: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        hasher: ThreadPoolExecutor | None = None
+        for p in plan.tensors:
+            if p.start > position:
+                gather.add(bytes(p.start - position))
+            view = _materialize(p)
+            if view.nbytes < _PARALLEL_HASH_MIN:
+                if plan.checksums:
+                    digests[p.name] = xxhash.xxh3_64_hexdigest(view)
+                gather.add(view)
+            else:
+                gather.flush()
+                if plan.checksums:
+                    if hasher is None:
+                        hasher = stack.enter_context(ThreadPoolExecutor(1))
+                    digest = hasher.submit(xxhash.xxh3_64_hexdigest, view)
+                _fs.write_all(sink, view)
+                if plan.checksums:
+                    digests[p.name] = digest.result()
+            del view  # drop this tensor's bytes before the next provider runs
+            position = p.end
+    gather.flush()
+    if plan.digest_offsets:
+        sink.seek(HEADER_SIZE)
+        _fs.write_all(sink, plan.patched(digests))
+        sink.seek(0, io.SEEK_END)
+
+
+def dumps(
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    checksums: bool = True,
+) -> bytes:
+    """Encode tensors, string metadata and typed scalars as burnpack bytes.
+
+    ``tensors`` maps names to tensors or :class:`TensorEntry`; its order is the data order.
+    ``checksums=False`` writes exactly what Burn would (no checksum entries).
+
+    >>> len(dumps({}))  # an empty pack is one aligned block
+    256
+    """
+    plan = _plan(tensors, metadata, scalars, checksums)
+    buffer = io.BytesIO()
+    _write_plan(plan, buffer)
+    return buffer.getvalue()
+
+
+def size(
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    checksums: bool = True,
+) -> int:
+    """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
+    plan = _plan(tensors, metadata, scalars, checksums)
+    return data_section_start(len(plan.encoded)) + plan.data_size
+
+
+def with_suffix(path: str | os.PathLike[str]) -> Path:
+    """``path`` with ``.bpk`` appended when it has no suffix (Burn's rule for writers)."""
+    p = Path(path)
+    return p if p.suffix else p.with_name(p.name + ".bpk")
+
+
+def write(
+    path: str | os.PathLike[str],
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    atomic: bool = True,
+    checksums: bool = True,
+    add_suffix: bool = True,
+) -> Path:
+    """Write a burnpack file and return its path (``.bpk`` added when the path has no suffix,
+    unless ``add_suffix=False``: then exactly ``path``, as Lightning's ``CheckpointIO`` needs).
+
+    With ``atomic=True`` (default) the bytes go to a scratch file in the same directory, which is
+    fsynced and renamed over ``path``: a failure leaves no scratch file and an existing file
+    untouched. ``atomic=False`` is Burn's plain ``write_to_file``: a failure partway leaves a
+    short, corrupt file in place of the old one. Offsets are planned before any I/O, each deferred
+    provider is called once, in order, and tensors are streamed, so peak extra memory is about
+    the largest tensor.
+
+    >>> import tempfile, torch
+    >>> write(tempfile.mkdtemp() + "/model", {"w": torch.zeros(3)}).name
+    'model.bpk'
+    """
+    target = with_suffix(path) if add_suffix else Path(path)
+    plan = _plan(tensors, metadata, scalars, checksums)
+    try:
+        if atomic:
+            with _fs.atomic_file(target) as f:
+                _write_plan(plan, f)
+        else:
+            # Burn truncates in place; unlinking first gives the same clobbering semantics but
+            # keeps packs that still map the old file (their tensors are views) intact.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            with open(target, "wb", buffering=0) as f:
+                _write_plan(plan, f)
+    except BurnpackError as e:
+        raise type(e)(f"{target}: {e}") from e
+    except OSError as e:
+        raise BurnpackIOError(f"cannot write {target}: {e.strerror or e}") from e
+    return target

@@ -1,0 +1,118 @@
+"""One run owns a checkpoint directory: a generation-numbered lease that fences a zombie writer.
+
+The policy, the same on local disk and on object stores: **the newest run takes over.** A run
+that starts (the callback's ``setup``, before the first batch) creates the next lease object
+``.lightning_bpk.owner.<G>`` create-only (``O_EXCL`` locally, a conditional PUT on S3 and GCS)
+holding its pid, host and start time. Before every commit (sentinel) and every garbage
+collection the writer lists the leases once; if a higher generation exists it raises
+:class:`CheckpointSupersededError` naming the new owner, having deleted nothing. So a preempted
+job that is still running while its replacement starts (a zombie), or a second run started by
+mistake in the same directory, stops at its next write instead of mixing checkpoints with the
+newer run: never both.
+
+Why take-over rather than refusing the newer run: on a spot machine the older run is usually
+dead or dying and cannot release anything, and whether a pid on another host is alive cannot be
+known from the bucket. The superseded run's error says who took over, so the mistake of starting
+two runs in one directory is visible at once.
+
+Older lease objects are removed by the new owner after it created its own; the newest is never
+removed (it is what the zombie compares against).
+
+    >>> import tempfile
+    >>> from lightning_bpk.storage import open_store
+    >>> store = open_store(tempfile.mkdtemp())
+    >>> first = Lease.acquire(store)
+    >>> second = Lease.acquire(store)
+    >>> second.check()
+    >>> first.generation, second.generation
+    (1, 2)
+    >>> try:
+    ...     first.check()
+    ... except CheckpointSupersededError as e:
+    ...     print("superseded" in str(e))
+    True
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = ["LEASE_STEM", "CheckpointSupersededError", "Lease", "lease_name"]
+
+LEASE_STEM = ".lightning_bpk.owner"
+_LEASE = re.compile(re.escape(LEASE_STEM) + r"\.(0|[1-9][0-9]*)")
+# Create-only races lost in a row before giving up (another run acquiring at the same moment).
+_ACQUIRE_ATTEMPTS = 20
+
+
+class CheckpointSupersededError(LightningBpkError, RuntimeError):
+    """A newer run took over the checkpoint directory; this run must stop writing there."""
+
+
+def _generations(listing: dict[str, Any]) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_LEASE.fullmatch, listing) if m is not None)
+
+
+def lease_name(generation: int) -> str:
+    return f"{LEASE_STEM}.{generation}"
+
+
+@dataclass
+class Lease:
+    """This run's ownership of ``store``'s directory (see the module docstring)."""
+
+    store: Any  # storage.LocalStore | storage.ObjectStore
+    generation: int
+    owner: dict[str, Any]
+
+    @classmethod
+    def acquire(cls, store: Any) -> Lease:
+        """Take over the directory: create the next generation's lease object create-only."""
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        for _ in range(_ACQUIRE_ATTEMPTS):
+            existing = _generations(store.list(""))
+            generation = (existing[-1] if existing else 0) + 1
+            body = json.dumps({**owner, "generation": generation}).encode()
+            if store.create(lease_name(generation), body):
+                store.remove(lease_name(g) for g in existing)
+                return cls(store, generation, owner)
+        raise CheckpointSupersededError(
+            f"{store.url}: could not take over the directory: other runs kept creating leases "
+            f"({_ACQUIRE_ATTEMPTS} attempts)"
+        )
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing)."""
+        generations = _generations(self.store.list(""))
+        if generations and generations[-1] == self.generation:
+            return
+        newest = generations[-1] if generations else None
+        raise CheckpointSupersededError(
+            f"{self.store.url}: this run (pid {self.owner['pid']} on {self.owner['host']}, "
+            f"started {self.owner['started']}, lease {self.generation}) was superseded by "
+            f"{self._describe(newest)}; it stops writing here and deletes nothing"
+        )
+
+    def _describe(self, generation: int | None) -> str:
+        if generation is None:
+            return "nobody (its lease was removed)"
+        try:
+            doc = json.loads(self.store.read(lease_name(generation)))
+            return (
+                f"a newer run (pid {doc.get('pid')} on {doc.get('host')}, started "
+                f"{doc.get('started')}, lease {generation})"
+            )
+        except (OSError, ValueError):
+            return f"a newer run (lease {generation})"

@@ -1,0 +1,339 @@
+"""The checkpointer's protocol on object stores (S3, GCS, ``memory://``): no rename, so commit
+with a manifest written last.
+
+The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/model.bpk``,
+``s3://bucket/run/sentinel_checkpoint_complete.7``), so the same tools read both. Saving N:
+
+1. the records are written to a local staging directory (the local protocol's ``_stage``: each
+   file fsynced) and described for the manifest (size, head digest);
+2. the lease is checked (:mod:`lightning_bpk.lease`): a superseded run stops here;
+3. if N exists already, its sentinel is deleted first (N stops being complete), then its
+   objects: the data prefix of N only ever holds bytes of a save whose sentinel is not yet
+   written, so no sentinel names bytes other than those it was written for;
+4. every file is uploaded (large files as multipart uploads) with bounded retries;
+5. one listing of the data prefix confirms every object is present with its size;
+6. the lease is checked again and the sentinel is written **create-only** (a conditional PUT on
+   S3 and GCS): if another writer committed N in between, this save fails instead of
+   overwriting its commit;
+7. garbage collection (the local arithmetic), after one more lease check: sentinels are deleted
+   before their data, so a checkpoint is incomplete before it is partial.
+
+A failure anywhere in 2-6 raises (a :class:`~lightning_bpk.storage.StorageError` after the
+retries) and leaves every other checkpoint as it was; what was uploaded for N is removed on a
+best-effort basis (never after losing the lease). An object is never visible half-written on
+these stores, so a crash at any point leaves at most unreferenced data, which the next garbage
+collection removes.
+
+Reads stream: a record object is fetched with ranged reads into memory, its head (header and
+metadata) first and checked against the manifest's digest before the tensor bytes are fetched;
+the tensor checksums are verified as the record is decoded. Nothing goes to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from lightning_bpk import burnpack
+from lightning_bpk import checkpointer as ck
+from lightning_bpk.layout import sentinel_stem
+from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
+from lightning_bpk.storage import ObjectStore, StorageError
+
+__all__ = [
+    "RemoteCheckpoint",
+    "collect_garbage",
+    "commit",
+    "fetch_pack",
+    "latest",
+    "list_checkpoints",
+    "save",
+]
+
+
+def _entries(listing: Mapping[str, int | None], stem: str, *, data: bool) -> dict[int, str]:
+    """``{N: name}`` for the names ``stem.N`` of a listing (data: prefixes; sentinels: objects)."""
+    found = {}
+    for name, match in ck.number_matches(listing, stem):
+        if (listing[name] is None) == data:
+            found[int(match.group(1))] = name
+    return found
+
+
+def list_checkpoints(store: ObjectStore, identifier: str, prefix: str) -> list[ck.CheckpointEntry]:
+    """:func:`lightning_bpk.checkpointer.list_checkpoints` on a store (one listing)."""
+    listing = store.list("")
+    sentinels = _entries(listing, sentinel_stem(identifier), data=False)
+    data = _entries(listing, prefix, data=True)
+    return [
+        ck.CheckpointEntry(
+            n,
+            store.url_of(data[n]) if n in data else None,
+            store.url_of(sentinels[n]) if n in sentinels else None,
+        )
+        for n in sorted(set(sentinels) | set(data), reverse=True)
+    ]
+
+
+class RemoteCheckpoint:
+    """One iteration's sentinel and data in a store; read-only."""
+
+    def __init__(self, store: ObjectStore, n: int, identifier: str, prefix: str | None) -> None:
+        self.store = store
+        self.iteration = n
+        self.prefix = prefix
+        self.sentinel_key = f"{sentinel_stem(identifier)}.{n}"
+        self.sentinel = store.url_of(self.sentinel_key)
+
+    def read_manifest(self) -> ck._Manifest | None:
+        """Parse the sentinel. Raises FileNotFoundError (absent) or ValueError (damaged)."""
+        size = self.store.size(self.sentinel_key)
+        if size is None:
+            raise FileNotFoundError(self.sentinel)
+        if size > ck.MAX_SENTINEL_SIZE:
+            raise ValueError(f"sentinel is larger than {ck.MAX_SENTINEL_SIZE} bytes")
+        manifest = ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration)
+        if manifest is not None and self.prefix is not None:
+            expected = f"{self.prefix}.{self.iteration}"
+            if manifest.data != expected:
+                raise ValueError(f"manifest names data {manifest.data!r}, not {expected!r}")
+        return manifest
+
+    def data_name(self, manifest: ck._Manifest | None) -> str:
+        return (
+            manifest.data if manifest is not None else f"{self.prefix or 'ckpt'}.{self.iteration}"
+        )
+
+    def problems(self, *, full: bool) -> list[str]:
+        """Why this checkpoint is not usable ([] if it is): the local checks, on objects."""
+        try:
+            manifest = self.read_manifest()
+        except FileNotFoundError:
+            return [f"{self.sentinel}: no sentinel (iteration {self.iteration} is not complete)"]
+        except (OSError, ValueError) as e:
+            return [f"{self.sentinel}: {e}"]
+        name = self.data_name(manifest)
+        data_url = self.store.url_of(name)
+        present = self.store.list(name)
+        if not present:
+            return [f"{data_url}: data is missing (sentinel without data)"]
+        if manifest is None:
+            if not full:
+                return []
+            warnings.warn(
+                f"checkpoint {self.iteration} in {self.store.url} has Dopamine's b'done' "
+                "sentinel: no manifest, so only the tensor checksums inside its files can be "
+                "verified",
+                ck.CheckpointWarning,
+                stacklevel=4,
+            )
+            problems = []
+            for file in sorted(n for n in present if n.endswith(ck.RECORD_SUFFIX)):
+                try:
+                    fetch_pack(self.store, f"{name}/{file}", present[file] or 0).verify()
+                except (burnpack.BurnpackError, OSError) as e:
+                    problems.append(str(e))
+            return problems
+        problems = []
+        expected = {key + ck.RECORD_SUFFIX: e for key, e in manifest.files.items()}
+        for file in sorted(set(present) - set(expected)):
+            problems.append(f"{data_url}/{file}: unexpected object, not in the manifest")
+        for file, entry in expected.items():
+            url = f"{data_url}/{file}"
+            if file not in present:
+                problems.append(f"{url}: listed in the manifest but missing")
+            elif present[file] != entry.size:
+                problems.append(f"{url}: {present[file]} bytes, manifest records {entry.size}")
+            elif full:
+                try:
+                    fetch_pack(self.store, f"{name}/{file}", entry.size, entry).verify()
+                except (burnpack.BurnpackError, OSError, RecordError) as e:
+                    problems.append(str(e))
+        return problems
+
+    def load(self, keys: Iterable[str] | None) -> dict[str, Any] | None:
+        """:meth:`Checkpointer.load_checkpoint` on a store."""
+        try:
+            manifest = self.read_manifest()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise RecordError("io", f"{self.sentinel}: {e}") from e
+        name = self.data_name(manifest)
+        present = self.store.list(name)
+        if not present:
+            return None
+        if manifest is None:
+            sizes = {
+                f[: -len(ck.RECORD_SUFFIX)]: s
+                for f, s in present.items()
+                if f.endswith(ck.RECORD_SUFFIX) and s is not None
+            }
+        else:
+            sizes = {key: entry.size for key, entry in manifest.files.items()}
+        wanted = list(sizes) if keys is None else list(keys)
+        missing = [k for k in wanted if k not in sizes]
+        if missing:
+            raise KeyError(
+                f"checkpoint {self.iteration} ({self.store.url_of(name)}) has no entries "
+                f"{missing}; it holds {sorted(sizes)}"
+            )
+        loaded = {}
+        for key in wanted:
+            entry = None if manifest is None else manifest.files[key]
+            try:
+                pack = fetch_pack(self.store, f"{name}/{key}{ck.RECORD_SUFFIX}", sizes[key], entry)
+            except burnpack.BurnpackError as e:
+                raise RecordError("io", str(e)) from e
+            except OSError as e:
+                raise RecordError("io", f"{self.store.url_of(name)}/{key}: {e}") from e
+            record = record_from_pack(pack)
+            loaded[key] = record.value if isinstance(record, StateRecord) else record
+        return loaded
+
+
+def fetch_pack(
+    store: ObjectStore, key: str, size: int, entry: ck._FileEntry | None = None
+) -> burnpack.Pack:
+    """Read object ``key`` (``size`` bytes) into memory with ranged reads and parse it.
+
+    With a manifest ``entry`` the head (header and metadata) is fetched and checked against the
+    recorded digest before any tensor byte is requested. Tensors are checked against their
+    checksums when they are read from the returned pack.
+    """
+    url = store.url_of(key)
+    if size > burnpack.MAX_FILE_SIZE:
+        raise burnpack.ValidationError(f"{url}: {size} bytes exceeds the maximum file size")
+    buffer = bytearray(size)
+    start = 0
+    if entry is not None:
+        if entry.size != size or entry.head_size > size:
+            raise RecordError("io", f"{url}: {size} bytes, manifest records {entry.size}")
+        store.read_into(key, memoryview(buffer)[: entry.head_size])
+        if xxhash.xxh3_64_hexdigest(memoryview(buffer)[: entry.head_size]) != entry.head_xxh3:
+            raise RecordError(
+                "io", f"{url}: header/metadata bytes differ from the manifest's xxh3 (damaged)"
+            )
+        start = entry.head_size
+    store.read_into(key, memoryview(buffer)[start:], offset=start)
+    return burnpack.Pack(buffer, source=url)
+
+
+def latest(store: ObjectStore, identifier: str, prefix: str | None, verify: bool) -> int:
+    """:func:`lightning_bpk.checkpointer.get_latest_checkpoint_number` on a store: the newest
+    sentinel whose checkpoint passes the checks; skipped ones warn with the reason."""
+    listing = store.list("")
+    for n in sorted(_entries(listing, sentinel_stem(identifier), data=False), reverse=True):
+        problems = RemoteCheckpoint(store, n, identifier, prefix).problems(full=verify)
+        if not problems:
+            return n
+        warnings.warn(
+            f"checkpoint {n} in {store.url} skipped: " + "; ".join(problems),
+            ck.CheckpointWarning,
+            stacklevel=3,
+        )
+    return -1
+
+
+def save(checkpointer: ck.Checkpointer, store: ObjectStore, n: int, data: Mapping[str, Any]) -> str:
+    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL."""
+    scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
+    try:
+        staging, files = checkpointer._stage(n, data, under=scratch)
+        return commit(checkpointer, store, n, staging, files)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def commit(
+    checkpointer: ck.Checkpointer,
+    store: ObjectStore,
+    n: int,
+    staging: Path,
+    files: Mapping[str, ck._FileEntry],
+) -> str:
+    """Upload a staged checkpoint and write its sentinel last (steps 2-7)."""
+    lease = checkpointer.lease
+    name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
+    if lease is not None:
+        lease.check()
+    listing = store.list("")
+    if sentinel in listing:
+        store.remove([sentinel])
+    if name in listing:
+        store.remove_prefix(name)
+    committed = False
+    try:
+        for key in files:
+            store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
+        present = store.list(name)
+        for key, entry in files.items():
+            found = present.get(key + ck.RECORD_SUFFIX)
+            if found != entry.size:
+                raise StorageError(
+                    f"{store.url_of(name)}/{key}{ck.RECORD_SUFFIX}: uploaded, but the store "
+                    f"lists {'nothing' if found is None else f'{found} bytes'} instead of "
+                    f"{entry.size} bytes; checkpoint {n} not committed"
+                )
+        if lease is not None:
+            lease.check()
+        manifest = ck._encode_manifest(n, ck._Manifest(name, dict(files)))
+        if not store.create(sentinel, manifest):
+            raise StorageError(
+                f"{store.url_of(sentinel)}: another writer committed checkpoint {n} while this "
+                "one uploaded it; not overwritten"
+            )
+        committed = True
+    finally:
+        if not committed and _still_owner(lease):
+            try:
+                store.remove_prefix(name)
+            except OSError as e:  # the next garbage collection removes the rest
+                warnings.warn(
+                    f"checkpoint {n}: removing the uploaded objects of the failed save from "
+                    f"{store.url_of(name)} failed: {e}",
+                    ck.CheckpointWarning,
+                    stacklevel=3,
+                )
+    collect_garbage(checkpointer, store, n)
+    return store.url_of(name)
+
+
+def _still_owner(lease: Any) -> bool:
+    if lease is None:
+        return True
+    try:
+        lease.check()
+    except Exception:
+        return False
+    return True
+
+
+def collect_garbage(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
+    """The local retention (:meth:`Checkpointer._collect_garbage`) in a store: every doomed
+    sentinel is deleted before any data object. A failure warns; the save stands."""
+    try:
+        if checkpointer.lease is not None:
+            checkpointer.lease.check()
+        listing = store.list("")
+        sentinels = _entries(
+            listing, sentinel_stem(checkpointer.sentinel_file_identifier), data=False
+        )
+        data = _entries(listing, checkpointer.checkpoint_file_prefix, data=True)
+        doomed_sentinels, doomed_data = checkpointer._doomed(n, set(sentinels), set(data))
+        store.remove(sentinels[m] for m in sorted(doomed_sentinels))
+        for m in sorted(doomed_data):
+            store.remove_prefix(data[m])
+    except OSError as e:
+        warnings.warn(
+            f"checkpoint {n} in {store.url} is complete, but removing old checkpoints failed: {e}",
+            ck.CheckpointWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,443 @@
+"""Where checkpoints live: a local directory or an object store, chosen by the URL's protocol.
+
+Every path the package accepts may be a URL. :func:`is_local` decides which implementation
+serves it, from the protocol fsspec's ``url_to_fs`` would pick:
+
+- no protocol or ``file://``: the **local** implementation, which is the crash-safe protocol of
+  :mod:`lightning_bpk.checkpointer` and :mod:`lightning_bpk._fs` (staging directory, fsync,
+  rename, directory fsync, sentinel last, flock). :class:`LocalStore` adds the few key/value
+  operations the ownership lease needs (:mod:`lightning_bpk.lease`).
+- any other protocol (``s3://``, ``gs://``, ``memory://``, ...): :class:`ObjectStore`, a small
+  key/value view of an fsspec filesystem below one root. Object stores have no atomic rename,
+  so the checkpointer commits there with a manifest written last
+  (:mod:`lightning_bpk.object_checkpoints`).
+
+A URL whose driver is not installed is refused with the extra to install::
+
+    >>> open_store("memory://bucket/run").url
+    'memory://bucket/run'
+    >>> is_local("s3://bucket/run"), is_local("run/checkpoints"), is_local("file:///tmp/x")
+    (False, True, True)
+
+Every call to an object store is retried on transient errors (timeouts, connection resets,
+throttling) with exponential backoff and full jitter, each wait bounded by :data:`MAX_WAIT` and
+the attempts by :data:`ATTEMPTS`; what still fails raises :class:`StorageError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fsspec
+import fsspec.core
+
+from lightning_bpk import _fs
+from lightning_bpk.errors import LightningBpkError
+
+__all__ = [
+    "ATTEMPTS",
+    "BASE_WAIT",
+    "EXTRAS",
+    "LOCAL_PROTOCOLS",
+    "MAX_WAIT",
+    "READ_CHUNK",
+    "UPLOAD_PART",
+    "LocalStore",
+    "MissingDriverError",
+    "ObjectStore",
+    "StorageError",
+    "is_local",
+    "join",
+    "local_path",
+    "location",
+    "name_of",
+    "object_store",
+    "open_store",
+    "parent_of",
+    "protocol_of",
+    "retry",
+]
+
+# Protocols served by the local implementation (fsspec's names for the local filesystem).
+LOCAL_PROTOCOLS = ("file", "local")
+# The pip extra that installs each protocol's driver.
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# Attempts per call and the longest single wait between two of them (seconds); the first wait is
+# at most BASE_WAIT, doubling each time (full jitter: a uniform draw below that bound).
+ATTEMPTS = 5
+BASE_WAIT = 0.2
+MAX_WAIT = 5.0
+# Part size of multipart uploads to S3 (None: s3fs's default, 50 MiB parts for files of 100 MiB
+# and more); parts go up concurrently.
+UPLOAD_PART: int | None = None
+# Ranged reads fetch this many bytes per request (several requests are in flight at once).
+READ_CHUNK = 16 * 1024 * 1024
+
+T = TypeVar("T")
+
+
+class StorageError(LightningBpkError, OSError):
+    """A storage operation failed (after retries), or a URL cannot be served; names the URL."""
+
+
+class MissingDriverError(LightningBpkError, ImportError):
+    """The fsspec driver for a URL's protocol is not installed."""
+
+
+def protocol_of(url: str | os.PathLike[str]) -> str | None:
+    """The URL's protocol (``"s3"``), or ``None`` for a plain path."""
+    protocol, _ = fsspec.core.split_protocol(os.fspath(url))
+    return protocol
+
+
+def is_local(url: str | os.PathLike[str]) -> bool:
+    """True when ``url`` is a plain path or a ``file://`` URL (served by the local protocol)."""
+    if isinstance(url, Path):
+        return True
+    protocol = protocol_of(url)
+    return protocol is None or protocol in LOCAL_PROTOCOLS
+
+
+def location(url: str | os.PathLike[str]) -> Path | str:
+    """``url`` as the package keeps it: a :class:`~pathlib.Path` for local directories (a
+    ``file://`` prefix removed), the URL string without trailing ``/`` for object stores.
+
+    ``Path("s3://bucket/run")`` would silently become the local folder ``s3:/bucket/run``;
+    every entry point goes through this function instead.
+
+    >>> location("s3://bucket/run/"), location("file:///tmp/run")
+    ('s3://bucket/run', PosixPath('/tmp/run'))
+    """
+    if is_local(url):
+        text = os.fspath(url)
+        if protocol_of(text) is not None:
+            text = fsspec.core.split_protocol(text)[1]
+        return Path(text)
+    return os.fspath(url).rstrip("/")
+
+
+def local_path(url: str | os.PathLike[str]) -> Path:
+    """The local directory of a path or ``file://`` URL (``ValueError`` for an object store)."""
+    loc = location(url)
+    if not isinstance(loc, Path):
+        raise ValueError(f"{loc} is not a local path")
+    return loc
+
+
+def object_store(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> ObjectStore:
+    """The :class:`ObjectStore` of a URL (``ValueError`` for a local path)."""
+    store = open_store(url, storage_options)
+    if not isinstance(store, ObjectStore):
+        raise ValueError(f"{url} is a local path, not an object-store URL")
+    return store
+
+
+def join(base: Path | str, *names: str) -> Path | str:
+    """``base / name / ...`` for a local path or a URL."""
+    if isinstance(base, Path):
+        return base.joinpath(*names)
+    return "/".join([base.rstrip("/"), *names])
+
+
+def name_of(url: Path | str) -> str:
+    """The last component of a path or URL."""
+    return url.name if isinstance(url, Path) else url.rstrip("/").rpartition("/")[2]
+
+
+def parent_of(url: Path | str) -> Path | str:
+    """The parent of a path or URL."""
+    return url.parent if isinstance(url, Path) else url.rstrip("/").rpartition("/")[0]
+
+
+def open_store(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> LocalStore | ObjectStore:
+    """A :class:`LocalStore` or :class:`ObjectStore` rooted at ``url`` (nothing is created)."""
+    loc = location(url)
+    if isinstance(loc, Path):
+        return LocalStore(loc)
+    try:
+        fs, root = fsspec.core.url_to_fs(loc, **dict(storage_options or {}))
+    except ImportError as e:
+        protocol = protocol_of(loc)
+        extra = EXTRAS.get(protocol or "")
+        hint = (
+            f"pip install 'lightning-bpk[{extra}]'"
+            if extra
+            else f"install the fsspec driver for {protocol}://"
+        )
+        raise MissingDriverError(
+            f"{loc}: the {protocol}:// driver is not installed ({hint}): {e}"
+        ) from e
+    except ValueError as e:
+        raise StorageError(f"{loc}: not a storage URL fsspec knows: {e}") from e
+    return ObjectStore(fs, root.rstrip("/"), loc)
+
+
+# --- retries ------------------------------------------------------------------------------------
+
+# Errors that a retry cannot fix: the answer is definite.
+_PERMANENT = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+)
+
+
+def _transient(error: BaseException) -> bool:
+    if isinstance(error, _PERMANENT):
+        return False
+    if isinstance(error, (OSError, TimeoutError, ConnectionError, socket.timeout)):
+        return True
+    # botocore/aiohttp errors that reach us untranslated (throttling, dropped connections)
+    name = type(error).__name__
+    return any(w in name for w in ("Timeout", "Connection", "Throttl", "SlowDown", "ServerError"))
+
+
+def retry(what: str, call: Callable[[], T], *, attempts: int = ATTEMPTS) -> T:
+    """``call()``, retried on transient errors with backoff and jitter; the last error is raised
+    as :class:`StorageError` whose message starts with ``what`` (permanent ones as they are)."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as e:
+            if not _transient(e):
+                raise
+            if attempt == attempts - 1:
+                raise StorageError(f"{what}: {type(e).__name__}: {e} ({attempts} attempts)") from e
+            time.sleep(random.uniform(0, min(MAX_WAIT, BASE_WAIT * 2**attempt)))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# --- the two stores -----------------------------------------------------------------------------
+
+
+class LocalStore:
+    """Key/value operations on a local directory (keys are file names inside it).
+
+    Used for the ownership lease; checkpoints themselves are written by the local protocol of
+    the checkpointer, which adds staging directories and renames.
+    """
+
+    atomic_create = True  # O_EXCL
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def url_of(self, key: str) -> str:
+        return str(self.root / key)
+
+    def list(self, prefix: str = "") -> dict[str, int | None]:
+        """``{name: size}`` of the entries directly under ``prefix`` (directories: None)."""
+        try:
+            entries = list(os.scandir(self.root / prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {
+            e.name: (None if e.is_dir(follow_symlinks=False) else e.stat().st_size) for e in entries
+        }
+
+    def read(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist (durably); False if it already did."""
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            _fs.write_all(f, data)
+            os.fsync(f.fileno())
+        _fs.fsync_dir(path.parent)
+        return True
+
+    def remove(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.root / key)
+
+
+class ObjectStore:
+    """A key/value view of an fsspec filesystem below ``root``, with bounded retries.
+
+    Keys are ``/``-separated names relative to the root (``ckpt.7/model.bpk``). Directories do
+    not exist on object stores: a "directory" is the prefix its keys share.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root
+        self.url = url
+        self.protocol = protocol_of(url)
+        # S3 (s3fs >= 2024.x) and GCS refuse a second create of one key on the server side.
+        self.atomic_create = self.protocol in ("s3", "s3a", "gs", "gcs")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def url_of(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def _retry(self, what: str, key: str, call: Callable[[], T]) -> T:
+        return retry(f"{what} {self.url_of(key)}", call)
+
+    # -- reading --
+
+    def check(self) -> None:
+        """Fail now, naming the URL, if the store cannot be reached or listed: an unreachable
+        endpoint, wrong credentials or a missing bucket (what ``setup`` must catch before the
+        first batch is trained)."""
+        split = getattr(self.fs, "split_path", None)
+        try:
+            # not retried here: the drivers retry connection errors themselves (botocore: ~10 s)
+            if split is not None:  # s3fs, gcsfs: the bucket must exist
+                self.fs.ls(split(self.root)[0], detail=False, refresh=True)
+            with contextlib.suppress(FileNotFoundError):  # an empty prefix: a new directory
+                self.fs.ls(self.root, refresh=True)
+        except FileNotFoundError as e:
+            raise StorageError(f"{self.url}: the bucket does not exist ({e})") from e
+        except PermissionError as e:
+            raise StorageError(f"{self.url}: access denied (check the credentials): {e}") from e
+        except Exception as e:
+            raise StorageError(
+                f"{self.url}: cannot reach the store: {type(e).__name__}: {e}"
+            ) from e
+
+    def list(self, prefix: str = "") -> dict[str, int | None]:
+        """``{name: size}`` of the keys directly under ``prefix`` (sub-prefixes: None); one
+        listing request, never served from a cache."""
+        path = self._path(prefix)
+
+        def ls() -> list[dict[str, Any]]:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(path)
+            try:
+                return self.fs.ls(path, detail=True, refresh=True)
+            except FileNotFoundError:
+                return []
+
+        found = {}
+        for entry in self._retry("list", prefix, ls):
+            name = entry["name"].rstrip("/").rpartition("/")[2]
+            if entry["name"].rstrip("/") == path.rstrip("/"):
+                continue  # some filesystems list a file prefix as itself
+            found[name] = None if entry.get("type") == "directory" else int(entry.get("size") or 0)
+        return found
+
+    def size(self, key: str) -> int | None:
+        """The object's size, or None if it does not exist."""
+        try:
+            info = self._retry("stat", key, lambda: self.fs.info(self._path(key)))
+        except FileNotFoundError:
+            return None
+        return None if info.get("type") == "directory" else int(info.get("size") or 0)
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``key`` (all of it by default)."""
+        return self._retry(
+            "read", key, lambda: self.fs.cat_file(self._path(key), start=start, end=end)
+        )
+
+    def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
+        """Fill ``buffer`` with the object's bytes from ``offset`` on, with ranged reads of
+        :data:`READ_CHUNK` bytes issued together (s3fs and gcsfs run them concurrently)."""
+        view = memoryview(buffer).cast("B")
+        total = view.nbytes
+        starts = list(range(0, total, READ_CHUNK))
+        ends = [min(s + READ_CHUNK, total) for s in starts]
+        path = self._path(key)
+
+        def fetch() -> list[bytes]:
+            return self.fs.cat_ranges(
+                [path] * len(starts), [offset + s for s in starts], [offset + e for e in ends]
+            )
+
+        for s, e, chunk in zip(starts, ends, self._retry("read", key, fetch), strict=True):
+            if isinstance(chunk, BaseException):
+                raise StorageError(f"read {self.url_of(key)}: {chunk}") from chunk
+            if len(chunk) != e - s:
+                raise StorageError(
+                    f"read {self.url_of(key)}: {len(chunk)} bytes at {offset + s}, expected "
+                    f"{e - s} (object truncated?)"
+                )
+            view[s:e] = chunk
+
+    # -- writing --
+
+    def upload(self, local: str | os.PathLike[str], key: str) -> None:
+        """Copy a local file to ``key`` (s3fs uploads big files in parts)."""
+        options = {}
+        if UPLOAD_PART is not None and self.protocol in ("s3", "s3a"):
+            options["chunksize"] = UPLOAD_PART
+        path = self._path(key)
+
+        def put() -> None:
+            try:
+                self.fs.put_file(os.fspath(local), path, **options)
+            except FileNotFoundError as e:
+                # s3fs after a multipart upload whose completion failed (a 500) and whose abort
+                # found nothing (NoSuchUpload): the local file and the bucket exist, so retry.
+                raise ConnectionError(f"multipart upload failed: {e}") from e
+
+        self._retry("upload to", key, put)
+
+    def write(self, key: str, data: bytes) -> None:
+        """Write ``key`` (one PUT: the object appears whole or not at all)."""
+        self._retry("write", key, lambda: self.fs.pipe_file(self._path(key), data))
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist; False if it already did.
+
+        Atomic on S3 (``If-None-Match: *``) and GCS (``ifGenerationMatch=0``) through fsspec's
+        ``mode="create"``; elsewhere (``memory://``) a check before the write.
+        """
+        path = self._path(key)
+        if self.atomic_create:
+
+            def put() -> bool:
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except FileExistsError:
+                    return False
+                return True
+
+            return self._retry("create", key, put)
+        if self.size(key) is not None:
+            return False
+        self.write(key, data)
+        return True
+
+    def remove(self, keys: Iterable[str]) -> None:
+        """Delete objects; already gone is fine."""
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self._retry("delete", key, functools.partial(self.fs.rm_file, self._path(key)))
+
+    def remove_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix/`` (s3fs: batched deletes of up to 1000 keys)."""
+        path = self._path(prefix)
+
+        def rm() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(path, recursive=True)
+
+        self._retry("delete", prefix, rm)

@@ -1,0 +1,233 @@
+"""Exact mid-epoch resume, in process: a real Trainer stopped by an exception at a chosen step
+(on disk exactly what a SIGKILL leaves: saves are synchronous), then a new Trainer and model
+resume from the newest checkpoint. Each resumed run must see the uninterrupted run's batches
+from the save point on and end with bit-identical weights. (SIGKILL and DDP: test_e2e_resume,
+test_ddp.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_bpk import BurnpackCheckpoint, trainer_state
+from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.data_position import POSITION_KEY, REPLAY, SAMPLER, STATEFUL, loader_kind
+from lightning_bpk.records import StateRecord
+
+from lightning_tiny import BATCH_SIZE, SEED, TinyModel, make_trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Crash(Exception):
+    """Stands in for a SIGKILL: training stops dead after the given global step."""
+
+
+class CrashAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise Crash
+
+
+class Stateful(TinyModel):
+    def train_dataloader(self):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(self._data(0, 48), batch_size=BATCH_SIZE, shuffle=True)
+
+
+class Stream(IterableDataset):
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def __iter__(self):
+        order = torch.randperm(len(self.data)).tolist()
+        return (self.data[i] for i in order)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class Iterable(TinyModel):
+    def train_dataloader(self):
+        return DataLoader(Stream(self._data(0, 48)), batch_size=BATCH_SIZE)
+
+
+class TermAt(CrashAt):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)  # the callback saves at the next batch end
+
+
+def fit(root: Path, crash: int | None = None, model_type=TinyModel, callbacks=(), **options):
+    """One run (fresh or resumed): returns (weights or None if it stopped, callback, id lines).
+
+    ``crash``: stop dead after that global step (or ``("term", step)``: send SIGTERM there)."""
+    L.seed_everything(SEED)
+    model = model_type(one_cycle=options.pop("one_cycle", False))
+    model.ids_file = root.with_suffix(".ids")
+    before = model.ids_file.read_text().splitlines() if model.ids_file.exists() else []
+    callback = BurnpackCheckpoint(every_n_train_steps=options.pop("every", None))
+    if isinstance(crash, tuple):
+        extra = [TermAt(crash[1])]
+    else:
+        extra = [CrashAt(crash)] if crash is not None else []
+    trainer = make_trainer(
+        str(root), options.pop("epochs", 4), [callback, *extra, *callbacks], **options
+    )
+    try:
+        trainer.fit(model)
+    except (Crash, SystemExit):
+        weights = None
+    else:
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+    lines = model.ids_file.read_text().splitlines()[len(before) :]
+    return weights, callback, lines
+
+
+def assert_exact(reference, resumed) -> None:
+    assert list(resumed) == list(reference)
+    for name in reference:
+        assert torch.equal(resumed[name], reference[name]), name  # bitwise, not allclose
+
+
+def steps(lines: list[str]) -> list[int]:
+    return [int(line.split()[2]) for line in lines]
+
+
+def resume_case(tmp_path, crashes, model_type=TinyModel, **options):
+    """Reference run, then runs stopped after each step in ``crashes`` (see :func:`fit`), then a
+    run to the end; each resumed run's id lines must be the reference's from its checkpoint's
+    step on."""
+    reference, _, ref_lines = fit(tmp_path / "ref", model_type=model_type, **dict(options))
+    root = tmp_path / "run"
+    for crash in [*crashes, None]:
+        latest = get_latest_checkpoint_number(root / "checkpoints") if root.exists() else -1
+        step = (
+            0
+            if latest < 0
+            else StateRecord.load(root / "checkpoints" / f"ckpt.{latest}" / "trainer.bpk").value[
+                "global_step"
+            ]
+        )
+        weights, callback, lines = fit(root, crash, model_type=model_type, **dict(options))
+        assert lines == [line for line in ref_lines if int(line.split()[2]) >= step][: len(lines)]
+    assert_exact(reference, weights)
+    return callback
+
+
+@pytest.mark.parametrize(
+    "options, crashes",
+    [
+        # a per-step OneCycleLR sized from estimated_stepping_batches (the data is set up inside
+        # configure_optimizers, before the checkpoint is applied): a crash (an epoch-end resume),
+        # then SIGTERM mid-epoch (it used to replay the epoch and step OneCycleLR past its end)
+        (dict(one_cycle=True, epochs=3), [8, ("term", 15)]),
+        # gradient accumulation 2: saves only at optimizer steps, never inside a window
+        (dict(every=2, accumulate_grad_batches=2, epochs=2), [3]),
+        # validation twice per epoch: a save due before a validation waits until after it
+        (dict(every=3, val_check_interval=0.5, epochs=2), [4, 10]),
+        # max_steps instead of max_epochs (per-epoch checkpoints), ending mid-epoch
+        (dict(max_steps=16, epochs=-1), [10]),
+    ],
+    ids=["one_cycle", "accumulate", "val_check_interval", "max_steps"],
+)
+def test_crash_and_resume_is_exact(tmp_path, options, crashes):
+    resume_case(tmp_path, crashes, **options)
+
+
+def test_stateful_dataloader_resumes_through_its_own_state(tmp_path):
+    resume_case(tmp_path, [9], model_type=Stateful, every=3, epochs=2)
+    value = StateRecord.load(tmp_path / "run" / "checkpoints" / "ckpt.9" / "trainer.bpk").value
+    assert value[POSITION_KEY][0]["kind"] == STATEFUL
+
+
+def test_iterable_dataset_without_state_warns_once_and_replays_the_epoch(tmp_path, recwarn):
+    _, _, _ = fit(tmp_path / "run", crash=9, model_type=Iterable, every=4, epochs=2)
+    messages = [str(w.message) for w in recwarn if "cannot resume in the middle" in str(w.message)]
+    assert len(messages) == 1 and "replays that epoch from its first batch" in messages[0]
+    value = StateRecord.load(tmp_path / "run" / "checkpoints" / "ckpt.8" / "trainer.bpk").value
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 1, "batches": 2, "replay": True}
+    _, callback, lines = fit(tmp_path / "run", model_type=Iterable, every=4, epochs=2)
+    # epoch 1 again from its first batch (global step 6); saves resume after step 8
+    assert steps(lines) == list(range(6, 12)) and callback.last_saved_number == 12
+
+
+def test_loader_kinds():
+    data = TinyModel()._data(0, 8)
+    assert loader_kind(DataLoader(data, shuffle=True)) == SAMPLER
+    assert loader_kind(DataLoader(Stream(data))) == REPLAY
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    assert loader_kind(StatefulDataLoader(data)) == STATEFUL
+
+
+@pytest.mark.parametrize("how", ["max_epochs", "max_steps", "early_stopping"])
+def test_a_finished_run_stays_finished_and_says_so(tmp_path, how, caplog):
+    options = {"max_epochs": dict(epochs=2), "max_steps": dict(max_steps=9, epochs=-1)}.get(how, {})
+    callbacks = []
+    if how == "early_stopping":  # patience 0 on a loss that cannot improve: stops after epoch 1
+        callbacks = [EarlyStopping("val_loss", patience=0, mode="max", stopping_threshold=None)]
+        options = dict(epochs=10)
+    every = 4 if how == "max_steps" else None  # step-numbered, or the default per epoch
+    _, first, _ = fit(tmp_path / "run", callbacks=callbacks, every=every, **dict(options))
+    saved = first.last_saved_number
+    with caplog.at_level("INFO", logger="lightning_bpk"):
+        _, again, more = fit(tmp_path / "run", callbacks=callbacks, every=every, **dict(options))
+    assert more == []  # not one more batch
+    assert again.restored_number == saved and again.last_saved_number is None
+    assert "already finished" in caplog.text
+    assert get_latest_checkpoint_number(tmp_path / "run" / "checkpoints") == saved
+
+
+def test_time_trigger_saves_at_step_boundaries_numbered_by_global_step(tmp_path):
+    from datetime import timedelta
+
+    L.seed_everything(SEED)
+    callback = BurnpackCheckpoint(train_time_interval=timedelta(microseconds=1))
+    trainer = make_trainer(str(tmp_path), 1, [callback], accumulate_grad_batches=2)
+    trainer.fit(TinyModel())
+    # due after every batch, saved only after the 3 optimizer steps (6 batches, accumulating 2)
+    numbers = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "checkpoints").glob("ckpt.*"))
+    assert numbers == [1, 2, 3] and callback.last_saved_number == 3
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(every_n_train_steps=0),
+        dict(every_n_train_steps=2.5),
+        dict(train_time_interval=60),
+        dict(every_n_train_steps=10, checkpoint_frequency=2),
+    ],
+)
+def test_invalid_triggers_are_refused_at_construction(settings):
+    with pytest.raises(ValueError, match=r"every_n_train_steps|train_time_interval|frequency"):
+        BurnpackCheckpoint(**settings)
+
+
+@pytest.mark.parametrize("budget", [1.0, 1e-6])
+def test_auto_interval_keeps_saves_under_the_overhead_budget(tmp_path, caplog, budget):
+    L.seed_everything(SEED)
+    callback = BurnpackCheckpoint(
+        every_n_train_steps="auto", max_overhead=budget, checkpoint_duration=100
+    )
+    with caplog.at_level("INFO", logger="lightning_bpk"):
+        make_trainer(str(tmp_path), 4, [callback], num_sanity_val_steps=0).fit(TinyModel())
+    # the first save (after 10 steps) measured the cost; the interval follows from it
+    assert "every_n_train_steps='auto'" in caplog.text and callback.auto_interval is not None
+    numbers = sorted(int(p.name.split(".")[1]) for p in (tmp_path / "checkpoints").glob("ckpt.*"))
+    saved_between = [n for n in numbers if 10 < n < 24]  # 24: the final save
+    # a 100 % budget saves every few steps (a save costs a few steps' time here); a budget of
+    # a millionth never again
+    assert len(saved_between) >= 3 if budget == 1.0 else saved_between == []

@@ -1,0 +1,282 @@
+"""Checkpoints on a real S3-protocol server: moto's ThreadedMotoServer on 127.0.0.1, reached over
+HTTP through s3fs, as a cloud bucket would be (multipart uploads, conditional PUTs, listings).
+
+Fast protocol tests on ``memory://`` and a fault-injecting filesystem are in
+``tests/test_storage.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import fsspec
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_bpk import storage
+from lightning_bpk.callback import BurnpackCheckpoint
+from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+from lightning_bpk.checkpointer import (
+    Checkpointer,
+    get_latest_checkpoint_number,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from lightning_bpk.cli import main as cli_main
+from lightning_bpk.records import ModuleRecord
+
+from conftest import SCRIPTS
+from lightning_tiny import BATCH_SIZE, SAMPLES, TinyModel, make_trainer
+
+pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+
+SCRIPT = SCRIPTS / "lightning_tiny.py"
+RUN_TIMEOUT = 120
+BATCHES_PER_EPOCH = SAMPLES // BATCH_SIZE
+
+pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1; the AWS_* variables point s3fs (and subprocesses) at it."""
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
+            mp.setenv(name, value)
+        fsspec.filesystem("s3").clear_instance_cache()
+        yield endpoint
+        fsspec.filesystem("s3").clear_instance_cache()
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint) -> str:
+    """A fresh bucket; its name (3-63 characters)."""
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3").mkdir(name)
+    return name
+
+
+def _moto_auth(endpoint: str, free_requests: str) -> None:
+    """Make moto check access keys after ``free_requests`` requests ("inf": never)."""
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth",
+        data=free_requests.encode(),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    urllib.request.urlopen(request).close()
+
+
+def _keys(url: str) -> list[str]:
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+# --- the protocol against S3 --------------------------------------------------------------------
+
+
+def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(
+    bucket, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(storage, "UPLOAD_PART", 5 * 2**20)  # S3's smallest part: 3 parts below
+    url = f"s3://{bucket}/run"
+    checkpointer = Checkpointer(url, checkpoint_duration=1)
+    big = {
+        n: torch.randn(3 * 2**20 + 7, generator=torch.Generator().manual_seed(n)) for n in (0, 1)
+    }
+    for n in (0, 1):
+        record = ModuleRecord({"w": big[n]})
+        checkpointer.save_checkpoint(n, {"model": record, "trainer": {"step": n}})
+    assert _keys(url) == [
+        "ckpt.1/model.bpk",
+        "ckpt.1/trainer.bpk",
+        "sentinel_checkpoint_complete.1",
+    ]
+    fs, root = fsspec.core.url_to_fs(url)
+    assert fs.info(f"{root}/ckpt.1/model.bpk")["ETag"].endswith('-3"')  # a multipart upload
+    assert get_latest_checkpoint_number(url, verify=True) == 1
+    assert verify_checkpoint(url, 1) == []
+    loaded = checkpointer.load_checkpoint(1)
+    assert torch.equal(loaded["model"].tensors["w"], big[1])
+    assert loaded["trainer"] == {"step": 1}
+    assert cli_main(["verify", url]) == 0
+    assert "checkpoint 1: OK" in capsys.readouterr().out
+    assert cli_main(["ls", url]) == 0
+    assert cli_main(["inspect", f"{url}/ckpt.1/model.bpk"]) == 0
+    assert "[3145735]" in capsys.readouterr().out  # w's shape, read with ranged requests
+    assert cli_main(["diff", f"{url}/ckpt.1/model.bpk", f"{url}/ckpt.1/model.bpk"]) == 2
+    assert "diff reads local files only" in capsys.readouterr().err
+    assert not Path("s3:").exists()
+
+
+def test_the_sentinel_is_create_only_on_s3(bucket):
+    store = storage.open_store(f"s3://{bucket}/run")
+    assert store.atomic_create
+    assert store.create("sentinel", b"first") is True
+    assert store.create("sentinel", b"second") is False  # refused by the server: 412
+    assert store.read("sentinel") == b"first"
+
+
+@pytest.mark.parametrize("problem", ["missing bucket", "unreachable endpoint", "wrong credentials"])
+def test_a_bad_store_fails_in_setup_before_training_naming_the_url(
+    bucket, s3_endpoint, tmp_path, problem
+):
+    url = f"s3://{bucket}/run"
+    options = None
+    if problem == "missing bucket":
+        url = "s3://no-such-bucket-here/run"
+    elif problem == "unreachable endpoint":
+        options = {
+            "endpoint_url": f"http://127.0.0.1:{_free_port()}",
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        }
+    else:
+        options = {"key": "AKIAWRONGWRONGWRONG0", "secret": "wrong", "skip_instance_cache": True}
+        _moto_auth(s3_endpoint, "0")  # from now on, unknown access keys are refused
+    model = TinyModel()
+    callback = BurnpackCheckpoint(dirpath=url, storage_options=options)
+    trainer = make_trainer(str(tmp_path), 1, [callback])
+    try:
+        with pytest.raises(storage.StorageError, match=re.escape(url)) as error:
+            trainer.fit(model)
+    finally:
+        _moto_auth(s3_endpoint, "inf")
+    assert trainer.global_step == 0
+    expected = {
+        "missing bucket": "bucket does not exist",
+        "unreachable endpoint": "cannot reach",
+        "wrong credentials": "access denied",
+    }[problem]
+    assert expected in str(error.value)
+
+
+# --- Lightning ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "upload-behind"])
+def test_the_callback_trains_into_the_bucket_and_resumes_from_it(
+    bucket, tmp_path, monkeypatch, async_save
+):
+    """With async_save the upload and commit run behind training; both keep the retention in
+    the bucket and resume from it."""
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/run"
+    L.seed_everything(0)
+    first = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2, async_save=async_save)
+    make_trainer(str(tmp_path), 3, [first]).fit(TinyModel())
+    assert [(e.number, e.complete) for e in list_checkpoints(url)] == [(2, True), (1, True)]
+    second = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2)
+    trainer = make_trainer(str(tmp_path), 4, [second])
+    trainer.fit(TinyModel())
+    assert second.restored_number == 2
+    assert trainer.global_step == 4 * BATCHES_PER_EPOCH
+    assert os.listdir(tmp_path) == []  # nothing went to a local folder
+
+
+def test_model_checkpoint_with_the_io_plugin_writes_objects(bucket, tmp_path):
+    url = f"s3://{bucket}/mc"
+    io = BurnpackCheckpointIO()
+    callback = ModelCheckpoint(dirpath=url, save_last=True, save_top_k=1, monitor="val_loss")
+    make_trainer(str(tmp_path), 2, [callback], plugins=[io]).fit(TinyModel())
+    names = _keys(url)
+    assert "last.ckpt" in names and len(names) == 2, names  # top-1 plus last: one was removed
+    assert io.load_checkpoint(f"{url}/last.ckpt")["epoch"] == 1
+
+
+# --- real processes -----------------------------------------------------------------------------
+
+
+def _start(root: str, *args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--root", root, "--epochs", "4", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"run timed out:\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def test_sigkill_mid_epoch_into_s3_then_resume_is_bit_identical(bucket, tmp_path):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    url = f"s3://{bucket}/run"
+    kill_step = 2 * BATCHES_PER_EPOCH + 3  # in the middle of epoch 2
+    reference = _start(str(tmp_path / "ref"), "--out", str(tmp_path / "ref.bpk"), cwd=cwd)
+    killed = _start(url, "--kill-at-step", str(kill_step), cwd=cwd)
+    assert _finish(killed)[0] == -signal.SIGKILL
+    assert _finish(reference)[0] == 0
+    assert get_latest_checkpoint_number(f"{url}/checkpoints", verify=True) == 1
+
+    code, out, err = _finish(_start(url, "--out", str(tmp_path / "resumed.bpk"), cwd=cwd))
+    assert code == 0, err
+    assert "continuing training at epoch 2 (global step 12) after checkpoint 1" in err
+    assert "epoch=4 step=24 restored=1" in out
+    expected = ModuleRecord.load(tmp_path / "ref.bpk").tensors
+    got = ModuleRecord.load(tmp_path / "resumed.bpk").tensors
+    assert all(torch.equal(got[k], expected[k]) for k in expected)  # bitwise
+    assert [e.number for e in list_checkpoints(f"{url}/checkpoints")] == [3, 2, 1, 0]
+    assert os.listdir(cwd) == []  # no local folder named after the URL
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_zombie_writer_is_fenced_by_the_newer_run(bucket, tmp_path, where):
+    """Process A trains into the bucket (or a local directory: two runs in one directory);
+    this process takes the directory over, as a restarted job's setup does. A's next save stops
+    with an error naming the new owner, deleting nothing; the new owner then saves normally."""
+    url = f"s3://{bucket}/run" if where == "s3" else str(tmp_path / "run")
+    base = f"{url}/checkpoints"
+    zombie = _start(url, "--epochs", "100000", cwd=tmp_path)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while get_latest_checkpoint_number(base) < 1:
+        assert zombie.poll() is None and time.monotonic() < deadline, zombie.stderr.read()
+        time.sleep(0.2)
+    replacement = Checkpointer(base)
+    replacement.take_over()
+    code, _, err = _finish(zombie)
+    assert code != 0
+    assert f"superseded by a newer run (pid {os.getpid()}" in err
+    assert "deletes nothing" in err
+    left = get_latest_checkpoint_number(base, verify=True)
+    assert left >= 1  # the zombie's checkpoints are still there
+    replacement.save_checkpoint(left + 1, {"trainer": {"by": "replacement"}})
+    assert get_latest_checkpoint_number(base, verify=True) == left + 1
