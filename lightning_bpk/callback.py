@@ -682,6 +682,7 @@ class BurnpackCheckpoint(Checkpoint):
         if sharded.holds_dtensors(checkpoint) or (  # FSDP2 / tensor parallel, or by choice
             self.distributed_save and trainer.world_size > 1
         ):
+            assert self.checkpointer is not None  # every rank's, made in setup
             try:
                 staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import _fs, burnpack, trainer_state
+from lightning_bpk import _fs, burnpack, storage, trainer_state
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
@@ -176,7 +176,7 @@ def _failures(error: CheckpointException) -> str:
 
 
 def save_shards(
-    trainer: pl.Trainer, checkpointer: Checkpointer | None, number: int, checkpoint: dict
+    trainer: pl.Trainer, checkpointer: Checkpointer, number: int, checkpoint: dict
 ) -> dict[str, Record]:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective).
 
@@ -185,14 +185,20 @@ def save_shards(
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
     the staged files as records for ``checkpointer.save_checkpoint`` (on other ranks: ``{}``).
-    A failure on any rank raises :class:`ShardedCheckpointError` on every rank.
+    A failure on any rank raises :class:`ShardedCheckpointError` on every rank; so does an
+    object-store ``checkpointer`` (every rank has one: the check needs no collective), as the
+    ranks write their shards straight into a shared local directory.
     """
+    if not storage.is_local(checkpointer.base_directory):
+        raise ShardedCheckpointError(
+            f"{checkpointer.base_directory}: sharded checkpoints need a local (or shared) "
+            "directory; object storage takes unsharded checkpoints only"
+        )
     staging = ""
     if trainer.is_global_zero:
-        assert checkpointer is not None
-        target = _fs.scratch_path(checkpointer.checkpoint_path(number))
+        target = _fs.scratch_path(storage.local_path(checkpointer.checkpoint_path(number)))
         directory = target.with_name(target.name.replace(f".{number}.", f".{number}.dcp.", 1))
-        _remove_staging_leftovers(checkpointer.base_directory, keep=directory)
+        _remove_staging_leftovers(target.parent, keep=directory)
         staging = str(directory)
     path = Path(trainer.strategy.broadcast(staging))
     module = trainer.lightning_module
