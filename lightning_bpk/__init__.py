@@ -15,18 +15,29 @@ The package is layered; each layer only uses the ones listed before it:
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
 
-Public names are imported lazily so ``import lightning_bpk`` stays cheap; type checkers see
-the real objects through the ``TYPE_CHECKING`` imports below.
+Public names are imported lazily so ``import lightning_bpk`` stays cheap (type checkers see the
+real objects through the ``TYPE_CHECKING`` imports below); the gin configurables are registered
+right away all the same (see :mod:`lightning_bpk._gin`).
+
+Log lines ("restored ...", "saved checkpoint ...") go to the ``lightning_bpk`` logger at INFO,
+and show on stderr without any logging configuration, as Lightning's own do. Once the program
+configures logging (a handler on the root logger, before or after this import), they go through
+that configuration instead, and only there.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_bpk import burnpack, interop, state
-    from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
+    from lightning_bpk.callback import (
+        BurnpackCheckpoint,
+        CheckpointResumeError,
+        CheckpointSaveError,
+    )
     from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
     from lightning_bpk.checkpointer import (
         Checkpointer,
@@ -50,7 +61,25 @@ if TYPE_CHECKING:
     )
     from lightning_bpk.storage import StorageError
 
+from lightning_bpk import _gin
+
 __version__ = "0.1.0"
+
+
+class _UnconfiguredHandler(logging.StreamHandler):
+    """Writes to stderr only while the root logger has no handler (logging not configured)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not any(isinstance(h, _UnconfiguredHandler) for h in _logger.handlers):  # importlib.reload
+    _logger.addHandler(_UnconfiguredHandler())
+
+_gin.register_stand_ins()
 
 _EXPORTS = {
     "burnpack": "lightning_bpk.burnpack",
@@ -74,6 +103,7 @@ _EXPORTS = {
     "CheckpointSupersededError": "lightning_bpk.lease",
     "BurnpackCheckpoint": "lightning_bpk.callback",
     "CheckpointSaveError": "lightning_bpk.callback",
+    "CheckpointResumeError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
     "BurnpackStorageWriter": "lightning_bpk.dcp",
     "BurnpackStorageReader": "lightning_bpk.dcp",
@@ -85,6 +115,7 @@ __all__ = [
     "BurnpackStorageReader",
     "BurnpackStorageWriter",
     "CheckpointLockedError",
+    "CheckpointResumeError",
     "CheckpointSaveError",
     "CheckpointSupersededError",
     "CheckpointWarning",

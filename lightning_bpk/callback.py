@@ -31,9 +31,10 @@ global step N** (epoch-end, preemption and final saves too); without, N is the e
 
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
-falls back past damaged ones and honours gin's ``override_number``); the number is shared with
-every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the callback
-intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
+falls back past damaged ones and honours gin's ``override_number``, which must name a complete
+checkpoint: otherwise :class:`CheckpointResumeError` before anything is created); the number
+is shared with every rank. Lightning 2.6 chooses ``ckpt_path`` before any callback runs, so the
+callback intercepts the trainer's ``_checkpoint_connector.resume_start`` once: when ``fit`` got no
 ``ckpt_path`` it loads checkpoint N there, and Lightning restores everything in its own order
 (model, callbacks, precision, loops, optimizers, schedulers). An explicit ``ckpt_path`` wins (a
 checkpoint directory of ours works there too, without the IO plugin); ``resume=False`` starts
@@ -51,6 +52,13 @@ bit-identical to one that never stopped. Where that is impossible (an iterable d
 state) one warning says so and a mid-epoch checkpoint holds the loop counters of the start of its
 epoch instead, which that resume replays; step-numbered saves then wait until the replay passes
 the checkpoint it resumed from.
+
+**Never saving over another run.** At ``on_train_start`` rank 0 looks for complete checkpoints
+numbered from the epoch the run starts at on (other than the one it resumed from), which its
+saves would replace: there are some after ``resume=False``, an explicit older ``ckpt_path`` or
+an older ``override_number``. ``fit`` then stops with :class:`CheckpointResumeError` naming them,
+unless ``overwrite=True``, which removes them first. A checkpoint of other optimizer or
+scheduler classes is refused at ``on_fit_start``, before Lightning loads its state.
 
 **Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
@@ -90,16 +98,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import gin
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _lightning_compat, sharded, slurm, storage, trainer_state
+from lightning_bpk import _gin, _lightning_compat, sharded, slurm, storage, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
-from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.checkpointer import (
+    RUN_SUBDIRECTORY,
+    Checkpointer,
+    check_settings,
+    get_latest_checkpoint_number,
+    list_checkpoints,
+    summarise,
+    verify_checkpoint,
+)
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
@@ -109,6 +124,7 @@ __all__ = [
     "FINISHED_KEY",
     "PREEMPTION_SIGNALS",
     "BurnpackCheckpoint",
+    "CheckpointResumeError",
     "CheckpointSaveError",
 ]
 
@@ -127,6 +143,21 @@ FINISHED_KEY = "lightning_bpk_finished"
 
 class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
+
+
+class CheckpointResumeError(LightningBpkError, RuntimeError):
+    """``fit`` cannot start from the checkpoints as they are; nothing was changed on disk.
+
+    gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
+    save over complete checkpoints it did not resume past (see ``overwrite``), or the checkpoint
+    holds the state of other optimizer or scheduler classes than the module configures.
+    """
+
+
+def _identity(path: Any) -> str:
+    """A checkpoint directory's identity for comparisons: the resolved local path, or the URL."""
+    location = storage.location(path)
+    return str(location.resolve() if isinstance(location, Path) else location)
 
 
 def _agree(trainer: pl.Trainer, value: int) -> int:
@@ -218,7 +249,7 @@ def _stop_ignoring(trainer: pl.Trainer, signums: Sequence[int]) -> None:
             signal.signal(signum, signal.SIG_DFL)
 
 
-@gin.configurable(module="lightning_bpk")
+@_gin.configurable("lightning_bpk")
 class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
 
@@ -233,7 +264,15 @@ class BurnpackCheckpoint(Checkpoint):
         keep_every: also keep every ``keep_every``-th saved checkpoint forever (milestones).
             These five go to the :class:`~lightning_bpk.checkpointer.Checkpointer`.
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
-            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another).
+            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
+            one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
+        overwrite: let this run replace complete checkpoints in ``dirpath`` that it did not
+            resume past, i.e. numbered from the epoch it starts at: needed to start over
+            (``resume=False``) in a directory with checkpoints, or to go back to an older one
+            (``ckpt_path``, ``override_number``). Those checkpoints are removed, with a warning
+            in the log, before the first training step, so the directory never mixes two runs.
+            With the default ``False``, ``fit`` stops there with
+            :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
         preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
@@ -279,6 +318,7 @@ class BurnpackCheckpoint(Checkpoint):
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
         resume: bool = True,
+        overwrite: bool = False,
         verify: bool = True,
         preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
         async_save: bool = False,
@@ -319,6 +359,14 @@ class BurnpackCheckpoint(Checkpoint):
                 "checkpoint_frequency selects epochs; with every_n_train_steps or "
                 "train_time_interval checkpoints are numbered by global step, so leave it at 1"
             )
+        # Refused here rather than when fit starts (the Checkpointer checks the same).
+        check_settings(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_frequency,
+            checkpoint_duration,
+            keep_every,
+        )
         # never Path(url): Path("s3://b/run") is the local folder "s3:/b/run"
         self.dirpath = None if dirpath is None else storage.location(dirpath)
         self.storage_options = storage_options
@@ -328,6 +376,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.checkpoint_duration = checkpoint_duration
         self.keep_every = keep_every
         self.resume = resume
+        self.overwrite = overwrite
         self.verify = verify
         self.preemption_signals = tuple(preemption_signals)
         self.async_save = async_save
@@ -346,6 +395,8 @@ class BurnpackCheckpoint(Checkpoint):
         self.last_saved_number: int | None = None
         self._resume_number = -1
         self._position = DataPosition()
+        self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
+        self._fit_started = False
         self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
         self._preempt_agreed = False  # all ranks agreed; acted on at the next step boundary
@@ -382,9 +433,19 @@ class BurnpackCheckpoint(Checkpoint):
         if stage != "fit":
             return
         dirpath = self.dirpath or storage.join(
-            storage.location(trainer.default_root_dir), "checkpoints"
+            storage.location(trainer.default_root_dir), RUN_SUBDIRECTORY
         )
         dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
+        # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
+        choice: tuple[int, str | None] = (-1, None)
+        if self.resume and trainer.is_global_zero:
+            try:
+                choice = self._choose_resume(dirpath)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                choice = (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
+        number, error = trainer.strategy.broadcast(choice)
+        if error is not None:
+            raise CheckpointResumeError(error)
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
             # this run owns the directory until another one takes over (lightning_bpk.lease)
@@ -395,24 +456,47 @@ class BurnpackCheckpoint(Checkpoint):
         self._position = DataPosition()
         self._position.attach(trainer)
         self._reserved = False
+        self._fit_started = False
+        self._classes = None
         self._boundary_loops = None
         self._preempt_agreed = self._requeue_agreed = False
         self._due = None
         self._replay_floor = -1
         self._finished = None
         self.restored_number = None
-        number = -1
-        if self.resume and trainer.is_global_zero:
-            number = get_latest_checkpoint_number(
-                dirpath,
-                sentinel_file_identifier=self.sentinel_file_identifier,
-                checkpoint_file_prefix=self.checkpoint_file_prefix,
-                verify=self.verify,
-                storage_options=self.storage_options,
-            )
-        self._resume_number = _agree(trainer, number) if self.resume else -1
+        self._resume_number = number
         self._requeue_signal = slurm.requeue_signal(trainer) if self.auto_requeue else None
         self._intercept_resume(trainer)
+
+    def _names(self) -> dict[str, Any]:
+        return dict(
+            sentinel_file_identifier=self.sentinel_file_identifier,
+            checkpoint_file_prefix=self.checkpoint_file_prefix,
+            storage_options=self.storage_options,
+        )
+
+    def _choose_resume(self, dirpath: Path | str) -> tuple[int, str | None]:
+        """``(number, error)``: the newest checkpoint that verifies (-1: none), or gin's
+        ``override_number``, which must name a complete checkpoint. Read-only (rank 0)."""
+        required = trainer_state.REQUIRED_KEYS
+        number = get_latest_checkpoint_number(
+            dirpath, verify=self.verify, required_keys=required, **self._names()
+        )
+        if number < 0:
+            return number, None
+        # Only an override_number can fail here: the search returns a checked checkpoint.
+        problems = verify_checkpoint(
+            dirpath, number, full=False, required_keys=required, **self._names()
+        )
+        if not problems:
+            return number, None
+        complete = [e.number for e in list_checkpoints(dirpath, **self._names()) if e.complete]
+        return -1, (
+            f"cannot resume from checkpoint {number} in {dirpath} (gin "
+            f"get_latest_checkpoint_number.override_number = {number}): {summarise(problems)}. "
+            f"Complete checkpoints there: {complete or 'none'}. Nothing was changed; bind "
+            "override_number to one of them, or unbind it to resume from the newest"
+        )
 
     def _make_checkpointer(self, dirpath: Path | str, **overrides: Any) -> Checkpointer:
         settings: dict[str, Any] = dict(
@@ -471,6 +555,9 @@ class BurnpackCheckpoint(Checkpoint):
                 )
             rng = checkpoint.get(trainer_state.RNG_KEY)
             self._position.resume_from(None if rng is None else {"rng": rng})
+        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self._check_classes(trainer)
         loops = checkpoint.get("loops")
         self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
         preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
@@ -498,6 +585,8 @@ class BurnpackCheckpoint(Checkpoint):
             log.info("restored %s, saved at %s", trainer.ckpt_path, where)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = True
+        self._check_classes(trainer)
         if self._finished is not None:
             # Lightning's fit loop stops before its first batch when should_stop is set.
             trainer.should_stop = True
@@ -510,7 +599,33 @@ class BurnpackCheckpoint(Checkpoint):
                     self._finished,
                 )
 
+    def _check_classes(self, trainer: pl.Trainer) -> None:
+        """Refuse other optimizer or scheduler classes before Lightning loads the checkpoint's
+        state into them (Adam's state in SGD fails at its first step, in AdamW it silently
+        changes meaning)."""
+        if self._classes is None:
+            return
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        problems = trainer_state.class_mismatches(self._classes, trainer.optimizers, schedulers)
+        self._classes = None
+        if problems:
+            raise CheckpointResumeError(
+                f"cannot resume from {trainer.ckpt_path}: {'; '.join(problems)}. Resume with the "
+                "optimizers and schedulers it was saved with; to switch, load only the weights "
+                "(ModuleRecord.load(...).apply(model)) and start a new run"
+            )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        error = None
+        if trainer.is_global_zero:
+            try:
+                error = self._check_newer(trainer)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                base = self.checkpointer.base_directory if self.checkpointer else "?"
+                error = f"cannot check {base} before training: {e}"
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointResumeError(error)
         if trainer.is_global_zero and self.restored_number is not None:
             log.info(
                 "continuing training at epoch %d%s (global step %d) after checkpoint %d",
@@ -525,6 +640,53 @@ class BurnpackCheckpoint(Checkpoint):
             path = trainer.ckpt_path
             slurm.log_restart(None if path is None else str(path))
         self._install_signal_handlers(trainer)
+
+    def _check_newer(self, trainer: pl.Trainer) -> str | None:
+        """Rank 0, before the first step: complete checkpoints from the epoch this run starts at
+        on (other than the one it resumed from) would be saved over. Remove them when
+        ``overwrite`` is set; otherwise the error to stop with (nothing changed)."""
+        assert self.checkpointer is not None
+        base = self.checkpointer.base_directory
+        # the number of this run's first save is at least its starting epoch or global step
+        start = trainer.global_step if self.step_numbered else trainer.current_epoch
+        resumed = _identity(trainer.ckpt_path) if trainer.ckpt_path else None
+        newer = [
+            e.number
+            for e in list_checkpoints(base, **self._names())
+            if e.complete and e.number >= start and _identity(e.data) != resumed
+        ]
+        if not newer:
+            return None
+        if self.overwrite:
+            log.warning(
+                "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
+                "epoch %d) would save over",
+                newer,
+                base,
+                start,
+            )
+            self.checkpointer.remove_checkpoints(newer)
+            return None
+        usable = any(  # damaged ones are replaced anyway (resume fell back past them)
+            not verify_checkpoint(
+                base,
+                n,
+                full=self.verify,
+                required_keys=trainer_state.REQUIRED_KEYS,
+                **self._names(),
+            )
+            for n in newer
+        )
+        if not usable:
+            return None
+        source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
+        return (
+            f"this run {source} (epoch {start}), and {base} holds complete checkpoints {newer} "
+            "that its saves would replace. Nothing was changed. To continue the newest, run "
+            "with resume=True and neither ckpt_path nor override_number; to start over or go "
+            "back, set BurnpackCheckpoint(overwrite=True) (gin: BurnpackCheckpoint.overwrite = "
+            "True), which removes them first; or save into another dirpath"
+        )
 
     # -- saving --------------------------------------------------------------------------------
 

@@ -16,8 +16,16 @@ the target, fsync, rename), so a crash or a full disk leaves the previous file i
 
 ``load_checkpoint`` also accepts a checkpoint directory written by
 :class:`~lightning_bpk.callback.BurnpackCheckpoint` (``checkpoints/ckpt.7``), so one plugin
-loads both. Loading is read-only and deterministic: every rank reads the same bytes and gets the
-same dict. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
+loads both. Loading reads the same bytes on every rank and gives each the same dict; it writes
+nothing. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
+
+**RNG states.** ``load_checkpoint`` also puts back the global RNG states saved with the
+checkpoint (torch, CUDA when present, numpy, Python ``random``), so ``ModelCheckpoint`` with
+``fit(ckpt_path="last")`` continues bit-identically, shuffles and dropout included. Lightning
+calls it when ``fit`` starts, before it builds the optimizers and the data iterators; random
+numbers drawn in between (say, in ``configure_optimizers``) come out of the restored stream, as
+they would not in a run that never stopped. ``validate``/``test``/``predict`` with a
+``ckpt_path`` restore them as well. Under DDP every rank gets rank 0's states.
 """
 
 from __future__ import annotations
@@ -89,7 +97,8 @@ class BurnpackCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
         state: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Read a file this IO wrote, or a BurnpackCheckpoint directory, into Lightning's dict.
+        """Read a file this IO wrote, or a BurnpackCheckpoint directory, into Lightning's dict,
+        and restore the global RNG states saved with it (see the module docstring).
 
         Tensors come back on the CPU (``map_location`` is accepted for the interface; Lightning
         moves state to the device itself). ``weights_only`` is moot: nothing is unpickled.
@@ -98,6 +107,9 @@ class BurnpackCheckpointIO(CheckpointIO):
         """
         self._wait()
         loaded = trainer_state.load(path)
+        rng = loaded.get(trainer_state.RNG_KEY)
+        if rng is not None:
+            trainer_state.restore_rng(rng)
         if state is None:
             return loaded
         state.update(loaded)

@@ -96,18 +96,18 @@ import fcntl
 import json
 import os
 import re
+import reprlib
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import gin
 import xxhash
 
-from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk import _fs, _gin, burnpack, storage
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -133,13 +133,16 @@ __all__ = [
     "MANIFEST_VERSION",
     "MAX_SENTINEL_SIZE",
     "RECORD_SUFFIX",
+    "RUN_SUBDIRECTORY",
     "CheckpointEntry",
     "CheckpointLockedError",
     "CheckpointWarning",
     "Checkpointer",
+    "check_settings",
     "get_latest_checkpoint_number",
     "list_checkpoints",
     "number_matches",
+    "summarise",
     "verify_checkpoint",
 ]
 
@@ -158,9 +161,15 @@ MAX_SENTINEL_SIZE = 16 * 1024 * 1024
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratch_path appends
 _DIGEST = re.compile(r"[0-9a-f]{16}")
+# Where BurnpackCheckpoint saves inside a run's default_root_dir (``lightning-bpk ls RUN`` looks
+# there too).
+RUN_SUBDIRECTORY = "checkpoints"
+# A problem list longer than this is summarised in warnings ("... and N more").
+_SHOWN_PROBLEMS = 5
+# Values quoted in messages are cut to a readable length (a damaged manifest may hold megabytes).
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 160
 _HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
-
-_T = TypeVar("_T")
 
 
 class CheckpointLockedError(LightningBpkError, RuntimeError):
@@ -171,29 +180,30 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
 
 
-def _gin_configurable(fn_or_cls: _T) -> _T:
-    """``gin.configurable`` under this module's real name, tolerant of re-execution.
-
-    A fixed selector means running this file as ``__main__`` or from a second import path does
-    not create an ambiguous second ``Checkpointer``; re-executing it (``importlib.reload``)
-    re-registers the same selector, which gin refuses outside interactive mode, so the newer
-    definition replaces the old one there.
-    """
-    try:
-        return gin.configurable(fn_or_cls, module="lightning_bpk.checkpointer")
-    except ValueError:
-        with gin.config.interactive_mode():
-            return gin.configurable(fn_or_cls, module="lightning_bpk.checkpointer")
+# gin's selectors stay those of this module's real name (see lightning_bpk._gin)
+_gin_configurable = _gin.configurable("lightning_bpk.checkpointer")
 
 
 # --- names --------------------------------------------------------------------------------------
 
 
+def _quote(value: object) -> str:
+    """``repr(value)`` cut to a readable length."""
+    return _QUOTE.repr(value)
+
+
+def summarise(problems: list[str]) -> str:
+    """The first few problems joined with "; ", and how many more there are."""
+    shown = "; ".join(problems[:_SHOWN_PROBLEMS])
+    more = len(problems) - _SHOWN_PROBLEMS
+    return shown + (f"; ... and {more} more" if more > 0 else "")
+
+
 def _safe_name(value: object, what: str) -> str:
     if not isinstance(value, str) or not _SAFE_NAME.fullmatch(value):
         raise ValueError(
-            f"{what} {value!r} is not a safe file name (1-128 characters from A-Z a-z 0-9 _ . -, "
-            "not starting with '.' or '-')"
+            f"{what} {_quote(value)} is not a safe file name (1-128 characters from "
+            "A-Z a-z 0-9 _ . -, not starting with '.' or '-')"
         )
     return value
 
@@ -355,14 +365,16 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
         raise ValueError(f"sentinel is not a {MANIFEST_FORMAT} manifest")
     if doc.get("version") != MANIFEST_VERSION:
         raise ValueError(
-            f"manifest version {doc.get('version')!r} is not supported (this reader knows "
+            f"manifest version {_quote(doc.get('version'))} is not supported (this reader knows "
             f"{MANIFEST_VERSION})"
         )
     if doc.get("iteration") != iteration:
-        raise ValueError(f"manifest is for iteration {doc.get('iteration')!r}, not {iteration}")
+        raise ValueError(
+            f"manifest is for iteration {_quote(doc.get('iteration'))}, not {iteration}"
+        )
     data = doc.get("data")
     if not isinstance(data, str) or not data.endswith(f".{iteration}"):
-        raise ValueError(f"manifest names data {data!r}, not '<prefix>.{iteration}'")
+        raise ValueError(f"manifest names data {_quote(data)}, not '<prefix>.{iteration}'")
     _safe_name(data, "manifest data directory")
     files = doc.get("files")
     if not isinstance(files, dict):
@@ -378,7 +390,7 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
             or any(not _is_count(entry.get(f)) for f in ("size", "head_size"))
             or not _DIGEST.fullmatch(str(entry.get("head_xxh3")))
         ):
-            raise ValueError(f"manifest entry {key!r} is malformed")
+            raise ValueError(f"manifest entry {_quote(key)} is malformed")
         entries[key] = _FileEntry(*(entry[f] for f in fields))
     return _Manifest(data, entries)
 
@@ -427,12 +439,13 @@ class _Checkpoint:
         )
         return self.base / name
 
-    def problems(self, *, full: bool) -> list[str]:
+    def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is).
 
         Quick (``full=False``): the sentinel parses, the data exists, every listed file has its
-        recorded size and nothing else is in the directory: one small read and a few stats.
-        ``full``: also the head digests and every tensor checksum (reads all bytes).
+        recorded size, nothing else is in the directory and every key of ``required_keys`` is
+        there: one small read and a few stats. ``full``: also the head digests and every tensor
+        checksum (reads all bytes).
         """
         try:
             manifest = self.read_manifest()
@@ -444,10 +457,20 @@ class _Checkpoint:
         if not data.exists():
             return [f"{data}: data is missing (sentinel without data)"]
         if manifest is None:
+            missing = _missing_keys(data, required_keys)
+            if missing:  # nothing lists the files, so a lost one is only noticed here
+                return [
+                    f"{_record_path(data, k)}: missing (Dopamine's b'done' sentinel)"
+                    for k in missing
+                ]
             return self._legacy_problems(data) if full else []
         if not data.is_dir():
             return [f"{data}: data is not a directory"]
-        problems = []
+        problems = [
+            f"{self.sentinel}: the manifest lists no {k!r} entry"
+            for k in required_keys
+            if k not in manifest.files
+        ]
         expected = {key + RECORD_SUFFIX: e for key, e in manifest.files.items()}
         present = {entry.name: entry for entry in os.scandir(data)}
         for name in sorted(set(present) - set(expected)):
@@ -482,6 +505,11 @@ def _keys_on_disk(data: Path) -> list[str]:
     return sorted(p.name[: -len(RECORD_SUFFIX)] for p in data.glob("*" + RECORD_SUFFIX))
 
 
+def _missing_keys(data: Path, required_keys: Sequence[str]) -> list[str]:
+    """The keys of ``required_keys`` a data directory without a manifest has no file for."""
+    return [k for k in required_keys if not _record_path(data, k).is_file()]
+
+
 def _record_path(data: Path, key: str) -> Path:
     return data / (key + RECORD_SUFFIX)
 
@@ -514,13 +542,17 @@ def _sentinel_numbers(base: Path, identifier: str) -> list[int]:
     return sorted(_numbers(base, sentinel_stem(identifier)), reverse=True)
 
 
-def _latest(base: Path, identifier: str, prefix: str | None, verify: bool) -> int:
+def _latest(
+    base: Path, identifier: str, prefix: str | None, verify: bool, required_keys: Sequence[str]
+) -> int:
     for n in _sentinel_numbers(base, identifier):
-        problems = _Checkpoint(base, n, identifier, prefix).problems(full=verify)
+        problems = _Checkpoint(base, n, identifier, prefix).problems(
+            full=verify, required_keys=required_keys
+        )
         if not problems:
             return n
         warnings.warn(
-            f"checkpoint {n} in {base} skipped: " + "; ".join(problems),
+            f"checkpoint {n} in {base} skipped: " + summarise(problems),
             CheckpointWarning,
             stacklevel=3,
         )
@@ -535,6 +567,7 @@ def get_latest_checkpoint_number(
     checkpoint_file_prefix: str | None = None,
     verify: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    required_keys: Sequence[str] = (),
 ) -> int:
     """The newest complete checkpoint's iteration number in ``base_directory``, or -1.
 
@@ -545,7 +578,9 @@ def get_latest_checkpoint_number(
     with a :class:`CheckpointWarning` saying why, and the next older one is tried.
     ``checkpoint_file_prefix`` (None: any, as named by each manifest; ``"ckpt"`` for Dopamine
     sentinels) restricts the search to one checkpointer's data. ``base_directory`` may be a URL
-    (``s3://bucket/run``, one listing; ``storage_options`` go to fsspec).
+    (``s3://bucket/run``, one listing; ``storage_options`` go to fsspec). ``required_keys`` skips
+    checkpoints without those data keys (the Lightning callback needs ``model`` and ``trainer``;
+    this matters for Dopamine's ``b'done'`` sentinels, which list no files).
 
     >>> get_latest_checkpoint_number("/does/not/exist"), get_latest_checkpoint_number("/x", 12)
     (-1, 12)
@@ -557,8 +592,16 @@ def get_latest_checkpoint_number(
         _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
     if not storage.is_local(base_directory):
         store = storage.object_store(base_directory, storage_options)
-        return _objects().latest(store, identifier, checkpoint_file_prefix, verify)
-    return _latest(storage.local_path(base_directory), identifier, checkpoint_file_prefix, verify)
+        return _objects().latest(
+            store, identifier, checkpoint_file_prefix, verify, tuple(required_keys)
+        )
+    return _latest(
+        storage.local_path(base_directory),
+        identifier,
+        checkpoint_file_prefix,
+        verify,
+        tuple(required_keys),
+    )
 
 
 def verify_checkpoint(
@@ -567,11 +610,16 @@ def verify_checkpoint(
     sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
     checkpoint_file_prefix: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    full: bool = True,
+    required_keys: Sequence[str] = (),
 ) -> list[str]:
     """Every problem found with checkpoint ``iteration_number`` (empty: it verifies).
 
-    Reads all of its bytes; never writes. A Dopamine ``b'done'`` sentinel with its data present
-    gives no problems but a :class:`CheckpointWarning` that it is unverifiable.
+    Reads all of its bytes (``full=False``: only the sentinel, and the names and sizes of the
+    files, as :func:`get_latest_checkpoint_number` without ``verify``); never writes. Every key of
+    ``required_keys`` must be in the checkpoint. A Dopamine ``b'done'`` sentinel with its data
+    present gives no problems but a :class:`CheckpointWarning` that it is unverifiable.
 
     >>> verify_checkpoint("/does/not/exist", 3)
     ['/does/not/exist/sentinel_checkpoint_complete.3: no sentinel (iteration 3 is not complete)']
@@ -582,24 +630,45 @@ def verify_checkpoint(
     n = _iteration(iteration_number)
     if not storage.is_local(base_directory):
         store = storage.object_store(base_directory, storage_options)
-        return (
-            _objects()
-            .RemoteCheckpoint(store, n, identifier, checkpoint_file_prefix)
-            .problems(full=True)
-        )
-    base = storage.local_path(base_directory)
-    return _Checkpoint(base, n, identifier, checkpoint_file_prefix).problems(full=True)
+        remote = _objects().RemoteCheckpoint(store, n, identifier, checkpoint_file_prefix)
+        return remote.problems(full=full, required_keys=tuple(required_keys))
+    return _Checkpoint(
+        storage.local_path(base_directory), n, identifier, checkpoint_file_prefix
+    ).problems(full=full, required_keys=tuple(required_keys))
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
 
 
-def _setting(value: object, name: str, *, optional: bool = False) -> Any:
+def _setting(value: object, name: str, *, optional: bool = False) -> None:
     if optional and value is None:
-        return None
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+        raise ValueError(f"{name} must be an int >= 1, got {_quote(value)}")
+
+
+def check_settings(
+    checkpoint_file_prefix: str = "ckpt",
+    sentinel_file_identifier: str = "checkpoint",
+    checkpoint_frequency: int = 1,
+    checkpoint_duration: int = 4,
+    keep_every: int | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the first invalid :class:`Checkpointer` setting.
+
+    What the constructor checks, without touching the filesystem, so a Lightning callback can
+    refuse bad settings when it is built rather than when ``fit`` starts.
+
+    >>> check_settings(checkpoint_duration=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: checkpoint_duration must be an int >= 1, got 0
+    """
+    _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
+    _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
+    _setting(checkpoint_frequency, "checkpoint_frequency")
+    _setting(checkpoint_duration, "checkpoint_duration")
+    _setting(keep_every, "keep_every", optional=True)
 
 
 @_gin_configurable
@@ -629,16 +698,21 @@ class Checkpointer:
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
+        check_settings(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_frequency,
+            checkpoint_duration,
+            keep_every,
+        )
         # a Path for local directories, the URL for object stores (never Path("s3://..."))
         # (typed Any: a Path in every local code path below, a str only where _remote is set)
         self.base_directory: Any = storage.location(base_directory)
-        self.checkpoint_file_prefix = _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-        self.sentinel_file_identifier = _safe_name(
-            sentinel_file_identifier, "sentinel_file_identifier"
-        )
-        self.checkpoint_frequency = _setting(checkpoint_frequency, "checkpoint_frequency")
-        self.checkpoint_duration = _setting(checkpoint_duration, "checkpoint_duration")
-        self.keep_every = _setting(keep_every, "keep_every", optional=True)
+        self.checkpoint_file_prefix = checkpoint_file_prefix
+        self.sentinel_file_identifier = sentinel_file_identifier
+        self.checkpoint_frequency = checkpoint_frequency
+        self.checkpoint_duration = checkpoint_duration
+        self.keep_every = keep_every
         # Set by take_over(): then every commit and garbage collection first checks that no
         # newer run took over the directory (lightning_bpk.lease).
         self.lease: Lease | None = None
@@ -710,7 +784,11 @@ class Checkpointer:
                 self._remote, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
             )
         return _latest(
-            self.base_directory, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
+            self.base_directory,
+            self.sentinel_file_identifier,
+            self.checkpoint_file_prefix,
+            verify,
+            required_keys=(),
         )
 
     def verify_checkpoint(self, iteration_number: int) -> list[str]:
@@ -927,6 +1005,28 @@ class Checkpointer:
         }
         orphans = {m for m in sentinels if m not in data and m != n}
         return (doomed | orphans) & sentinels, doomed & data
+
+    def remove_checkpoints(self, numbers: Iterable[int]) -> None:
+        """Delete the checkpoints ``numbers``, under the directory lock: their sentinels first
+        (one fsync), then their data, so a crash midway never leaves a sentinel without data.
+
+        For a run that starts over on purpose (``BurnpackCheckpoint(overwrite=True)``).
+        """
+        wanted = sorted({_iteration(n) for n in numbers})
+        if self._remote is not None:
+            _objects().remove(self, self._remote, wanted)
+            return
+        with self._lock():
+            stem = sentinel_stem(self.sentinel_file_identifier)
+            sentinels = _numbers(self.base_directory, stem)
+            data = _numbers(self.base_directory, self.checkpoint_file_prefix)
+            for n in wanted:
+                if n in sentinels:
+                    _remove(sentinels[n])
+            _fs.fsync_dir(self.base_directory)
+            for n in wanted:
+                if n in data:
+                    _remove(data[n])
 
     def _collect_garbage(self, n: int) -> None:
         """Keep the ``d`` newest complete checkpoints ``<= n`` and the ``keep_every`` milestones;

@@ -4,11 +4,13 @@ Each subcommand is one ``_cmd_<name>(args) -> int`` function registered in :func
 so ``ls``, ``verify``, ``convert`` or ``diff`` can be added beside ``inspect`` without touching
 the others. A bad file is reported on stderr with its path and exit status :data:`EXIT_BAD_FILE`.
 
-Commands: ``inspect FILE``, ``ls DIR`` (checkpoints), ``verify FILE|DIR``, ``convert SRC DST``
-(``.bpk``, ``.safetensors``; ``.pt``/``.ckpt`` as source only), ``diff A B``. Every command takes
-``--json``. Exit status: 0 ok, 1 differences or damage found (:data:`EXIT_FOUND`), 2 usage error
-or unreadable input (:data:`EXIT_BAD_FILE`). Long work shows progress on stderr when it is a
-terminal.
+Commands: ``inspect FILE``, ``ls DIR`` (checkpoints; a run directory stands for its
+``checkpoints/``), ``verify FILE|DIR``, ``convert SRC DST`` (``.bpk``, ``.safetensors``;
+``.pt``/``.ckpt`` as source only), ``diff A B`` (files, or two checkpoint directories). Every
+command takes ``--json``. Exit status: 0 ok, 1 differences or damage found (:data:`EXIT_FOUND`),
+2 usage error or unreadable input (:data:`EXIT_BAD_FILE`). Long work shows progress on stderr
+when it is a terminal. Text output escapes control characters (a tensor name or metadata value
+cannot drive the terminal); ``--json`` escapes them as JSON does.
 
 Example::
 
@@ -26,7 +28,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +38,10 @@ import torch
 from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.interop import Content, convert, read_content
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, MODEL_FILE
 from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records.base import RecordError
+from lightning_bpk.trainer_state import REQUIRED_KEYS
 
 __all__ = [
     "EXIT_BAD_FILE",
@@ -96,7 +100,24 @@ def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     }
 
 
+def _escape(c: str) -> str:
+    return c if c.isprintable() else repr(c)[1:-1]
+
+
+def _printable(text: str) -> str:
+    r"""``text`` with every non-printable character but the line breaks (control codes, ANSI
+    escapes, bidi overrides) escaped as in a Python string literal.
+
+    >>> _printable("a\x1b[2Jb\nc\u202ed")
+    'a\\x1b[2Jb\nc\\u202ed'
+    """
+    return "\n".join(
+        line if line.isprintable() else "".join(map(_escape, line)) for line in text.split("\n")
+    )
+
+
 def _table(rows: list[list[str]]) -> str:
+    rows = [[_printable(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -197,10 +218,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     with _open_pack(args.file) as pack:
         info = _describe(pack)
-    if args.json:
-        print(json.dumps(info, indent=2))
-    else:
-        print(_format_text(info))
+    _emit(args, info, _format_text(info))
     return EXIT_OK
 
 
@@ -220,14 +238,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     2
     """
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except BrokenPipeError:  # `| head` closed stdout early: not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    except (burnpack.BurnpackError, RecordError, OSError, ShardedCheckpointError) as e:
-        print(f"lightning-bpk {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_BAD_FILE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", checkpointer.CheckpointWarning)
+        try:
+            return args.func(args)
+        except BrokenPipeError:  # `| head` closed stdout early: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+        except (burnpack.BurnpackError, RecordError, OSError, ShardedCheckpointError) as e:
+            _report(args, "error", str(e))
+            return EXIT_BAD_FILE
+        finally:
+            for w in caught:
+                _report(args, "warning", str(w.message))
+
+
+def _report(args: argparse.Namespace, what: str, message: str) -> None:
+    print(_printable(f"lightning-bpk {args.command}: {what}: {message}"), file=sys.stderr)
 
 
 # --- ls, verify, convert, diff ------------------------------------------------------------------
@@ -269,19 +296,20 @@ def _mtime(path: Path | str) -> str:
 
 
 def _emit(args: argparse.Namespace, info: Any, text: str) -> None:
-    print(json.dumps(info, indent=2) if args.json else text)
+    print(json.dumps(info, indent=2) if args.json else _printable(text))
 
 
 def _checkpoint_rows(
-    base: Path | str, identifier: str, prefix: str, verify: bool
+    base: Path | str, identifier: str, prefix: str, verify: bool, required_keys: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
-    problems. ``verified`` is None when ``verify`` is off."""
+    problems. ``verified`` is None when ``verify`` is off; a checkpoint without one of
+    ``required_keys`` does not verify."""
     rows = []
     for entry in checkpointer.list_checkpoints(base, identifier, prefix):
         n, complete = entry.number, entry.complete
         problems = (
-            checkpointer.verify_checkpoint(base, n, identifier, prefix)
+            checkpointer.verify_checkpoint(base, n, identifier, prefix, required_keys=required_keys)
             if verify and complete
             else []
         )
@@ -303,13 +331,30 @@ def _yes_no(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
 
+def _checkpoint_base(path: Path, args: argparse.Namespace) -> Path:
+    """``path``, or a run directory's ``checkpoints/`` (where BurnpackCheckpoint saves by
+    default) when ``path`` holds no checkpoints itself and that folder exists."""
+    inner = path / checkpointer.RUN_SUBDIRECTORY
+    if not checkpointer.list_checkpoints(path, args.identifier, args.prefix) and inner.is_dir():
+        return inner
+    return path
+
+
+def _required(args: argparse.Namespace) -> list[str]:
+    return [k for k in args.require.split(",") if k]
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     base = storage.location(args.dir)
     if isinstance(base, str):
         storage.object_store(base).check()  # a wrong URL fails here, naming it
     elif not base.is_dir():
         raise OSError(f"{base}: not a directory")
-    rows = _checkpoint_rows(base, args.identifier, args.prefix, verify=not args.no_verify)
+    else:
+        base = _checkpoint_base(base, args)
+    rows = _checkpoint_rows(
+        base, args.identifier, args.prefix, not args.no_verify, required_keys=_required(args)
+    )
     table = [["number", "complete", "verified", "size", "time"]]
     table += [
         [
@@ -322,6 +367,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         for r in rows
     ]
     text = _table(table) if rows else f"{base}: no checkpoints"
+    if base != Path(args.dir):
+        text = f"{base}:\n{text}"
     text += "".join(f"\n{r['number']}: {p}" for r in rows for p in r["problems"])
     _emit(args, {"directory": str(base), "checkpoints": rows}, text)
     return EXIT_FOUND if any(r["verified"] is False for r in rows) else EXIT_OK
@@ -390,7 +437,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     elif isinstance(target, str) or target.is_dir():
         if isinstance(target, str):
             storage.object_store(target).check()  # a wrong URL fails here, naming it
-        rows = _checkpoint_rows(target, args.identifier, args.prefix, verify=True)
+        else:
+            target = _checkpoint_base(target, args)
+        rows = _checkpoint_rows(
+            target, args.identifier, args.prefix, verify=True, required_keys=_required(args)
+        )
         if rows:
             results = [
                 {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
@@ -487,9 +538,62 @@ def _diff_contents(
     return rows
 
 
-def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = read_content(_local_only(args.a, "diff")), read_content(_local_only(args.b, "diff"))
-    rows = _diff_contents(a, b, _progress("diff"))
+def _scalars(content: Content) -> dict[str, dict[str, Any]]:
+    return {k: {"kind": s.kind, "value": _json_value(s)} for k, s in content.scalars.items()}
+
+
+def _close(x: Any, y: Any, atol: float) -> bool:
+    """Equal, or numbers within ``atol`` (NaN equals NaN; bools and text compare exactly)."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
+    if not numbers:
+        return x == y
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    return x == y or abs(x - y) <= atol
+
+
+def _diff_entries(
+    a: Mapping[str, Any], b: Mapping[str, Any], atol: float = 0.0
+) -> list[dict[str, Any]]:
+    """Entry-by-entry comparison of two files' scalars (``{"kind", "value"}`` maps) or metadata
+    (strings): rows of ``name``, ``status`` (same, values differ, kind differs, only in A/B) and
+    the values ``a`` and ``b``.
+
+    >>> _diff_entries({"last_epoch": {"kind": "Int", "value": 3}},
+    ...              {"last_epoch": {"kind": "Int", "value": 4}})[0]["status"]
+    'values differ'
+    """
+    rows = []
+    for name in list(a) + [n for n in b if n not in a]:
+        row: dict[str, Any] = {"name": name, "a": a.get(name), "b": b.get(name)}
+        if name not in a or name not in b:
+            row["status"] = "only in A" if name not in b else "only in B"
+        else:
+            va, vb = a[name], b[name]
+            if isinstance(va, dict) and isinstance(vb, dict):
+                if va["kind"] != vb["kind"]:
+                    row["status"] = "kind differs"
+                    rows.append(row)
+                    continue
+                va, vb = va["value"], vb["value"]
+            row["status"] = "same" if _close(va, vb, atol) else "values differ"
+        rows.append(row)
+    return rows
+
+
+def _entry_text(value: Any, limit: int = 60) -> str:
+    """A scalar or metadata value for the text table, cut to ``limit`` characters."""
+    if value is None:
+        return "-"
+    text = f"{value['kind']}({value['value']!r})" if isinstance(value, dict) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Compare two files: tensors, scalars and metadata; returns the JSON info and the text."""
+    ca, cb = read_content(a), read_content(b)
+    atol = args.atol if args.atol is not None else 0.0
+    rows = _diff_contents(ca, cb, _progress(f"diff {a.name}"))
     different = [r for r in rows if r["status"] != "same"]
     if args.atol is not None:
         different = [
@@ -497,6 +601,14 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             for r in different
             if not (r["status"] == "values differ" and r["max_abs_diff"] <= args.atol)
         ]
+    scalars = _diff_entries(_scalars(ca), _scalars(cb), atol)
+    metadata = _diff_entries(ca.metadata, cb.metadata)
+    entries_differ = [
+        (what, r)
+        for what, entries in (("scalar", scalars), ("metadata", metadata))
+        for r in entries
+        if r["status"] != "same"
+    ]
     shown = rows if args.all else different
     table = [["name", "status", "shape", "dtype", "max_abs_diff"]]
     for r in shown:
@@ -515,10 +627,70 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         if "max_abs_diff" in r:
             diff = f"{r['max_abs_diff']:.6g}"
         table.append([r["name"], r["status"], shape, dtype, diff])
-    summary = f"{len(rows)} tensors, {len(different)} differ"
-    text = summary if len(table) == 1 else _table(table) + "\n" + summary
-    _emit(args, {"a": args.a, "b": args.b, "identical": not different, "tensors": rows}, text)
-    return EXIT_FOUND if different else EXIT_OK
+    shown_entries = (
+        [(w, r) for w, entries in (("scalar", scalars), ("metadata", metadata)) for r in entries]
+        if args.all
+        else entries_differ
+    )
+    lines = [_table(table)] if len(table) > 1 else []
+    if shown_entries:
+        entry_table = [["entry", "name", "status", "A", "B"]]
+        entry_table += [
+            [what, r["name"], r["status"], _entry_text(r["a"]), _entry_text(r["b"])]
+            for what, r in shown_entries
+        ]
+        lines.append(_table(entry_table))
+    n_scalars = sum(w == "scalar" for w, _ in entries_differ)
+    lines.append(
+        f"{len(rows)} tensors, {len(different)} differ; {len(scalars)} scalars, {n_scalars} "
+        f"differ; {len(metadata)} metadata entries, {len(entries_differ) - n_scalars} differ"
+    )
+    info = {
+        "a": str(a),
+        "b": str(b),
+        "identical": not different and not entries_differ,
+        "tensors": rows,
+        "scalars": scalars,
+        "metadata": metadata,
+    }
+    return info, "\n".join(lines)
+
+
+def _model_file(path: Path) -> Path:
+    """A checkpoint directory stands for its model file when compared with a file (as in
+    ``convert``); a sharded one for the model its shards assemble into."""
+    return path / MODEL_FILE if path.is_dir() and not is_sharded(path) else path
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    a, b = Path(_local_only(args.a, "diff")), Path(_local_only(args.b, "diff"))
+    if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b):
+        info, text = _diff_files(_model_file(a), _model_file(b), args)
+        _emit(args, info, text)
+        return EXIT_OK if info["identical"] else EXIT_FOUND
+    # Two checkpoint directories: every record file, matched by name.
+    names_a = {p.name for p in a.glob("*" + checkpointer.RECORD_SUFFIX)}
+    names_b = {p.name for p in b.glob("*" + checkpointer.RECORD_SUFFIX)}
+    if not names_a and not names_b:
+        raise OSError(f"{a} and {b}: no {checkpointer.RECORD_SUFFIX} files to compare")
+    files, texts = [], []
+    for name in sorted(names_a | names_b):
+        if name not in names_a or name not in names_b:
+            side = "only in A" if name in names_a else "only in B"
+            files.append({"file": name, "identical": False, "status": side})
+            texts.append(f"{name}: {side}")
+            continue
+        info, text = _diff_files(a / name, b / name, args)
+        files.append({"file": name, **info})
+        texts.append(f"{name}: {'same' if info['identical'] else 'differs'}\n{text}")
+    identical = all(f["identical"] for f in files)
+    summary = f"{len(files)} files, {sum(not f['identical'] for f in files)} differ"
+    _emit(
+        args,
+        {"a": str(a), "b": str(b), "identical": identical, "files": files},
+        "\n\n".join([*texts, summary]),
+    )
+    return EXIT_OK if identical else EXIT_FOUND
 
 
 def _add_commands(sub: argparse._SubParsersAction) -> None:
@@ -536,13 +708,20 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     def checkpoint_names(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="checkpoint data prefix")
         parser.add_argument("--identifier", default=DEFAULT_IDENTIFIER, help="sentinel identifier")
+        parser.add_argument(
+            "--require",
+            default=",".join(REQUIRED_KEYS),
+            metavar="KEYS",
+            help="comma-separated data keys every checkpoint must hold (default: "
+            f"{','.join(REQUIRED_KEYS)}, what BurnpackCheckpoint needs to resume; '' for none)",
+        )
 
     inspect = command("inspect", _cmd_inspect, "show header, tensors, scalars and metadata")
     inspect.add_argument(
         "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
     )
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
-    ls.add_argument("dir", help="a checkpointer base directory")
+    ls.add_argument("dir", help="a checkpointer base directory, or a run directory")
     ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")
     checkpoint_names(ls)
     verify = command("verify", _cmd_verify, "check structure and checksums (exit 1 on damage)")
@@ -556,8 +735,12 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
         "src", help=".bpk, .safetensors, .pt/.pth/.bin, .ckpt or a checkpoint directory (its model)"
     )
     convert.add_argument("dst", help=".bpk or .safetensors")
-    diff = command("diff", _cmd_diff, "compare tensors: names, shapes, dtypes, values (exit 1)")
-    diff.add_argument("a")
-    diff.add_argument("b")
+    diff = command(
+        "diff",
+        _cmd_diff,
+        "compare tensors (names, shapes, dtypes, values), scalars and metadata (exit 1)",
+    )
+    diff.add_argument("a", help="a file, or a checkpoint directory (all its .bpk files)")
+    diff.add_argument("b", help="a file, or a checkpoint directory")
     diff.add_argument("--atol", type=float, help="value differences up to this count as equal")
-    diff.add_argument("--all", action="store_true", help="list identical tensors too")
+    diff.add_argument("--all", action="store_true", help="list identical entries too")

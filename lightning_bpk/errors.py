@@ -20,8 +20,11 @@ catch a built-in exception, the class derives from that too::
     │                                           or read; names the rank file
     ├── checkpointer.CheckpointLockedError (also RuntimeError)
     │                                           another process is saving into the directory
-    └── callback.CheckpointSaveError (also RuntimeError)
-                                                a save failed; earlier checkpoints are intact
+    ├── callback.CheckpointSaveError (also RuntimeError)
+    │                                           a save failed; earlier checkpoints are intact
+    └── callback.CheckpointResumeError (also RuntimeError)
+                                                fit cannot start from the checkpoints as they
+                                                are (nothing changed on disk)
 
 A checksum failure stays one on its way up: a damaged tensor in a checkpoint raises
 :class:`~lightning_bpk.records.RecordChecksumError` from a record load or

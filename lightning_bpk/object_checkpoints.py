@@ -34,7 +34,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "fetch_pack",
     "latest",
     "list_checkpoints",
+    "remove",
     "save",
 ]
 
@@ -110,7 +111,7 @@ class RemoteCheckpoint:
             manifest.data if manifest is not None else f"{self.prefix or 'ckpt'}.{self.iteration}"
         )
 
-    def problems(self, *, full: bool) -> list[str]:
+    def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is): the local checks, on objects."""
         try:
             manifest = self.read_manifest()
@@ -124,6 +125,11 @@ class RemoteCheckpoint:
         if not present:
             return [f"{data_url}: data is missing (sentinel without data)"]
         if manifest is None:
+            missing = [k for k in required_keys if k + ck.RECORD_SUFFIX not in present]
+            if missing:  # nothing lists the files, so a lost one is only noticed here
+                return [
+                    f"{data_url}/{k}{ck.RECORD_SUFFIX}: missing (b'done' sentinel)" for k in missing
+                ]
             if not full:
                 return []
             warnings.warn(
@@ -140,7 +146,11 @@ class RemoteCheckpoint:
                 except (burnpack.BurnpackError, OSError) as e:
                     problems.append(str(e))
             return problems
-        problems = []
+        problems = [
+            f"{self.sentinel}: the manifest lists no {k!r} entry"
+            for k in required_keys
+            if k not in manifest.files
+        ]
         expected = {key + ck.RECORD_SUFFIX: e for key, e in manifest.files.items()}
         for file in sorted(set(present) - set(expected)):
             problems.append(f"{data_url}/{file}: unexpected object, not in the manifest")
@@ -225,12 +235,20 @@ def fetch_pack(
     return burnpack.Pack(buffer, source=url)
 
 
-def latest(store: ObjectStore, identifier: str, prefix: str | None, verify: bool) -> int:
+def latest(
+    store: ObjectStore,
+    identifier: str,
+    prefix: str | None,
+    verify: bool,
+    required_keys: Sequence[str] = (),
+) -> int:
     """:func:`lightning_bpk.checkpointer.get_latest_checkpoint_number` on a store: the newest
     sentinel whose checkpoint passes the checks; skipped ones warn with the reason."""
     listing = store.list("")
     for n in sorted(_entries(listing, sentinel_stem(identifier), data=False), reverse=True):
-        problems = RemoteCheckpoint(store, n, identifier, prefix).problems(full=verify)
+        problems = RemoteCheckpoint(store, n, identifier, prefix).problems(
+            full=verify, required_keys=required_keys
+        )
         if not problems:
             return n
         warnings.warn(
@@ -314,6 +332,20 @@ def _still_owner(lease: Any) -> bool:
     except Exception:
         return False
     return True
+
+
+def remove(checkpointer: ck.Checkpointer, store: ObjectStore, numbers: Iterable[int]) -> None:
+    """:meth:`Checkpointer.remove_checkpoints` in a store: the sentinels first, then the data."""
+    if checkpointer.lease is not None:
+        checkpointer.lease.check()
+    wanted = sorted(numbers)
+    listing = store.list("")
+    sentinels = _entries(listing, sentinel_stem(checkpointer.sentinel_file_identifier), data=False)
+    data = _entries(listing, checkpointer.checkpoint_file_prefix, data=True)
+    store.remove(sentinels[m] for m in wanted if m in sentinels)
+    for m in wanted:
+        if m in data:
+            store.remove_prefix(data[m])
 
 
 def collect_garbage(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:

@@ -64,19 +64,22 @@ from lightning_bpk.records import (
     StateRecord,
     load_record,
 )
-from lightning_bpk.records.base import record_from_pack
+from lightning_bpk.records.base import class_name, record_from_pack
 
 __all__ = [
+    "CLASSES_KEY",
     "DROPPED_KEY",
     "HPARAM_KEYS",
     "HPARAM_TYPE_KEYS",
     "MODEL_KEY",
     "OPTIMIZER_KEY",
     "PREEMPTED_KEY",
+    "REQUIRED_KEYS",
     "RNG_KEY",
     "SCHEDULER_KEY",
     "TRAINER_KEY",
     "capture_rng",
+    "class_mismatches",
     "file_record",
     "from_records",
     "is_checkpoint_directory",
@@ -89,10 +92,15 @@ __all__ = [
     "write_record",
 ]
 
+# What resume cannot do without (the optimizers and schedulers may be none).
+REQUIRED_KEYS = (MODEL_KEY, TRAINER_KEY)
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
 PREEMPTED_KEY = "lightning_bpk_preempted"
+# Added by load() to a checkpoint directory's dict (never saved): the optimizer and scheduler
+# classes its records were saved from, for :func:`class_mismatches`.
+CLASSES_KEY = "lightning_bpk_classes"
 # Lightning keys holding hyper-parameters (values may be arbitrary user objects) ...
 HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 # ... and the OmegaConf container *type* it stores beside them (a class: never storable).
@@ -250,9 +258,51 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
     for alias, target in model.aliases.items():
         state_dict[alias] = model.tensors[target]
     checkpoint["state_dict"] = state_dict
-    checkpoint["optimizer_states"] = [r.state_dict() for r in _numbered(data, OPTIMIZER_KEY)]
-    checkpoint["lr_schedulers"] = [r.state_dict() for r in _numbered(data, SCHEDULER_KEY)]
+    optimizers = _numbered(data, OPTIMIZER_KEY)
+    schedulers = _numbered(data, SCHEDULER_KEY)
+    checkpoint["optimizer_states"] = [r.state_dict() for r in optimizers]
+    checkpoint["lr_schedulers"] = [r.state_dict() for r in schedulers]
+    checkpoint[CLASSES_KEY] = {
+        "optimizers": [r.optimizer_class for r in optimizers],
+        "lr_schedulers": [r.scheduler_class for r in schedulers],
+    }
     return checkpoint
+
+
+def class_mismatches(
+    classes: Mapping[str, Sequence[str]],
+    optimizers: Sequence[torch.optim.Optimizer],
+    schedulers: Sequence[Any],
+) -> list[str]:
+    """How the live optimizers and schedulers differ from the classes (:data:`CLASSES_KEY`) a
+    checkpoint was saved with, in number or class; empty when they match.
+
+    Lightning loads optimizer state by position and does not look at the class: Adam's state in
+    SGD fails at the first step, in AdamW it silently takes Adam's hyper-parameters.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    >>> class_mismatches({"optimizers": ["torch.optim.adam.Adam"]}, [opt], [])
+    ['optimizer 0 was saved as torch.optim.adam.Adam, the module configures torch.optim.sgd.SGD']
+    """
+    problems = []
+    for what, key, live in (
+        ("optimizer", "optimizers", optimizers),
+        ("LR scheduler", "lr_schedulers", schedulers),
+    ):
+        saved = list(classes.get(key, []))
+        configured = [class_name(x) for x in live]
+        if len(saved) != len(configured):
+            problems.append(
+                f"it holds {len(saved)} {what} state(s) {saved}, the module configures "
+                f"{len(configured)} {configured}"
+            )
+            continue
+        problems += [
+            f"{what} {i} was saved as {a}, the module configures {b}"
+            for i, (a, b) in enumerate(zip(saved, configured, strict=True))
+            if a != b
+        ]
+    return problems
 
 
 # --- files and directories --------------------------------------------------------------------

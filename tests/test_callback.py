@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 from pathlib import Path
 
 import gin
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from lightning_bpk import _fs, trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
+from lightning_bpk.callback import BurnpackCheckpoint, CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.checkpointer import CheckpointWarning, verify_checkpoint
 from lightning_bpk.records import (
     LrSchedulerRecord,
@@ -95,21 +96,144 @@ def test_resume_continues_at_the_next_epoch_and_logs_it(tmp_path, caplog):
     assert _numbers(tmp_path / "checkpoints") == [0, 1, 2, 3]
 
 
+def _override(number: int) -> None:
+    gin.bind_parameter(
+        "lightning_bpk.checkpointer.get_latest_checkpoint_number.override_number", number
+    )
+
+
+def _snapshot(root: Path, *, bookkeeping: bool = True) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root``: modification time and content (without the directory lock
+    and ownership lease when ``bookkeeping`` is False)."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (bookkeeping or not p.name.startswith(".lightning_bpk."))
+    }
+
+
 def test_resume_false_and_explicit_ckpt_path_and_gin_override(tmp_path):
     _fit(tmp_path, 3)
     directory = tmp_path / "checkpoints"
-    callback, start, _ = _fit(tmp_path, 1, resume=False)
-    assert (callback.restored_number, start.epoch) == (None, 0)
+    callback, start, _ = _fit(tmp_path, 4, ckpt_path=directory / "ckpt.2")
+    assert (callback.restored_number, start.epoch) == (None, 3)  # explicit path wins
 
-    callback, start, _ = _fit(tmp_path, 4, ckpt_path=directory / "ckpt.1")
-    assert (callback.restored_number, start.epoch) == (None, 2)  # explicit path wins
-
-    gin.bind_parameter("lightning_bpk.checkpointer.get_latest_checkpoint_number.override_number", 1)
+    _override(3)  # the one the explicit run saved
     try:
-        callback, start, _ = _fit(tmp_path, 3)
+        callback, start, _ = _fit(tmp_path, 5)
     finally:
         gin.clear_config()
+    assert (callback.restored_number, start.epoch) == (3, 4)
+
+    callback, start, _ = _fit(tmp_path, 1, resume=False, overwrite=True)
+    assert (callback.restored_number, start.epoch) == (None, 0)
+
+
+def test_override_number_of_a_missing_checkpoint_stops_in_setup_and_changes_nothing(tmp_path):
+    _fit(tmp_path, 4, checkpoint_duration=2)  # keeps 2 and 3
+    before = _snapshot(tmp_path)
+    for number in (0, 7):  # collected, and a typo
+        _override(number)
+        try:
+            with pytest.raises(
+                CheckpointResumeError,
+                match=rf"checkpoint {number} .*override_number = {number}.*no sentinel.*"
+                r"Complete checkpoints there: \[3, 2\]\. Nothing was changed",
+            ):
+                _fit(tmp_path, 6)
+        finally:
+            gin.clear_config()
+    assert _snapshot(tmp_path) == before
+    _override(1)
+    try:
+        with pytest.raises(CheckpointResumeError, match="Complete checkpoints there: none"):
+            _fit(tmp_path / "elsewhere", 2)
+    finally:
+        gin.clear_config()
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_run_never_saves_over_checkpoints_it_did_not_resume_past(tmp_path, caplog):
+    _fit(tmp_path, 3)
+    directory = tmp_path / "checkpoints"
+    before = _snapshot(tmp_path, bookkeeping=False)
+    with pytest.raises(CheckpointResumeError, match=r"starts from scratch .*\[2, 1, 0\]"):
+        _fit(tmp_path, 3, resume=False)
+    with pytest.raises(CheckpointResumeError, match=r"resumes from .*ckpt\.0 .*\[2, 1\]"):
+        _fit(tmp_path, 3, ckpt_path=directory / "ckpt.0")
+    _override(1)
+    try:
+        with pytest.raises(CheckpointResumeError, match=r"epoch 2\), .* \[2\] .*overwrite"):
+            _fit(tmp_path, 3)
+    finally:
+        gin.clear_config()
+    # Nothing saved, nothing removed; the refused runs did take the directory's ownership lease
+    # (in setup, before the epoch they start at is known), which is no checkpoint.
+    assert _snapshot(tmp_path, bookkeeping=False) == before
+
+    gin.parse_config("lightning_bpk.BurnpackCheckpoint.overwrite = True")  # explicit, from gin
+    try:
+        with caplog.at_level(logging.WARNING, logger="lightning_bpk"):
+            _, start, _ = _fit(tmp_path, 1, resume=False)
+    finally:
+        gin.clear_config()
+    assert "overwrite=True: removing checkpoints [2, 1, 0]" in caplog.text
+    assert (start.epoch, _numbers(directory)) == (0, [0])  # no checkpoint of the old run left
+
+
+class _WithOptimizer(TinyModel):
+    def __init__(self, optimizer: type, **options: object) -> None:
+        super().__init__()
+        self.optimizer, self.options = optimizer, options
+
+    def configure_optimizers(self) -> dict:
+        optimizer = self.optimizer(self.parameters(), lr=0.05, **self.options)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options"),
+    [(torch.optim.SGD, {"momentum": 0.9}), (torch.optim.AdamW, {})],
+    ids=["SGD", "AdamW"],
+)
+def test_resuming_into_another_optimizer_class_names_both(tmp_path, optimizer, options):
+    _fit(tmp_path, 1)  # TinyModel: Adam
+    trainer = make_trainer(str(tmp_path), 2, [BurnpackCheckpoint()])
+    name = f"{optimizer.__module__}.{optimizer.__qualname__}"
+    with pytest.raises(
+        CheckpointResumeError,
+        match=rf"ckpt\.0: optimizer 0 was saved as torch\.optim\.adam\.Adam, the module "
+        rf"configures {re.escape(name)}",
+    ):
+        trainer.fit(_WithOptimizer(optimizer, **options))
+    assert _numbers(tmp_path / "checkpoints") == [0]  # stopped before training
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"checkpoint_duration": 0}, "checkpoint_duration must be an int >= 1, got 0"),
+        ({"keep_every": 0}, "keep_every must be an int >= 1, got 0"),
+        ({"checkpoint_frequency": 2.5}, "checkpoint_frequency must be an int >= 1, got 2.5"),
+        ({"checkpoint_file_prefix": "../x"}, "checkpoint_file_prefix '../x' is not a safe"),
+        ({"sentinel_file_identifier": "a b"}, "sentinel_file_identifier 'a b' is not a safe"),
+    ],
+)
+def test_invalid_settings_are_refused_when_the_callback_is_built(options, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        BurnpackCheckpoint(**options)
+
+
+def test_resume_falls_back_past_a_done_sentinel_without_trainer_bpk(tmp_path):
+    _fit(tmp_path, 3)
+    directory = tmp_path / "checkpoints"
+    (directory / "sentinel_checkpoint_complete.2").write_bytes(b"done")  # Dopamine-style
+    (directory / "ckpt.2" / "trainer.bpk").unlink()
+    with pytest.warns(CheckpointWarning, match=r"checkpoint 2 .* skipped: .*trainer\.bpk: missing"):
+        callback, start, _ = _fit(tmp_path, 3)
     assert (callback.restored_number, start.epoch) == (1, 2)
+    assert verify_checkpoint(directory, 2) == []  # saved again, complete this time
 
 
 def test_resume_skips_a_damaged_checkpoint(tmp_path):

@@ -124,3 +124,27 @@ def test_remove_and_storage_options(tmp_path):
     assert not path.exists()
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({}, path, storage_options={"x": 1})
+
+
+def _weights(model: L.LightningModule) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_from_last_with_the_io_alone_is_bit_identical(tmp_path):
+    """ModelCheckpoint + ``ckpt_path="last"``: the RNG states saved in the file are restored, so
+    the resumed epochs shuffle and drop out exactly as in a run that never stopped."""
+
+    def trainer(root: Path, epochs: int) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=root / "mc", save_last=True)
+        return _trainer(root, epochs, [checkpoint])
+
+    run = trainer(tmp_path / "straight", 3)  # seeds, then the model is built
+    straight = TinyModel()
+    run.fit(straight)
+    trainer(tmp_path / "split", 1).fit(TinyModel())
+    run = trainer(tmp_path / "split", 3)
+    L.seed_everything(99)  # a new process: whatever state the global RNGs happen to be in
+    resumed = TinyModel()
+    run.fit(resumed, ckpt_path="last")
+    expected, got = _weights(straight), _weights(resumed)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)

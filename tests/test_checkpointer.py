@@ -409,6 +409,89 @@ def test_dopamine_done_sentinel_counts_but_is_unverifiable(tmp_path: Path) -> No
         assert "failing their checksum: ['b']" in " ".join(c.verify_checkpoint(4))
 
 
+def test_done_sentinel_without_a_required_file_fails_verify_and_is_skipped(tmp_path: Path) -> None:
+    """Nothing lists a b'done' checkpoint's files, so a lost trainer.bpk is only noticed by
+    asking for it: resume asks for model and trainer, and falls back past it."""
+    c = Checkpointer(tmp_path)
+    c.save_checkpoint(3, tensors_payload(3))
+    c.save_checkpoint(4, tensors_payload(4))
+    c.sentinel_path(4).write_bytes(b"done")
+    (c.checkpoint_path(4) / "trainer.bpk").unlink()
+    required = ("model", "trainer")
+    problems = verify_checkpoint(tmp_path, 4, required_keys=required)
+    assert problems == [
+        f"{c.checkpoint_path(4) / 'trainer.bpk'}: missing (Dopamine's b'done' sentinel)"
+    ]
+    assert verify_checkpoint(tmp_path, 4, full=False, required_keys=required) == problems
+    with pytest.warns(CheckpointWarning, match=r"checkpoint 4 .* skipped: .*trainer\.bpk: missing"):
+        assert get_latest_checkpoint_number(tmp_path, verify=True, required_keys=required) == 3
+    # a manifest that does not list a required key is refused the same way
+    c.save_checkpoint(5, {"model": tensors_payload(5)["model"]})
+    assert verify_checkpoint(tmp_path, 5, required_keys=required) == [
+        f"{c.sentinel_path(5)}: the manifest lists no 'trainer' entry"
+    ]
+    assert verify_checkpoint(tmp_path, 5) == []  # the checkpointer itself requires nothing
+
+
+def test_a_huge_damaged_manifest_gives_short_messages(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path)
+    c.save_checkpoint(0, {"n": 0})
+    for n, doc in (
+        (1, {"data": "x" * 1_000_000}),  # one huge value
+        (2, {"data": "ckpt.2", "files": {f"k{i}": {} for i in range(10_000)}}),
+    ):
+        c.checkpoint_path(n).mkdir()
+        manifest = {"format": checkpointer.MANIFEST_FORMAT, "version": 1, "iteration": n, **doc}
+        c.sentinel_path(n).write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert get_latest_checkpoint_number(tmp_path) == 0
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and all(len(m) < 1000 for m in messages), [len(m) for m in messages]
+    # a manifest whose 10 000 listed files are all missing: the first few, and a count
+    doc = {"data": "ckpt.2", "files": {}}
+    for i in range(10_000):
+        doc["files"][f"k{i}"] = {
+            "file": f"k{i}.bpk",
+            "kind": "state",
+            "size": 1,
+            "head_size": 1,
+            "head_xxh3": "0" * 16,
+        }
+    manifest = {"format": checkpointer.MANIFEST_FORMAT, "version": 1, "iteration": 2, **doc}
+    c.sentinel_path(2).write_text(json.dumps(manifest))
+    with pytest.warns(CheckpointWarning, match=r"k4\.bpk: listed .*; \.\.\. and 9995 more$") as w:
+        assert get_latest_checkpoint_number(tmp_path) == 0
+    assert all(len(str(r.message)) < 2000 for r in w)
+
+
+def test_check_settings_refuses_what_the_constructor_refuses(tmp_path: Path) -> None:
+    checkpointer.check_settings()  # the defaults
+    for kwargs in (
+        {"checkpoint_duration": 0},
+        {"keep_every": 0},
+        {"checkpoint_frequency": 2.5},
+        {"checkpoint_file_prefix": "../x"},
+    ):
+        with pytest.raises(ValueError) as info:
+            checkpointer.check_settings(**kwargs)
+        with pytest.raises(ValueError, match=re.escape(str(info.value))):
+            Checkpointer(tmp_path, **kwargs)
+
+
+def test_remove_checkpoints_removes_sentinels_then_data(tmp_path: Path) -> None:
+    c = Checkpointer(tmp_path, checkpoint_duration=10)
+    for n in range(4):
+        c.save_checkpoint(n, {"n": n})
+    c.remove_checkpoints([3, 1, 7])  # 7 does not exist: nothing to do
+    assert names(tmp_path) == [
+        "ckpt.0",
+        "ckpt.2",
+        f"{SENTINEL}.0",
+        f"{SENTINEL}.2",
+    ]
+
+
 def test_dopamine_pickle_checkpoint_is_counted_but_never_unpickled(tmp_path: Path) -> None:
     c = Checkpointer(tmp_path)
     c.save_checkpoint(4, {"n": 4})

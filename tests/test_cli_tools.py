@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from torch import nn
 
 from lightning_bpk import burnpack, cli
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records import LrSchedulerRecord
 from lightning_bpk.records.module import ModuleRecord
 
 from conftest import MNIST_BPK, Finished, run_process
@@ -161,3 +164,97 @@ def test_progress_only_on_a_terminal(tmp_path):
         os.close(leader)
     assert out.returncode == 0
     assert b"convert mnist-model.bpk 18/18" in seen
+
+
+def test_diff_compares_scalars_and_metadata(tmp_path, capsys):
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)
+    before = LrSchedulerRecord.from_scheduler(scheduler).save(tmp_path / "s0.bpk")
+    optimizer.step()
+    scheduler.step()
+    after = LrSchedulerRecord.from_scheduler(scheduler).save(tmp_path / "s1.bpk")
+    assert main(capsys, "diff", before, before)[0] == 0
+    code, out, _ = main(capsys, "diff", before, after, "--json")
+    assert code == 1  # no tensors at all, yet they differ
+    report = json.loads(out)
+    assert report["identical"] is False and report["tensors"] == []
+    rows = {r["name"]: r for r in report["scalars"]}
+    assert rows["last_epoch"]["status"] == "values differ"
+    assert (rows["last_epoch"]["a"]["value"], rows["last_epoch"]["b"]["value"]) == (0, 1)
+    assert rows["step_size"]["status"] == "same"
+    text = main(capsys, "diff", before, after)[1]
+    assert re.search(r"scalar +last_epoch +values differ +Int\(0\) +Int\(1\)", text)
+
+    tensors = {"w": torch.ones(2)}
+    a = burnpack.write(tmp_path / "a.bpk", tensors, metadata={"note": "first", "same": "x"})
+    b = burnpack.write(tmp_path / "b.bpk", tensors, metadata={"note": "second", "same": "x"})
+    code, out, _ = main(capsys, "diff", a, b, "--json")
+    assert code == 1
+    assert [(r["name"], r["status"]) for r in json.loads(out)["metadata"]] == [
+        ("note", "values differ"),
+        ("same", "same"),
+    ]
+
+
+def test_diff_of_two_checkpoint_directories(run_dir, tmp_path, capsys):
+    code, out, _ = main(capsys, "diff", run_dir / "ckpt.0", run_dir / "ckpt.1", "--json")
+    assert code == 1
+    files = {f["file"]: f for f in json.loads(out)["files"]}
+    assert sorted(files) == ["model.bpk", "trainer.bpk"]
+    assert files["model.bpk"]["identical"]  # the same net was saved twice
+    assert not files["trainer.bpk"]["identical"]
+    assert [r["name"] for r in files["trainer.bpk"]["scalars"] if r["status"] != "same"] == ["step"]
+    text = main(capsys, "diff", run_dir / "ckpt.0", run_dir / "ckpt.1")[1]
+    assert "model.bpk: same" in text and "trainer.bpk: differs" in text
+    assert text.rstrip().endswith("2 files, 1 differ")
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "ckpt.1", copy)
+    assert main(capsys, "diff", run_dir / "ckpt.1", copy)[0] == 0
+    (copy / "trainer.bpk").unlink()
+    code, out, _ = main(capsys, "diff", run_dir / "ckpt.1", copy)
+    assert code == 1 and "trainer.bpk: only in A" in out
+    # a directory beside a file stands for its model, as in `convert`
+    assert main(capsys, "diff", run_dir / "ckpt.1", run_dir / "ckpt.0" / "model.bpk")[0] == 0
+
+
+def test_ls_and_verify_find_a_run_directorys_checkpoints(run_dir, tmp_path, capsys):
+    run = tmp_path / "exp1"
+    run.mkdir()
+    run_dir.rename(run / "checkpoints")  # where BurnpackCheckpoint saves by default
+    code, out, _ = main(capsys, "ls", run)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == f"{run / 'checkpoints'}:" and lines[1].split()[0] == "number"
+    assert [line.split()[0] for line in lines[2:]] == ["2", "1", "0"]
+    code, out, _ = main(capsys, "verify", run)
+    assert code == 0 and out.splitlines()[0] == "checkpoint 2: OK"
+    assert main(capsys, "ls", tmp_path)[1].strip() == f"{tmp_path}: no checkpoints"
+
+
+def test_verify_fails_a_done_sentinel_without_trainer_bpk(run_dir, capsys):
+    (run_dir / "sentinel_checkpoint_complete.2").write_bytes(b"done")  # Dopamine-style
+    (run_dir / "ckpt.2" / "trainer.bpk").unlink()
+    code, out, _ = main(capsys, "verify", run_dir)
+    assert code == 1
+    assert "checkpoint 2: DAMAGED" in out and "trainer.bpk: missing" in out
+    code, out, err = main(capsys, "verify", run_dir, "--require", "")  # any keys will do
+    assert code == 0 and "checkpoint 2: OK" in out
+    assert "lightning-bpk verify: warning: checkpoint 2 in" in err  # unverifiable, said once
+    assert main(capsys, "ls", run_dir)[0] == 1
+
+
+def test_inspect_and_diff_escape_control_characters(tmp_path, capsys):
+    hostile = "w\x1b[2J\x07\r\u202e"  # clear screen, bell, carriage return, bidi override
+    path = burnpack.write(
+        tmp_path / "evil.bpk", {hostile: torch.ones(1)}, metadata={"k\x1b]0;t\x07": "v\x1b[31m"}
+    )
+    other = burnpack.write(tmp_path / "other.bpk", {hostile: torch.zeros(1)})
+    for args in (("inspect", path), ("diff", path, other, "--all")):
+        code, out, _ = main(capsys, *args)
+        assert code in (0, 1)
+        assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
+        assert "w\\x1b[2J\\x07\\r\\u202e" in out
+    info = json.loads(main(capsys, "inspect", path, "--json")[1])  # JSON escapes them itself
+    assert info["tensors"][0]["name"] == hostile and info["metadata"] == {
+        "k\x1b]0;t\x07": "v\x1b[31m"
+    }

@@ -3,15 +3,19 @@
 import ast
 import importlib
 import inspect
+import logging
 import pkgutil
 import sys
+import textwrap
 from pathlib import Path
 
+import gin
 import pytest
 
 import lightning_bpk
+from lightning_bpk import _gin
 
-from conftest import run_process
+from conftest import Finished, run_process
 
 
 @pytest.mark.parametrize("name", lightning_bpk.__all__)
@@ -74,3 +78,85 @@ def test_make_test_runs_the_docstring_examples(pytestconfig: pytest.Config) -> N
     ``lightning_bpk`` with ``--doctest-modules``."""
     assert "lightning_bpk" in pytestconfig.getini("testpaths")
     assert "--doctest-modules" in pytestconfig.getini("addopts")
+
+
+def _python(code: str, *args: str, cwd: Path | None = None) -> Finished:
+    """Run ``code`` in a fresh interpreter (nothing imported, no logging configured)."""
+    return run_process([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd)
+
+
+def test_gin_bindings_work_after_a_plain_import(tmp_path: Path) -> None:
+    out = _python(
+        """
+        import sys, gin, lightning_bpk
+        print(sorted({"torch", "lightning"} & set(sys.modules)))
+        gin.parse_config(
+            "get_latest_checkpoint_number.override_number = 2\\n"
+            "Checkpointer.checkpoint_duration = 7"
+        )
+        from lightning_bpk.checkpointer import get_latest_checkpoint_number
+        print(get_latest_checkpoint_number("/does/not/exist"))
+        print(lightning_bpk.Checkpointer("c").checkpoint_duration)
+        """,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "2", "7"]
+
+
+def test_every_configurable_has_a_stand_in_under_its_real_selector() -> None:
+    import lightning_bpk.callback  # noqa: F401  (every configurable is now registered for real)
+
+    for selector, module in _gin.CONFIGURABLES.items():
+        real = getattr(importlib.import_module(module), selector.rpartition(".")[2])
+        assert gin.get_configurable(selector) is real
+
+
+@gin.configurable
+def make_things(things: list = ()) -> list:
+    return list(things)
+
+
+def test_a_stand_in_imports_its_module_when_gin_needs_it(tmp_path: Path, monkeypatch) -> None:
+    """A class, referenced and bound before its (here: fresh) module is imported."""
+    (tmp_path / "lazily_defined.py").write_text(
+        "from lightning_bpk import _gin\n\n"
+        '@_gin.configurable("lazily_defined")\n'
+        "class Thing:\n"
+        '    def __init__(self, size=1, name="x"):\n'
+        "        self.size, self.name = size, name\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _gin.register_stand_ins({"lazily_defined.Thing": "lazily_defined"})
+    try:
+        gin.parse_config("make_things.things = [@lazily_defined.Thing()]")
+        assert "lazily_defined" not in sys.modules  # a reference needs nothing yet
+        gin.parse_config("Thing.size = 3")  # checking the parameter imports the module
+        assert "lazily_defined" in sys.modules
+        with pytest.raises(ValueError, match="doesn't have a parameter named 'sise'"):
+            gin.parse_config("Thing.sise = 3")
+        (thing,) = make_things()
+        assert (type(thing).__module__, thing.size, thing.name) == ("lazily_defined", 3, "x")
+    finally:
+        gin.clear_config()
+        sys.modules.pop("lazily_defined", None)
+
+
+def test_our_log_lines_show_without_a_logging_configuration() -> None:
+    """As Lightning's own do: INFO lines of the ``lightning_bpk`` logger (the callback's) reach
+    stderr when the program configures no logging; once it does (before or after the import),
+    they go through that configuration, once."""
+    import lightning_bpk.callback
+
+    assert lightning_bpk.callback.log is logging.getLogger("lightning_bpk")
+    code = """
+        import logging, sys
+        if sys.argv[1] == "before":
+            logging.basicConfig(format="root: %(message)s")
+        import lightning_bpk
+        if sys.argv[1] == "after":
+            logging.basicConfig(format="root: %(message)s")
+        logging.getLogger("lightning_bpk").info("saved checkpoint 0 at x")
+    """
+    for when, prefix in (("never", ""), ("before", "root: "), ("after", "root: ")):
+        assert _python(code, when).stderr == prefix + "saved checkpoint 0 at x\n"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -272,14 +273,46 @@ def write_safetensors(
 
 # --- torch.save files ----------------------------------------------------------------------------
 
+# Lines of torch's weights-only refusal that advise loading anyway (weights_only=False) or point
+# elsewhere, rather than saying what the file holds.
+_TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Check the documentation")
+
+
+def _refusal_reason(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused (``Unsupported global: GLOBAL x.Y ...``),
+    without its advice to retry with ``weights_only=False`` or to allowlist the global."""
+    for line in str(error).splitlines():
+        text = line.strip()
+        if text.startswith(_TORCH_ADVICE):
+            continue
+        text = text.split("WeightsUnpickler error:")[-1].split(" Please use")[0].strip()
+        if text:
+            return text
+    return "an object that is neither a tensor nor plain data"
+
 
 def read_torch(path: str | os.PathLike[str]) -> Content:
     """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
-    ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused."""
+    ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused.
+
+    A file whose pickle needs more than tensors and plain data is refused for good: unpickling
+    it could run code, and this package never does (no ``weights_only=False`` fallback).
+    """
     path = Path(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, OSError...
+    except pickle.UnpicklingError as e:
+        # `from None`: torch's own message advises weights_only=False, which is not an option
+        raise RecordError(
+            "io",
+            f"{path}: refused to unpickle: torch.load(weights_only=True) stopped at "
+            f"{_refusal_reason(e)!r}. lightning_bpk unpickles nothing but tensors and plain data "
+            "(anything else could run code from the file), so there is no weights_only=False "
+            "fallback; where the file is trusted, save just its tensors "
+            "(torch.save(model.state_dict(), ...)) or convert them to .safetensors, and import "
+            "that",
+        ) from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, OSError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RecordError("io", f"{path}: torch.load(weights_only=True) failed: {first}") from e
     state = obj.get("state_dict") if isinstance(obj, Mapping) else None

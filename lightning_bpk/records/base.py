@@ -23,6 +23,7 @@ __all__ = [
     "RecordError",
     "RecordErrorKind",
     "StateRecord",
+    "class_name",
     "load_record",
     "record_from_pack",
     "user_metadata",
@@ -80,6 +81,12 @@ class RecordChecksumError(RecordError, burnpack.ChecksumError):
 
     def __init__(self, problems: str | Iterable[str]) -> None:
         super().__init__("checksum", problems)
+
+
+def class_name(obj: object) -> str:
+    """``module.qualname`` of ``obj``'s class, as records store it (``torch.optim.adam.Adam``)."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class Record:

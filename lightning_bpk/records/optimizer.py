@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack, state
-from lightning_bpk.records.base import Record, RecordError
+from lightning_bpk.records.base import Record, RecordError, class_name
 from lightning_bpk.records.module import _param_table
 
 __all__ = [
@@ -75,14 +75,9 @@ BURN_NAMES: dict[type[torch.optim.Optimizer], dict[str, tuple[str, ...]]] = {
 }
 
 
-def _class_name(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _burn_names(class_name: str) -> dict[str, tuple[str, ...]]:
+def _burn_names(recorded_class: str) -> dict[str, tuple[str, ...]]:
     for cls, names in BURN_NAMES.items():
-        if f"{cls.__module__}.{cls.__qualname__}" == class_name:
+        if f"{cls.__module__}.{cls.__qualname__}" == recorded_class:
             return names
     return {}
 
@@ -183,7 +178,7 @@ class OptimizerRecord(Record):
         if stray:
             raise RecordError("validation", [f"state {i!r} belongs to no parameter" for i in stray])
         return cls(
-            per_param, groups, paths=paths, ranks=ranks, optimizer_class=_class_name(optimizer)
+            per_param, groups, paths=paths, ranks=ranks, optimizer_class=class_name(optimizer)
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -207,10 +202,10 @@ class OptimizerRecord(Record):
         changing anything.
         """
         problems = []
-        if _class_name(optimizer) != self.optimizer_class:
+        if class_name(optimizer) != self.optimizer_class:
             problems.append(
                 f"record holds {self.optimizer_class} state, the optimizer is "
-                f"{_class_name(optimizer)}"
+                f"{class_name(optimizer)}"
             )
         table = _param_table(module)
         group_of = {pid: g for g, group in enumerate(self.param_groups) for pid in group["params"]}
@@ -315,7 +310,7 @@ class OptimizerRecord(Record):
     @classmethod
     def from_pack(cls, pack: burnpack.Pack) -> OptimizerRecord:
         tree = state.decode(pack)
-        class_name = pack.metadata.get(OPTIMIZER_CLASS_KEY)
+        recorded_class = pack.metadata.get(OPTIMIZER_CLASS_KEY)
         problems = []
         if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict):
             problems.append("the state tree has no 'state' map")
@@ -327,7 +322,7 @@ class OptimizerRecord(Record):
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in tree["param_groups"]
         ):
             problems.append("'param_groups' is not a list of groups with 'params'")
-        if class_name is None:
+        if recorded_class is None:
             problems.append(f"no '{OPTIMIZER_CLASS_KEY}' metadata entry")
         if problems:
             raise RecordError("validation", [f"{pack.source}: {p}" for p in problems])
@@ -348,5 +343,5 @@ class OptimizerRecord(Record):
             tree["param_groups"],
             paths=paths,
             ranks=ranks,
-            optimizer_class=str(class_name),  # not None: checked above
+            optimizer_class=str(recorded_class),  # not None: checked above
         )

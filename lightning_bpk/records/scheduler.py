@@ -34,7 +34,7 @@ from typing import Any
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_bpk import burnpack, state
-from lightning_bpk.records.base import Record, RecordError
+from lightning_bpk.records.base import Record, RecordError, class_name
 
 __all__ = [
     "SCHEDULER_CLASS_KEY",
@@ -48,11 +48,6 @@ SCHEDULER_CLASS_KEY = "lightning_bpk/lr_scheduler"
 _CHILDREN_KEY = "_schedulers"
 
 SchedulerLike = LRScheduler | Any  # ReduceLROnPlateau is an LRScheduler since torch 2.2
-
-
-def _class_name(scheduler: object) -> str:
-    cls = type(scheduler)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _indexed(state_dict: Mapping[str, Any]) -> dict[Any, Any]:
@@ -91,7 +86,7 @@ class LrSchedulerRecord(Record):
     def from_scheduler(cls, scheduler: SchedulerLike) -> LrSchedulerRecord:
         """Record ``scheduler.state_dict()``; raises :class:`RecordError` if it holds a tensor or
         anything else that is not plain data."""
-        record = cls(_indexed(scheduler.state_dict()), _class_name(scheduler))
+        record = cls(_indexed(scheduler.state_dict()), class_name(scheduler))
         record._encode()  # fail now, naming the key, rather than at save time
         return record
 
@@ -102,11 +97,11 @@ class LrSchedulerRecord(Record):
     def apply(self, scheduler: SchedulerLike) -> SchedulerLike:
         """Load the state into ``scheduler`` (same class, built on the resumed optimizer with
         the same functions for lambda-based schedulers) and return it."""
-        if _class_name(scheduler) != self.scheduler_class:
+        if class_name(scheduler) != self.scheduler_class:
             raise RecordError(
                 "validation",
                 f"record holds {self.scheduler_class} state, the scheduler is "
-                f"{_class_name(scheduler)}",
+                f"{class_name(scheduler)}",
             )
         scheduler.load_state_dict(self.state_dict())
         return scheduler
@@ -138,12 +133,12 @@ class LrSchedulerRecord(Record):
             f"{pack.source}: '{n}' is a tensor; a scheduler record holds scalars only"
             for n in pack.names
         ]
-        class_name = pack.metadata.get(SCHEDULER_CLASS_KEY)
-        if class_name is None:
+        recorded_class = pack.metadata.get(SCHEDULER_CLASS_KEY)
+        if recorded_class is None:
             problems.append(f"{pack.source}: no '{SCHEDULER_CLASS_KEY}' metadata entry")
         if problems:
             raise RecordError("validation", problems)
         tree = state.decode(pack)
         if not isinstance(tree, dict):
             raise RecordError("validation", f"{pack.source}: the scheduler state is not a map")
-        return cls(tree, str(class_name))  # not None: checked above
+        return cls(tree, str(recorded_class))  # not None: checked above
