@@ -12,9 +12,10 @@ from pathlib import Path
 
 from lightning_bpk.errors import LightningBpkError
 
-__all__ = ["DEFAULT_PREFIX", "ShardedCheckpointError", "index_path", "is_sharded"]
+__all__ = ["DEFAULT_PREFIX", "INDEX_KEY", "ShardedCheckpointError", "index_path", "is_sharded"]
 
 DEFAULT_PREFIX = "sharded"
+INDEX_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
 
 
 class ShardedCheckpointError(LightningBpkError, RuntimeError):
