@@ -433,7 +433,6 @@ def test_done_sentinel_without_a_required_file_fails_verify_and_is_skipped(tmp_p
     assert verify_checkpoint(tmp_path, 5) == []  # the checkpointer itself requires nothing
 
 
-
 def test_a_required_key_may_name_alternatives(tmp_path: Path) -> None:
     """A sharded checkpoint holds ``sharded.index`` (and rank files) where others hold
     ``model``: resume requires ``model|sharded.index``, so both kinds are found."""
