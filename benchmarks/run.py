@@ -15,7 +15,9 @@ Everything runs in one process, side by side, on the same tensors and the same d
   vs Lightning's ``TorchCheckpointIO`` vs DCP's ``FsspecWriter`` (``benchmarks/object_store.py``);
 - **opening** a pack (header and metadata only) and **peak extra RSS while saving** (a fresh
   subprocess per method: warm-up save, reset the high-water mark through
-  ``/proc/self/clear_refs``, save again, read ``VmHWM``).
+  ``/proc/self/clear_refs``, save again, read ``VmHWM``);
+- **sharded** saves and loads on 2 gloo ranks, ``BurnpackStorageWriter``/``Reader`` vs DCP's
+  ``FileSystemWriter``/``Reader`` (``benchmarks/sharded.py``; ``--no-sharded`` skips them).
 
 States: 16 float32 tensors of 64 MiB in total, 16 of 1 GiB in total, and 5,000 tensors of
 4 KiB. Every method runs once as a warm-up (these VMs fault never-touched memory in at several
@@ -55,6 +57,7 @@ import numpy
 import object_store
 import safetensors
 import safetensors.torch
+import sharded
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
@@ -495,6 +498,7 @@ def write_report(
     benches: dict[str, Bench],
     peaks: dict[str, dict[str, int]],
     e2e_results: list[e2e.Overhead | e2e.StepOverhead],
+    sharded_result: sharded.ShardedResult | None,
     args: argparse.Namespace,
     elapsed: float,
     object_store_lines: list[str],
@@ -520,6 +524,8 @@ def write_report(
         if result.repeat != 1 and not hasattr(result, "what"):
             what += f" (extra row: data passed {result.repeat}x per epoch, longer epochs)"
         goals.append(Target(what, result.overhead, E2E_LIMIT, "%"))
+    if sharded_result is not None:
+        goals += [Target(what, ratio, 1.0) for what, ratio in sharded_result.ratios()]
     lines = [
         "# Benchmarks",
         "",
@@ -558,6 +564,8 @@ def write_report(
                 *(f"| {k} | {v / MiB:.1f} MiB |" for k, v in peaks[state].items()),
                 "",
             ]
+    if sharded_result is not None:
+        lines += [*sharded_result.markdown(), ""]
     if e2e_results:
         lines += ["## End to end", ""]
         for result in e2e_results:
@@ -573,6 +581,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--no-e2e", action="store_true", help="skip the training run")
     parser.add_argument("--no-s3", action="store_true", help="skip the object-storage rows")
+    parser.add_argument("--no-sharded", action="store_true", help="skip the 2-rank DCP rows")
     parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"))
     parser.add_argument("--peak-rss-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -603,6 +612,9 @@ def main() -> None:
                 peaks[state] = peak_rss(state, directory)
             del b.model, b.sd  # free the state before the next one
             shutil.rmtree(directory)
+        sharded_result = None
+        if not args.no_sharded:
+            sharded_result = sharded.measure(Path(tmp), quick=args.quick, reps=args.reps)
         e2e_results = []
         if not args.no_e2e:
             e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
@@ -621,6 +633,7 @@ def main() -> None:
         benches,
         peaks,
         e2e_results,
+        sharded_result,
         args,
         time.perf_counter() - start,
         s3_lines,

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         get_latest_checkpoint_number,
         verify_checkpoint,
     )
+    from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
     from lightning_bpk.errors import LightningBpkError
     from lightning_bpk.lease import CheckpointSupersededError
     from lightning_bpk.records import (
@@ -104,11 +105,15 @@ _EXPORTS = {
     "CheckpointSaveError": "lightning_bpk.callback",
     "CheckpointResumeError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
+    "BurnpackStorageWriter": "lightning_bpk.dcp",
+    "BurnpackStorageReader": "lightning_bpk.dcp",
 }
 
 __all__ = [
     "BurnpackCheckpoint",
     "BurnpackCheckpointIO",
+    "BurnpackStorageReader",
+    "BurnpackStorageWriter",
     "CheckpointLockedError",
     "CheckpointResumeError",
     "CheckpointSaveError",

@@ -104,7 +104,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _gin, _lightning_compat, slurm, storage, trainer_state
+from lightning_bpk import _gin, _lightning_compat, sharded, slurm, storage, trainer_state
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import (
     RUN_SUBDIRECTORY,
@@ -297,6 +297,10 @@ class BurnpackCheckpoint(Checkpoint):
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
             ``scontrol requeue`` once the preemption checkpoint is complete
             (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
+        distributed_save: with replicated state (DDP), every rank writes a share of the model
+            and optimizer tensors (torch DCP through :mod:`lightning_bpk.sharded`), so a save's
+            wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
+            rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
 
     Example::
 
@@ -323,6 +327,7 @@ class BurnpackCheckpoint(Checkpoint):
         max_overhead: float = 0.02,
         auto_requeue: bool = True,
         storage_options: dict[str, Any] | None = None,
+        distributed_save: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(max_overhead, (int, float)) or not 0 < max_overhead <= 1:
@@ -383,6 +388,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._last_step_end: float | None = None
         self.train_time_interval = train_time_interval
         self.auto_requeue = auto_requeue
+        self.distributed_save = distributed_save
         self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
         self.checkpointer: Checkpointer | None = None
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
@@ -529,6 +535,8 @@ class BurnpackCheckpoint(Checkpoint):
             if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
+            if storage.is_local(path) and sharded.is_sharded(path):  # FSDP2 / split writes
+                return path, sharded.restore(trainer, path)  # every rank reads its part
             return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
@@ -838,6 +846,15 @@ class BurnpackCheckpoint(Checkpoint):
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _lightning_compat.dump_checkpoint(trainer)
+        staged: dict = {}
+        if sharded.holds_dtensors(checkpoint) or (  # FSDP2 / tensor parallel, or by choice
+            self.distributed_save and trainer.world_size > 1
+        ):
+            assert self.checkpointer is not None  # every rank's, made in setup
+            try:
+                staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
+            except sharded.ShardedCheckpointError as e:  # raised on every rank alike
+                raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
         ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
         extra: dict[str, Any] = {POSITION_KEY: ranks}
         finished = _finished(trainer, epoch_end)
@@ -858,7 +875,7 @@ class BurnpackCheckpoint(Checkpoint):
         error: BaseException | None = None
         if trainer.is_global_zero:
             try:
-                self._write(trainer, number, dict(checkpoint, **extra), forced)
+                self._write(trainer, number, dict(checkpoint, **extra), forced, staged)
                 if flush and self._saver is not None:
                     self._saver.wait()
             except Exception as e:
@@ -878,7 +895,9 @@ class BurnpackCheckpoint(Checkpoint):
         self._save_cost = time.perf_counter() - started
         self._last_step_end = None  # the next step's time does not include this save
 
-    def _write(self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool) -> None:
+    def _write(
+        self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: dict
+    ) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
         if forced and number % checkpointer.checkpoint_frequency:
@@ -890,11 +909,18 @@ class BurnpackCheckpoint(Checkpoint):
                 keep_every=None if k is None else k * f,
             )
             checkpointer.lease = self.checkpointer.lease
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        if staged:  # the shards are written; publish them with the rest, synchronously
+            try:
+                path = checkpointer.save_checkpoint(
+                    number, {**staged, **sharded.records(checkpoint, schedulers)}
+                )
+            finally:
+                sharded.discard(staged)
+            log.info("saved sharded checkpoint %d at %s", number, path)
+            return
         data = trainer_state.to_records(
-            checkpoint,
-            trainer.lightning_module,
-            trainer.optimizers,
-            [config.scheduler for config in trainer.lr_scheduler_configs],
+            checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
         if self._saver is not None:
             self._saver.save_checkpoint(checkpointer, number, data)  # raises an earlier failure

@@ -100,7 +100,7 @@ import reprlib
 import shutil
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +140,7 @@ __all__ = [
     "Checkpointer",
     "check_settings",
     "get_latest_checkpoint_number",
+    "has_key",
     "list_checkpoints",
     "number_matches",
     "summarise",
@@ -460,7 +461,7 @@ class _Checkpoint:
             missing = _missing_keys(data, required_keys)
             if missing:  # nothing lists the files, so a lost one is only noticed here
                 return [
-                    f"{_record_path(data, k)}: missing (Dopamine's b'done' sentinel)"
+                    f"{_record_path(data, k.split('|')[0])}: missing (Dopamine's b'done' sentinel)"
                     for k in missing
                 ]
             return self._legacy_problems(data) if full else []
@@ -469,7 +470,7 @@ class _Checkpoint:
         problems = [
             f"{self.sentinel}: the manifest lists no {k!r} entry"
             for k in required_keys
-            if k not in manifest.files
+            if not has_key(manifest.files, k)
         ]
         expected = {key + RECORD_SUFFIX: e for key, e in manifest.files.items()}
         present = {entry.name: entry for entry in os.scandir(data)}
@@ -507,7 +508,15 @@ def _keys_on_disk(data: Path) -> list[str]:
 
 def _missing_keys(data: Path, required_keys: Sequence[str]) -> list[str]:
     """The keys of ``required_keys`` a data directory without a manifest has no file for."""
-    return [k for k in required_keys if not _record_path(data, k).is_file()]
+    on_disk = _keys_on_disk(data)
+    return [k for k in required_keys if not has_key(on_disk, k)]
+
+
+def has_key(keys: Collection[str], required: str) -> bool:
+    """Whether ``keys`` hold ``required``: one key, or alternatives ``"a|b"`` of which any will
+    do (a sharded checkpoint's ``sharded.index`` stands for ``model``: ``"model|sharded.index"``).
+    """
+    return any(k in keys for k in required.split("|"))
 
 
 def _record_path(data: Path, key: str) -> Path:

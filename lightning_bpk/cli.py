@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lightning_bpk import burnpack, checkpointer, storage
+from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.interop import Content, convert, read_content
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, MODEL_FILE
 from lightning_bpk.object_checkpoints import fetch_pack
@@ -155,6 +156,37 @@ def _format_text(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _describe_sharded(index: Any) -> dict[str, Any]:
+    """What ``inspect`` shows for a sharded checkpoint directory (its ``dcp.Index``): its global
+    tensors and files."""
+    return {
+        "directory": str(index.directory),
+        "files": index.files,
+        "tensors": [
+            {"name": name, "dtype": t["dtype"], "shape": t["shape"], "chunks": t["chunks"]}
+            for name, t in index.tensors.items()
+        ],
+        "objects": sorted(index.objects),
+    }
+
+
+def _sharded_text(info: dict[str, Any]) -> str:
+    lines = [
+        f"sharded checkpoint: {info['directory']}",
+        f"files ({len(info['files'])}): " + ", ".join(sorted(info["files"])),
+        "",
+        f"tensors ({len(info['tensors'])}, full shapes):",
+    ]
+    rows = [["name", "dtype", "shape", "chunks"]]
+    rows += [
+        [t["name"], _dtype_text(t["dtype"]), str(t["shape"]), str(len(t["chunks"]))]
+        for t in info["tensors"]
+    ]
+    lines += [_table(rows), "", f"objects ({len(info['objects'])}):"]
+    lines += [f"  {name}" for name in info["objects"]]
+    return "\n".join(lines)
+
+
 def _open_pack(target: str) -> burnpack.Pack:
     """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
     location = storage.location(target)
@@ -178,6 +210,12 @@ def _local_only(path: str, command: str) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if storage.is_local(args.file) and is_sharded(args.file):
+        from lightning_bpk import dcp  # seconds to import: only for a sharded directory
+
+        info = _describe_sharded(dcp.read_index(args.file))
+        print(json.dumps(info, indent=2) if args.json else _sharded_text(info))
+        return EXIT_OK
     with _open_pack(args.file) as pack:
         info = _describe(pack)
     _emit(args, info, _format_text(info))
@@ -207,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:  # `| head` closed stdout early: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_OK
-        except (burnpack.BurnpackError, RecordError, OSError) as e:
+        except (burnpack.BurnpackError, RecordError, OSError, ShardedCheckpointError) as e:
             _report(args, "error", str(e))
             return EXIT_BAD_FILE
         finally:
@@ -386,10 +424,20 @@ def _verify_object(url: str) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = storage.location(args.target)
-    if isinstance(target, str):
-        storage.object_store(target).check()  # a wrong URL fails here, naming it
-    if isinstance(target, str) or target.is_dir():
-        if isinstance(target, Path):
+    if isinstance(target, Path) and is_sharded(target):  # a checkpoint's data, any DCP dir of ours
+        from lightning_bpk import dcp
+
+        index = dcp.read_index(target)
+        problems = index.check_files(verify_tensors=True)
+        count = sum(len(t["chunks"]) for t in index.tensors.values())
+        results: list[dict[str, Any]] = [
+            {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
+        ]
+        results[0]["checksums"] = count
+    elif isinstance(target, str) or target.is_dir():
+        if isinstance(target, str):
+            storage.object_store(target).check()  # a wrong URL fails here, naming it
+        else:
             target = _checkpoint_base(target, args)
         rows = _checkpoint_rows(
             target, args.identifier, args.prefix, verify=True, required_keys=_required(args)
@@ -610,13 +658,13 @@ def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, A
 
 def _model_file(path: Path) -> Path:
     """A checkpoint directory stands for its model file when compared with a file (as in
-    ``convert``)."""
-    return path / MODEL_FILE if path.is_dir() else path
+    ``convert``); a sharded one for the model its shards assemble into."""
+    return path / MODEL_FILE if path.is_dir() and not is_sharded(path) else path
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = Path(_local_only(args.a, "diff")), Path(_local_only(args.b, "diff"))
-    if not (a.is_dir() and b.is_dir()):
+    if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b):
         info, text = _diff_files(_model_file(a), _model_file(b), args)
         _emit(args, info, text)
         return EXIT_OK if info["identical"] else EXIT_FOUND
@@ -669,7 +717,9 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
         )
 
     inspect = command("inspect", _cmd_inspect, "show header, tensors, scalars and metadata")
-    inspect.add_argument("file", help="path to a .bpk file ('.bpk' is added if missing)")
+    inspect.add_argument(
+        "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
+    )
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
     ls.add_argument("dir", help="a checkpointer base directory, or a run directory")
     ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")

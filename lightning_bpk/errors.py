@@ -15,6 +15,9 @@ catch a built-in exception, the class derives from that too::
     │   │                                       ``kind`` is "io", "validation" or "checksum"
     │   └── RecordChecksumError (also burnpack.ChecksumError)
     ├── interop.RemapError (also ValueError)    a key remapping does not apply
+    ├── dcp.ShardedCheckpointError (also RuntimeError)
+    │                                           a sharded (DCP) checkpoint cannot be written
+    │                                           or read; names the rank file
     ├── checkpointer.CheckpointLockedError (also RuntimeError)
     │                                           another process is saving into the directory
     ├── callback.CheckpointSaveError (also RuntimeError)

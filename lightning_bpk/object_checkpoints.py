@@ -125,10 +125,12 @@ class RemoteCheckpoint:
         if not present:
             return [f"{data_url}: data is missing (sentinel without data)"]
         if manifest is None:
-            missing = [k for k in required_keys if k + ck.RECORD_SUFFIX not in present]
+            stored = {n[: -len(ck.RECORD_SUFFIX)] for n in present if n.endswith(ck.RECORD_SUFFIX)}
+            missing = [k for k in required_keys if not ck.has_key(stored, k)]
             if missing:  # nothing lists the files, so a lost one is only noticed here
                 return [
-                    f"{data_url}/{k}{ck.RECORD_SUFFIX}: missing (b'done' sentinel)" for k in missing
+                    f"{data_url}/{k.split('|')[0]}{ck.RECORD_SUFFIX}: missing (b'done' sentinel)"
+                    for k in missing
                 ]
             if not full:
                 return []
@@ -149,7 +151,7 @@ class RemoteCheckpoint:
         problems = [
             f"{self.sentinel}: the manifest lists no {k!r} entry"
             for k in required_keys
-            if k not in manifest.files
+            if not ck.has_key(manifest.files, k)
         ]
         expected = {key + ck.RECORD_SUFFIX: e for key, e in manifest.files.items()}
         for file in sorted(set(present) - set(expected)):

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from lightning_bpk import burnpack, state, storage
+from lightning_bpk._sharded_names import INDEX_KEY
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.layout import (
     MODEL_KEY,
@@ -92,8 +93,9 @@ __all__ = [
     "write_record",
 ]
 
-# What resume cannot do without (the optimizers and schedulers may be none).
-REQUIRED_KEYS = (MODEL_KEY, TRAINER_KEY)
+# What resume cannot do without (the optimizers and schedulers may be none); a sharded
+# checkpoint's index stands for the model (its shards hold the model; Checkpointer's has_key).
+REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_KEY}", TRAINER_KEY)
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"

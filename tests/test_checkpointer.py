@@ -433,6 +433,26 @@ def test_done_sentinel_without_a_required_file_fails_verify_and_is_skipped(tmp_p
     assert verify_checkpoint(tmp_path, 5) == []  # the checkpointer itself requires nothing
 
 
+def test_a_required_key_may_name_alternatives(tmp_path: Path) -> None:
+    """A sharded checkpoint holds ``sharded.index`` (and rank files) where others hold
+    ``model``: resume requires ``model|sharded.index``, so both kinds are found."""
+    c = Checkpointer(tmp_path)
+    model = tensors_payload(0)["model"]
+    c.save_checkpoint(0, {"model": model, "trainer": {"n": 0}})
+    c.save_checkpoint(1, {"sharded.index": model, "trainer": {"n": 1}})
+    c.save_checkpoint(2, {"trainer": {"n": 2}})
+    required = ("model|sharded.index", "trainer")
+    assert verify_checkpoint(tmp_path, 0, required_keys=required) == []
+    assert verify_checkpoint(tmp_path, 1, required_keys=required) == []
+    assert verify_checkpoint(tmp_path, 2, required_keys=required) == [
+        f"{c.sentinel_path(2)}: the manifest lists no 'model|sharded.index' entry"
+    ]
+    with pytest.warns(CheckpointWarning, match="checkpoint 2 .* skipped"):
+        assert get_latest_checkpoint_number(tmp_path, verify=True, required_keys=required) == 1
+    c.sentinel_path(1).write_bytes(b"done")  # no manifest: the files on disk are asked
+    assert verify_checkpoint(tmp_path, 1, full=False, required_keys=required) == []
+
+
 def test_a_huge_damaged_manifest_gives_short_messages(tmp_path: Path) -> None:
     c = Checkpointer(tmp_path)
     c.save_checkpoint(0, {"n": 0})

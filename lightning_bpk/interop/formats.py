@@ -42,6 +42,7 @@ import safetensors
 import torch
 
 from lightning_bpk import _fs, burnpack
+from lightning_bpk._sharded_names import is_sharded
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
@@ -336,8 +337,13 @@ _WRITERS = {"bpk": write_bpk, "safetensors": write_safetensors}
 
 
 def read_content(path: str | os.PathLike[str]) -> Content:
-    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix)."""
+    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), or the model of a
+    sharded checkpoint directory, assembled from every rank's shards."""
     path = Path(path)
+    if path.is_dir() and is_sharded(path):
+        from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
+
+        return _record_content(module_record(path))
     return _READERS[_kind(path)](path)
 
 
@@ -358,10 +364,11 @@ def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
 ) -> Path:
     """Convert between formats by suffix: ``.bpk``/``.safetensors``/``.pt``/``.ckpt`` to
-    ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``. Returns the
+    ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``, a sharded
+    one for its model assembled from every rank's shards (no process group). Returns the
     written path."""
     src = Path(src)
-    if src.is_dir():
+    if src.is_dir() and not is_sharded(src):
         src = src / CHECKPOINT_MODEL_FILE
         if not src.is_file():
             raise RecordError("io", f"{src}: no such model file in the checkpoint directory")
@@ -391,13 +398,16 @@ def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Pa
     path = Path(path)
     if _kind(path) == "bpk":
         return record.save(path)
+    return write_content(path, _record_content(record))
+
+
+def _record_content(record: ModuleRecord) -> Content:
     tensors, _, metadata = record.content()
-    content = Content(
+    return Content(
         {n: e.data for n, e in tensors.items()},
         param_ids={n: e.param_id for n, e in tensors.items() if e.param_id is not None},
         metadata=dict(metadata),
     )
-    return write_content(path, content)
 
 
 def export_checkpoint(

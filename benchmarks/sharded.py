@@ -1,0 +1,207 @@
+"""Sharded save and load on 2 gloo CPU ranks: ``BurnpackStorageWriter``/``Reader`` vs torch DCP's
+default ``FileSystemWriter``/``Reader``, side by side in the same run, on the same tensors.
+
+The state is 16 float32 tensors (1 GiB in total, or 64 MiB with ``--quick``), each a ``DTensor``
+sharded along dim 0 over the 2 ranks (FSDP2's layout), so each rank writes and reads half.
+A save is timed from a barrier before it to a barrier after it (the slowest rank); a load reads
+into the existing shards. The first round is a warm-up that also checks each load produced the
+saved values; then ``reps`` rounds in a shuffled order, median and range. Per-rank peak extra
+RSS is measured in the last round (``/proc/self/clear_refs`` resets the high-water mark before
+each call; the largest of the two ranks is shown).
+
+Run by ``benchmarks/run.py`` (``make bench``) or alone::
+
+    .venv/bin/python benchmarks/sharded.py [--quick] [--reps 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
+
+MiB = 1024 * 1024
+TENSORS = 16
+WORLD = 2
+
+SAVES = {
+    "burnpack (BurnpackStorageWriter)": lambda d: BurnpackStorageWriter(d),
+    "DCP FileSystemWriter (sync_files)": lambda d: dcp.FileSystemWriter(d),
+}
+LOADS = {
+    "burnpack (BurnpackStorageReader)": lambda d: BurnpackStorageReader(d),
+    "DCP FileSystemReader": lambda d: dcp.FileSystemReader(d),
+}
+DIRECTORY = {  # which save's directory each load reads
+    "burnpack (BurnpackStorageReader)": "burnpack (BurnpackStorageWriter)",
+    "DCP FileSystemReader": "DCP FileSystemWriter (sync_files)",
+}
+
+
+def _status_kib(name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {name}")
+
+
+def _run(call, measure_rss: bool) -> tuple[float, int]:
+    """(seconds of the slowest rank, this rank's peak RSS above its start)."""
+    if measure_rss:
+        Path("/proc/self/clear_refs").write_text("5")
+    baseline = _status_kib("VmRSS")
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    return elapsed, (_status_kib("VmHWM") - baseline) * 1024 if measure_rss else 0
+
+
+def worker(rank: int, port: int, root: str, total: int, reps: int, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    mesh = init_device_mesh("cpu", (WORLD,))
+    rows = total // TENSORS // 4 // 256
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(rows, 256, generator=g) for _ in range(TENSORS)]
+    state = {f"layer{i}.weight": distribute_tensor(t, mesh, [Shard(0)]) for i, t in enumerate(full)}
+    del full
+    times: dict[str, list[float]] = {k: [] for k in [*SAVES, *LOADS]}
+    peaks: dict[str, int] = {}
+    order = random.Random(1)
+    for rnd in range(reps + 1):
+        last = rnd == reps
+        saves = list(SAVES)
+        order.shuffle(saves)
+        for label in saves:
+            directory = Path(root) / label.split()[0]
+            shutil.rmtree(directory, ignore_errors=True) if rank == 0 else None
+            dist.barrier()
+            writer = SAVES[label](directory)
+            elapsed, peak = _run(lambda w=writer: dcp.save(state, storage_writer=w), last)
+            if rnd:
+                times[label].append(elapsed)
+            if last:
+                peaks[label] = peak
+        expected = {k: v.to_local().clone() for k, v in state.items()} if rnd == 0 else None
+        loads = list(LOADS)
+        order.shuffle(loads)
+        for label in loads:
+            for v in state.values():
+                v.to_local().zero_()
+            directory = Path(root) / DIRECTORY[label].split()[0]
+            reader = LOADS[label](directory)
+            elapsed, peak = _run(lambda r=reader: dcp.load(state, storage_reader=r), last)
+            if rnd:
+                times[label].append(elapsed)
+            if last:
+                peaks[label] = peak
+            if expected is not None:
+                for k, v in state.items():
+                    assert torch.equal(v.to_local(), expected[k]), f"{label}: {k}"
+    gathered: list = [None] * WORLD
+    dist.all_gather_object(gathered, peaks)
+    if rank == 0:
+        worst = {k: max(p[k] for p in gathered) for k in peaks}
+        largest_shard = max(v.to_local().numel() * 4 for v in state.values())
+        Path(out).write_text(
+            json.dumps({"times": times, "peaks": worst, "largest_shard": largest_shard})
+        )
+    dist.destroy_process_group()
+
+
+@dataclass
+class ShardedResult:
+    """Medians, ranges and peaks of one run, for the report of ``benchmarks/run.py``."""
+
+    total: int
+    times: dict[str, list[float]]
+    peaks: dict[str, int]
+    largest_shard: int
+
+    def median(self, label: str) -> float:
+        return statistics.median(self.times[label])
+
+    def ratios(self) -> list[tuple[str, float]]:
+        """(what, burnpack / DCP median): the issue's target is <= 1 for both."""
+        labels = list(self.times)
+        return [
+            (
+                f"2-rank sharded save, {self.total / MiB:.0f} MiB: burnpack / DCP",
+                self.median(labels[0]) / self.median(labels[1]),
+            ),
+            (
+                f"2-rank sharded load, {self.total / MiB:.0f} MiB: burnpack / DCP",
+                self.median(labels[2]) / self.median(labels[3]),
+            ),
+        ]
+
+    def markdown(self) -> list[str]:
+        lines = [
+            f"## Sharded: 2 ranks, {self.total / MiB:.0f} MiB in 16 DTensors (Shard(0))",
+            "",
+            "Each rank writes and reads its half through torch DCP; gloo CPU processes, one "
+            "disk. Peak extra RSS is the larger of the two ranks' (largest shard "
+            f"{self.largest_shard / MiB:.1f} MiB).",
+            "",
+            "| method | median | range | GiB/s | peak extra RSS per rank |",
+            "|---|---|---|---|---|",
+        ]
+        for label, times in self.times.items():
+            med = statistics.median(times)
+            lines.append(
+                f"| {label} | {med:.3f} s | {min(times):.3f}-{max(times):.3f} s | "
+                f"{self.total / med / 1024**3:.2f} | {self.peaks[label] / MiB:.1f} MiB |"
+            )
+        return lines
+
+
+def measure(directory: Path, *, quick: bool, reps: int) -> ShardedResult:
+    total = (64 if quick else 1024) * MiB
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = directory / "sharded.json"
+    root = directory / "sharded"
+    root.mkdir(exist_ok=True)
+    mp.start_processes(
+        worker, args=(port, str(root), total, reps, str(out)), nprocs=WORLD, start_method="fork"
+    )
+    data = json.loads(out.read_text())
+    shutil.rmtree(root, ignore_errors=True)
+    return ShardedResult(total, data["times"], data["peaks"], data["largest_shard"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="lightning-bpk-sharded-") as tmp:
+        result = measure(Path(tmp), quick=args.quick, reps=args.reps)
+    print("\n".join(result.markdown()))
+
+
+if __name__ == "__main__":
+    main()
