@@ -99,6 +99,7 @@ import re
 import reprlib
 import shutil
 import stat
+import time
 import warnings
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -150,6 +151,9 @@ __all__ = [
 # Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
 # either; hidden and never deleted (unlinking a flock target would let two holders coexist).
 LOCK_FILE_NAME = ".lightning_bpk.lock"
+# How long a save that found the lock taken waits to learn whether a newer run is taking the
+# directory over (it holds the lock only while it writes its lease: milliseconds).
+_TAKE_OVER_WAIT = 10.0
 MANIFEST_FORMAT = "lightning_bpk/checkpoint"
 # Bumped on incompatible manifest changes; readers refuse (skip) newer manifests.
 MANIFEST_VERSION = 1
@@ -883,6 +887,7 @@ class Checkpointer:
                 self._collect_garbage(n)
         except CheckpointLockedError:
             if self.lease is not None:  # a newer run taking over holds the lock: say so instead
+                self._wait_for_lock(_TAKE_OVER_WAIT)
                 self.lease.check()
             raise
         return target
@@ -906,6 +911,18 @@ class Checkpointer:
             yield
         finally:
             os.close(fd)  # releases the flock
+
+    def _wait_for_lock(self, seconds: float) -> None:
+        """Return once the directory lock is free (taken and released), or after ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                with self._lock():
+                    return
+            except CheckpointLockedError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
 
     def _remove_leftovers(self) -> None:
         """Delete what a crashed save of this checkpointer left: staging or displaced data
