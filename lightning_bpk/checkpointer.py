@@ -452,12 +452,9 @@ class _Checkpoint:
         there: one small read and a few stats. ``full``: also the head digests and every tensor
         checksum (reads all bytes).
         """
-        try:
-            manifest = self.read_manifest()
-        except FileNotFoundError:
-            return [f"{self.sentinel}: no sentinel (iteration {self.iteration} is not complete)"]
-        except (OSError, ValueError) as e:
-            return [f"{self.sentinel}: {e}"]
+        manifest, unreadable = _read_manifest_or_problem(self)
+        if unreadable:
+            return unreadable
         data = self.data_path(manifest)
         if not data.exists():
             return [f"{data}: data is missing (sentinel without data)"]
@@ -471,11 +468,7 @@ class _Checkpoint:
             return self._legacy_problems(data) if full else []
         if not data.is_dir():
             return [f"{data}: data is not a directory"]
-        problems = [
-            f"{self.sentinel}: the manifest lists no {k!r} entry"
-            for k in required_keys
-            if not has_key(manifest.files, k)
-        ]
+        problems = _unlisted_keys(self.sentinel, manifest, required_keys)
         expected = {key + RECORD_SUFFIX: e for key, e in manifest.files.items()}
         present = {entry.name: entry for entry in os.scandir(data)}
         for name in sorted(set(present) - set(expected)):
@@ -521,6 +514,29 @@ def has_key(keys: Collection[str], required: str) -> bool:
     do (a sharded checkpoint's ``sharded.index`` stands for ``model``: ``"model|sharded.index"``).
     """
     return any(k in keys for k in required.split("|"))
+
+
+def _read_manifest_or_problem(checkpoint: Any) -> tuple[_Manifest | None, list[str]]:
+    """``checkpoint.read_manifest()`` (local or remote), or the one problem that stops every
+    other check: no sentinel, or a damaged one."""
+    try:
+        return checkpoint.read_manifest(), []
+    except FileNotFoundError:
+        sentinel, n = checkpoint.sentinel, checkpoint.iteration
+        return None, [f"{sentinel}: no sentinel (iteration {n} is not complete)"]
+    except (OSError, ValueError) as e:
+        return None, [f"{checkpoint.sentinel}: {e}"]
+
+
+def _unlisted_keys(
+    sentinel: object, manifest: _Manifest, required_keys: Sequence[str]
+) -> list[str]:
+    """A problem for each of ``required_keys`` the manifest does not list."""
+    return [
+        f"{sentinel}: the manifest lists no {k!r} entry"
+        for k in required_keys
+        if not has_key(manifest.files, k)
+    ]
 
 
 def _record_path(data: Path, key: str) -> Path:

@@ -42,7 +42,7 @@ import xxhash
 
 from lightning_bpk import burnpack
 from lightning_bpk import checkpointer as ck
-from lightning_bpk.layout import sentinel_stem
+from lightning_bpk.layout import DEFAULT_PREFIX, sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
 from lightning_bpk.storage import ObjectStore, StorageError
 
@@ -108,17 +108,16 @@ class RemoteCheckpoint:
 
     def data_name(self, manifest: ck._Manifest | None) -> str:
         return (
-            manifest.data if manifest is not None else f"{self.prefix or 'ckpt'}.{self.iteration}"
+            manifest.data
+            if manifest is not None
+            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
         )
 
     def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is): the local checks, on objects."""
-        try:
-            manifest = self.read_manifest()
-        except FileNotFoundError:
-            return [f"{self.sentinel}: no sentinel (iteration {self.iteration} is not complete)"]
-        except (OSError, ValueError) as e:
-            return [f"{self.sentinel}: {e}"]
+        manifest, unreadable = ck._read_manifest_or_problem(self)
+        if unreadable:
+            return unreadable
         name = self.data_name(manifest)
         data_url = self.store.url_of(name)
         present = self.store.list(name)
@@ -148,11 +147,7 @@ class RemoteCheckpoint:
                 except (burnpack.BurnpackError, OSError) as e:
                     problems.append(str(e))
             return problems
-        problems = [
-            f"{self.sentinel}: the manifest lists no {k!r} entry"
-            for k in required_keys
-            if not ck.has_key(manifest.files, k)
-        ]
+        problems = ck._unlisted_keys(self.sentinel, manifest, required_keys)
         expected = {key + ck.RECORD_SUFFIX: e for key, e in manifest.files.items()}
         for file in sorted(set(present) - set(expected)):
             problems.append(f"{data_url}/{file}: unexpected object, not in the manifest")
