@@ -45,6 +45,7 @@ from lightning_bpk.errors import LightningBpkError
 __all__ = [
     "ATTEMPTS",
     "BASE_WAIT",
+    "COMPLETION_WAIT",
     "EXTRAS",
     "LOCAL_PROTOCOLS",
     "MAX_WAIT",
@@ -78,6 +79,10 @@ MAX_WAIT = 5.0
 # Part size of multipart uploads to S3 (None: s3fs's default, 50 MiB parts for files of 100 MiB
 # and more); parts go up concurrently.
 UPLOAD_PART: int | None = None
+# How long an upload whose multipart completion answer was lost waits for the object to appear
+# (the server may still be assembling it: moto needs ~20 s for 1 GiB, s3fs waits 15 s for an
+# answer) before uploading it again.
+COMPLETION_WAIT = 60.0
 # Ranged reads fetch this many bytes per request (several requests are in flight at once).
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -384,21 +389,46 @@ class ObjectStore:
     # -- writing --
 
     def upload(self, local: str | os.PathLike[str], key: str) -> None:
-        """Copy a local file to ``key`` (s3fs uploads big files in parts)."""
+        """Copy a local file to ``key`` (s3fs uploads big files in parts).
+
+        A multipart upload whose completion request timed out may still be completed by the
+        server: s3fs then retries the completion, which fails while the first one is still
+        assembling the object (moto: a 500; S3: NoSuchUpload), aborts the upload, finds it gone
+        and raises ``FileNotFoundError``. The upload did not fail then, its answer was lost:
+        the object is awaited (:meth:`_landed`) instead of uploading every part again, which
+        would only time out the same way.
+        """
         options = {}
         if UPLOAD_PART is not None and self.protocol in ("s3", "s3a"):
             options["chunksize"] = UPLOAD_PART
         path = self._path(key)
+        size = os.path.getsize(local)
 
         def put() -> None:
             try:
                 self.fs.put_file(os.fspath(local), path, **options)
             except FileNotFoundError as e:
-                # s3fs after a multipart upload whose completion failed (a 500) and whose abort
-                # found nothing (NoSuchUpload): the local file and the bucket exist, so retry.
-                raise ConnectionError(f"multipart upload failed: {e}") from e
+                if self._landed(key, size):
+                    return
+                raise ConnectionError(f"multipart upload lost at completion: {e}") from e
 
         self._retry("upload to", key, put)
+
+    def _landed(self, key: str, size: int) -> bool:
+        """Whether object ``key`` appears with ``size`` bytes within :data:`COMPLETION_WAIT`
+        seconds (polled with growing waits of at most :data:`MAX_WAIT`)."""
+        deadline = time.monotonic() + COMPLETION_WAIT
+        wait = BASE_WAIT
+        while True:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(self._path(key))
+            found = self.size(key)
+            if found is not None:
+                return found == size
+            if time.monotonic() + wait > deadline:
+                return False
+            time.sleep(wait)
+            wait = min(MAX_WAIT, 2 * wait)
 
     def write(self, key: str, data: bytes) -> None:
         """Write ``key`` (one PUT: the object appears whole or not at all)."""

@@ -41,6 +41,7 @@ from lightning_tiny import BATCH_SIZE, SAMPLES, TinyModel, make_trainer
 
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+from moto.s3.models import S3Backend  # noqa: E402 - after the importorskip
 
 SCRIPT = SCRIPTS / "lightning_tiny.py"
 RUN_TIMEOUT = 120
@@ -136,6 +137,38 @@ def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(
     assert cli_main(["diff", f"{url}/ckpt.1/model.bpk", f"{url}/ckpt.1/model.bpk"]) == 2
     assert "diff reads local files only" in capsys.readouterr().err
     assert not Path("s3:").exists()
+
+
+def test_a_multipart_completion_slower_than_the_read_timeout_is_awaited(bucket, monkeypatch):
+    """The 1 GiB save's failure, scaled down. moto assembles a completed multipart upload for
+    ~20 s per GiB before the object appears, longer than s3fs waits for an answer (15 s): s3fs
+    retries the completion, which finds the upload gone (a 500 from moto) and the abort finds
+    nothing either. The upload had not failed; uploading it again would time out the same way.
+    Here: three parts of 5 MiB (S3's smallest), moto 2.5 s slower to store the assembled object,
+    a client read timeout of 1 s."""
+    store_object = S3Backend.put_object
+
+    def slow_to_store(self, *args, **kwargs):
+        if kwargs.get("multipart") is not None:  # the assembled object of a completion
+            time.sleep(2.5)
+        return store_object(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", slow_to_store)
+    monkeypatch.setattr(storage, "UPLOAD_PART", 5 * 2**20)
+    monkeypatch.setattr(storage, "ATTEMPTS", 2)  # uploading again fails the same way: stop early
+    url = f"s3://{bucket}/slow"
+    options = {
+        "config_kwargs": {"read_timeout": 1, "retries": {"max_attempts": 1}},
+        "skip_instance_cache": True,
+    }
+    checkpointer = Checkpointer(url, storage_options=options)
+    w = torch.randn(3 * 2**20 + 5, generator=torch.Generator().manual_seed(3))  # 12 MiB: 3 parts
+    checkpointer.save_checkpoint(0, {"model": ModuleRecord({"w": w})})
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    assert fs.info(f"{root}/ckpt.0/model.bpk")["ETag"].endswith('-3"')  # a multipart upload
+    assert get_latest_checkpoint_number(url, verify=True) == 0
+    assert torch.equal(checkpointer.load_checkpoint(0)["model"].tensors["w"], w)
 
 
 def test_the_sentinel_is_create_only_on_s3(bucket):
