@@ -8,6 +8,7 @@ The same protocol against a real S3 server (moto over HTTP through s3fs) is in
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import warnings
 from pathlib import Path
@@ -158,7 +159,9 @@ class FaultyFileSystem(MemoryFileSystem):
 
     def pipe_file(self, *args, **kwargs):
         self._count("pipe")
-        return super().pipe_file(*args, **kwargs)
+        result = super().pipe_file(*args, **kwargs)
+        self._count("pipe-landed")  # a write that took effect, but whose answer was lost
+        return result
 
     def rm_file(self, *args, **kwargs):
         self._count("rm")
@@ -189,12 +192,13 @@ def faulty():
     FaultyFileSystem.faults.clear()
 
 
-def _calls_of_one_save(faulty) -> dict[str, int]:
-    """How many calls of each kind saving checkpoint 2 (a re-save of nothing) makes."""
+def _calls_of_one_save(faulty, n: int = 2) -> dict[str, int]:
+    """How many calls of each kind saving checkpoint ``n`` after checkpoint 1 makes."""
+    faulty.store.clear()
     checkpointer = Checkpointer("faulty://b/count", checkpoint_duration=1)
     checkpointer.save_checkpoint(1, _data(1))
     faulty.calls.clear()
-    checkpointer.save_checkpoint(2, _data(2))
+    checkpointer.save_checkpoint(n, _data(n))
     return dict(faulty.calls)
 
 
@@ -228,6 +232,58 @@ def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
             assert verify_checkpoint(url, latest) == []
             tried += 1
     assert tried == sum(counts.values())
+
+
+def test_a_failed_resave_at_every_call_keeps_the_old_copy(faulty):
+    """Re-saving checkpoint 1 (new bytes under the same number) fails at each call in turn, for
+    good: the old checkpoint 1 stays complete and loadable, or, when the failure came after the
+    commit (garbage collection), the new one is. The new copy goes under a data name never used
+    before, so no sentinel ever names bytes it was not written for."""
+    counts = _calls_of_one_save(faulty, 1)
+    assert counts.get("put") and counts.get("pipe") and counts.get("ls") and counts.get("rm")
+    tried = 0
+    for kind, total in counts.items():
+        for k in range(1, total + 1):
+            faulty.store.clear()
+            url = f"faulty://b/resave-{kind}-{k}"
+            checkpointer = Checkpointer(url, checkpoint_duration=1)
+            checkpointer.save_checkpoint(1, _data(1))
+            faulty.calls.clear()
+            faulty.faults[kind] = (k, 10**6, ConnectionError)
+            failed = False
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointWarning)
+                try:
+                    checkpointer.save_checkpoint(1, {**_data(1), "trainer": {"step": 10}})
+                except OSError:
+                    failed = True
+            faulty.faults.clear()
+            assert get_latest_checkpoint_number(url, verify=True) == 1, (kind, k)
+            step = checkpointer.load_checkpoint(1)["trainer"]["step"]
+            assert step == (1 if failed else 10), (kind, k, failed)
+            assert verify_checkpoint(url, 1) == []
+            tried += 1
+    assert tried == sum(counts.values())
+
+
+def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_after():
+    url = _url()
+    checkpointer = Checkpointer(url, checkpoint_duration=2)
+    checkpointer.save_checkpoint(1, _data(1))
+    target = checkpointer.save_checkpoint(1, _data(10))
+    assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
+    name = storage.name_of(target)
+    assert _keys(url) == sorted(
+        [f"{name}/model.bpk", f"{name}/trainer.bpk", "sentinel_checkpoint_complete.1"]
+    )
+    assert [e.data for e in list_checkpoints(url)] == [target]
+    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
+    # a crash between the new sentinel and removing the old copy: the next GC removes it
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/ckpt.1/model.bpk", b"old bytes")
+    checkpointer.save_checkpoint(2, _data(2))
+    assert not any(k.startswith("ckpt.1/") for k in _keys(url))
+    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
 
 
 def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
