@@ -386,6 +386,11 @@ class ObjectStore:
                 )
             view[s:e] = chunk
 
+    def download(self, key: str, local: str | os.PathLike[str]) -> None:
+        """Copy object ``key`` to a local file (for readers that need a file: the CLI's
+        ``convert`` and ``diff`` of ``.safetensors`` and ``torch.save`` files)."""
+        self._retry("download", key, lambda: self.fs.get_file(self._path(key), os.fspath(local)))
+
     # -- writing --
 
     def upload(self, local: str | os.PathLike[str], key: str) -> None:

@@ -7,6 +7,7 @@ Fast protocol tests on ``memory://`` and a fault-injecting filesystem are in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -134,8 +135,7 @@ def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(
     assert cli_main(["ls", url]) == 0
     assert cli_main(["inspect", f"{url}/ckpt.1/model.bpk"]) == 0
     assert "[3145735]" in capsys.readouterr().out  # w's shape, read with ranged requests
-    assert cli_main(["diff", f"{url}/ckpt.1/model.bpk", f"{url}/ckpt.1/model.bpk"]) == 2
-    assert "diff reads local files only" in capsys.readouterr().err
+    assert cli_main(["diff", f"{url}/ckpt.1/model.bpk", f"{url}/ckpt.1/model.bpk"]) == 0
     assert not Path("s3:").exists()
 
 
@@ -169,6 +169,33 @@ def test_a_multipart_completion_slower_than_the_read_timeout_is_awaited(bucket, 
     assert fs.info(f"{root}/ckpt.0/model.bpk")["ETag"].endswith('-3"')  # a multipart upload
     assert get_latest_checkpoint_number(url, verify=True) == 0
     assert torch.equal(checkpointer.load_checkpoint(0)["model"].tensors["w"], w)
+
+
+def test_convert_and_diff_read_and_write_urls(bucket, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/cli"
+    checkpointer = Checkpointer(url)
+    for n in (0, 1):
+        model = ModuleRecord({"w": torch.full((3,), float(n))})
+        checkpointer.save_checkpoint(n, {"model": model, "trainer": {"step": n}})
+    exported = f"{url}/export/model.safetensors"
+    assert cli_main(["convert", f"{url}/ckpt.1", exported]) == 0  # a checkpoint: its model
+    assert f"wrote {exported}" in capsys.readouterr().out
+    assert cli_main(["convert", exported, "back.bpk"]) == 0
+    assert torch.equal(ModuleRecord.load(tmp_path / "back.bpk").tensors["w"], torch.ones(3))
+    assert cli_main(["diff", exported, f"{url}/ckpt.1/model.bpk"]) == 0
+    capsys.readouterr()
+    assert cli_main(["diff", "--json", f"{url}/ckpt.0", f"{url}/ckpt.1"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["a"], report["b"]) == (f"{url}/ckpt.0", f"{url}/ckpt.1")
+    assert {f["file"]: f["identical"] for f in report["files"]} == {
+        "model.bpk": False,
+        "trainer.bpk": False,
+    }
+    assert report["files"][0]["a"] == f"{url}/ckpt.0/model.bpk"
+    assert cli_main(["diff", f"{url}/nothing.bpk", exported]) == 2
+    assert f"{url}/nothing.bpk: no such object" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["back.bpk"]  # no local folder named after a URL
 
 
 def test_the_sentinel_is_create_only_on_s3(bucket):
