@@ -59,6 +59,7 @@ __all__ = [
     "fetch_pack",
     "latest",
     "list_checkpoints",
+    "load_newest",
     "remove",
     "save",
 ]
@@ -270,6 +271,38 @@ def latest(
             stacklevel=3,
         )
     return -1
+
+
+def load_newest(
+    store: ObjectStore,
+    identifier: str,
+    prefix: str | None,
+    required_keys: Sequence[str],
+    at_most: int,
+) -> tuple[int, dict[str, Any] | None]:
+    """Resume's verify and load in one read: the newest checkpoint ``<= at_most`` that passes
+    the quick checks (sentinel, sizes, required keys) and loads, every byte verified as it is
+    read (head digests, tensor checksums), with what it holds. A damaged one is skipped with a
+    :class:`~lightning_bpk.checkpointer.CheckpointWarning`, falling back to the one before."""
+    listing = store.list("")
+    for n in sorted((m for m in _sentinels(listing, identifier) if m <= at_most), reverse=True):
+        checkpoint = RemoteCheckpoint(store, n, identifier, prefix)
+        problems = checkpoint.problems(full=False, required_keys=required_keys)
+        if not problems:
+            try:
+                data = checkpoint.load(None)
+            except (RecordError, OSError, KeyError) as e:
+                problems = [str(e)]
+            else:
+                if data is not None:
+                    return n, data
+                problems = [f"{checkpoint.sentinel}: its data is gone"]
+        warnings.warn(
+            f"checkpoint {n} in {store.url} skipped: " + ck.summarise(problems),
+            ck.CheckpointWarning,
+            stacklevel=3,
+        )
+    return -1, None
 
 
 def save(checkpointer: ck.Checkpointer, store: ObjectStore, n: int, data: Mapping[str, Any]) -> str:

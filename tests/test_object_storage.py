@@ -7,6 +7,7 @@ Fast protocol tests on ``memory://`` and a fault-injecting filesystem are in
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_bpk import storage
+from lightning_bpk import storage, trainer_state
 from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import (
@@ -289,10 +290,31 @@ def test_the_callback_trains_into_the_bucket_and_resumes_from_it(
     first = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2, async_save=async_save)
     make_trainer(str(tmp_path), 3, [first]).fit(TinyModel())
     assert [(e.number, e.complete) for e in list_checkpoints(url)] == [(2, True), (1, True)]
+    # a re-save of 2 puts its data under ckpt.2~<hex>: resume finds it there
+    resaver = Checkpointer(url, checkpoint_duration=2)
+    resaver.save_checkpoint(2, resaver.load_checkpoint(2))
+    assert trainer_state.load(f"{url}/ckpt.2")["global_step"] == 3 * BATCHES_PER_EPOCH
+    reads: collections.Counter[str] = collections.Counter()
+    read_into = storage.ObjectStore.read_into
+
+    def counted(self, key, buffer, offset=0):
+        reads[key] += memoryview(buffer).nbytes
+        return read_into(self, key, buffer, offset)
+
+    monkeypatch.setattr(storage.ObjectStore, "read_into", counted)
     second = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2)
     trainer = make_trainer(str(tmp_path), 4, [second])
     trainer.fit(TinyModel())
     assert second.restored_number == 2
+    data = storage.name_of(list_checkpoints(url)[-1].data)  # the oldest left: the re-saved 2
+    assert data.startswith("ckpt.2~")
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    sizes = {
+        f"{data}/{name.rpartition('/')[2]}": info["size"]
+        for name, info in fs.find(f"{root}/{data}", detail=True).items()
+    }
+    assert dict(reads) == sizes  # verified and loaded in one read of each object
     assert trainer.global_step == 4 * BATCHES_PER_EPOCH
     assert os.listdir(tmp_path) == []  # nothing went to a local folder
 

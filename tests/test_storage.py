@@ -27,6 +27,7 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.lease import CheckpointSupersededError, Lease
+from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
 
 
@@ -132,6 +133,23 @@ def test_damaged_latest_is_skipped_with_a_warning(damage):
         fs.pipe_file(model, bytes(raw))
     with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
         assert get_latest_checkpoint_number(url, verify=True) == 0
+
+
+def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
+    """What the callback's resume uses on object stores: verify while loading."""
+    url = _url()
+    checkpointer = Checkpointer(url)
+    for n in (0, 1):
+        checkpointer.save_checkpoint(n, _data(n))
+    fs, root = fsspec.core.url_to_fs(url)
+    raw = bytearray(fs.cat_file(f"{root}/ckpt.1/model.bpk"))
+    raw[-1] ^= 0xFF  # a tensor byte: only its checksum tells
+    fs.pipe_file(f"{root}/ckpt.1/model.bpk", bytes(raw))
+    store = storage.object_store(url)
+    assert get_latest_checkpoint_number(url) == 1  # the quick checks pass
+    with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
+        number, data = load_newest(store, "checkpoint", "ckpt", ("model",), at_most=1)
+    assert number == 0 and data["trainer"] == {"step": 0}
 
 
 # --- a filesystem that fails at the k-th call of each kind --------------------------------------
