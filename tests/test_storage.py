@@ -11,6 +11,7 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -34,6 +35,7 @@ from lightning_bpk.records import ModuleRecord
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):
     monkeypatch.setattr(storage, "BASE_WAIT", 0.001)
+    monkeypatch.setattr(storage, "COMPLETION_WAIT", 0.05)
 
 
 def _url() -> str:
@@ -210,26 +212,22 @@ def faulty():
     FaultyFileSystem.faults.clear()
 
 
-def _calls_of_one_save(faulty, n: int = 2) -> dict[str, int]:
-    """How many calls of each kind saving checkpoint ``n`` after checkpoint 1 makes."""
+def _save_failing_at_each_call(
+    faulty, n: int, data: dict
+) -> Iterator[tuple[tuple[str, int], str, Checkpointer, bool]]:
+    """Save checkpoint 1, then save ``data`` as ``n`` with one call failing for good: each
+    call of each kind in turn. Yields ``((kind, k), url, checkpointer, whether it raised)``."""
     faulty.store.clear()
     checkpointer = Checkpointer("faulty://b/count", checkpoint_duration=1)
     checkpointer.save_checkpoint(1, _data(1))
     faulty.calls.clear()
-    checkpointer.save_checkpoint(n, _data(n))
-    return dict(faulty.calls)
-
-
-def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
-    """Each call of a save, in turn, fails for good: the save raises, checkpoint 1 stays
-    complete and loadable, and checkpoint 2 is never committed half-written."""
-    counts = _calls_of_one_save(faulty)
+    checkpointer.save_checkpoint(n, data)
+    counts = dict(faulty.calls)
     assert counts.get("put") and counts.get("pipe") and counts.get("ls") and counts.get("rm")
-    tried = 0
     for kind, total in counts.items():
         for k in range(1, total + 1):
             faulty.store.clear()
-            url = f"faulty://b/{kind}-{k}"
+            url = f"faulty://b/{n}-{kind}-{k}"
             checkpointer = Checkpointer(url, checkpoint_duration=1)
             checkpointer.save_checkpoint(1, _data(1))
             faulty.calls.clear()
@@ -238,50 +236,36 @@ def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CheckpointWarning)  # GC failures only warn
                 try:
-                    checkpointer.save_checkpoint(2, _data(2))
+                    checkpointer.save_checkpoint(n, data)
                 except OSError:
                     failed = True
             faulty.faults.clear()
-            latest = get_latest_checkpoint_number(url, verify=True)
-            if failed:
-                assert latest == 1, (kind, k)
-            assert latest in (1, 2), (kind, k)
-            assert checkpointer.load_checkpoint(latest)["trainer"] == {"step": latest}
-            assert verify_checkpoint(url, latest) == []
-            tried += 1
-    assert tried == sum(counts.values())
+            yield (kind, k), url, checkpointer, failed
+
+
+def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
+    """Each call of a save, in turn, fails for good: the save raises, checkpoint 1 stays
+    complete and loadable, and checkpoint 2 is never committed half-written."""
+    for call, url, checkpointer, failed in _save_failing_at_each_call(faulty, 2, _data(2)):
+        latest = get_latest_checkpoint_number(url, verify=True)
+        if failed:
+            assert latest == 1, call
+        assert latest in (1, 2), call
+        assert checkpointer.load_checkpoint(latest)["trainer"] == {"step": latest}
+        assert verify_checkpoint(url, latest) == []
 
 
 def test_a_failed_resave_at_every_call_keeps_the_old_copy(faulty):
     """Re-saving checkpoint 1 (new bytes under the same number) fails at each call in turn, for
-    good: the old checkpoint 1 stays complete and loadable, or, when the failure came after the
-    commit (garbage collection), the new one is. The new copy goes under a data name never used
-    before, so no sentinel ever names bytes it was not written for."""
-    counts = _calls_of_one_save(faulty, 1)
-    assert counts.get("put") and counts.get("pipe") and counts.get("ls") and counts.get("rm")
-    tried = 0
-    for kind, total in counts.items():
-        for k in range(1, total + 1):
-            faulty.store.clear()
-            url = f"faulty://b/resave-{kind}-{k}"
-            checkpointer = Checkpointer(url, checkpoint_duration=1)
-            checkpointer.save_checkpoint(1, _data(1))
-            faulty.calls.clear()
-            faulty.faults[kind] = (k, 10**6, ConnectionError)
-            failed = False
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", CheckpointWarning)
-                try:
-                    checkpointer.save_checkpoint(1, {**_data(1), "trainer": {"step": 10}})
-                except OSError:
-                    failed = True
-            faulty.faults.clear()
-            assert get_latest_checkpoint_number(url, verify=True) == 1, (kind, k)
-            step = checkpointer.load_checkpoint(1)["trainer"]["step"]
-            assert step == (1 if failed else 10), (kind, k, failed)
-            assert verify_checkpoint(url, 1) == []
-            tried += 1
-    assert tried == sum(counts.values())
+    good (a write whose answer is lost among them): the old checkpoint 1 stays complete and
+    loadable, or, when the failure came after the commit, the new one is. The new copy goes
+    under a data name never used before, so no sentinel names bytes it was not written for."""
+    resave = {**_data(1), "trainer": {"step": 10}}
+    for call, url, checkpointer, failed in _save_failing_at_each_call(faulty, 1, resave):
+        assert get_latest_checkpoint_number(url, verify=True) == 1, call
+        step = checkpointer.load_checkpoint(1)["trainer"]["step"]
+        assert step == (1 if failed else 10), (call, failed)
+        assert verify_checkpoint(url, 1) == []
 
 
 def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_after():
@@ -316,7 +300,8 @@ def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
 
 def test_an_upload_whose_multipart_completion_was_lost_is_retried(faulty):
     """s3fs raises FileNotFoundError (NoSuchUpload) when completing a multipart upload failed
-    and aborting it found nothing (seen with a 1 GiB upload to a loaded server)."""
+    and aborting it found nothing (seen with a 1 GiB upload to a loaded server); when the object
+    does not appear within COMPLETION_WAIT, it is uploaded again."""
     url = "faulty://b/lost-upload"
     checkpointer = Checkpointer(url)
     faulty.faults["put"] = (1, 1, FileNotFoundError)
