@@ -413,6 +413,12 @@ def _names_data(data: str, prefix: str | None, iteration: int) -> bool:
     return base == f"{prefix}.{iteration}" if prefix is not None else base.endswith(f".{iteration}")
 
 
+def _data_name(manifest: _Manifest | None, prefix: str | None, iteration: int) -> str:
+    """The data a sentinel stands for: the manifest's, or (Dopamine's ``b'done'``, which names
+    none) ``<prefix>.<N>``."""
+    return manifest.data if manifest is not None else f"{prefix or DEFAULT_PREFIX}.{iteration}"
+
+
 def _check_data_name(manifest: _Manifest | None, prefix: str | None, iteration: int) -> None:
     """Raise ``ValueError`` when a manifest names data of another checkpointer prefix."""
     if (
@@ -457,12 +463,7 @@ class _Checkpoint:
         return manifest
 
     def data_path(self, manifest: _Manifest | None) -> Path:
-        name = (
-            manifest.data
-            if manifest is not None
-            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
-        )
-        return self.base / name
+        return self.base / _data_name(manifest, self.prefix, self.iteration)
 
     def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is).

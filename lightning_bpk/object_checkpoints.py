@@ -48,7 +48,7 @@ import xxhash
 
 from lightning_bpk import burnpack
 from lightning_bpk import checkpointer as ck
-from lightning_bpk.layout import DEFAULT_PREFIX, NUMBER_PATTERN, sentinel_stem
+from lightning_bpk.layout import NUMBER_PATTERN, sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
 from lightning_bpk.storage import ObjectStore, StorageError
 
@@ -124,11 +124,7 @@ class RemoteCheckpoint:
         return manifest
 
     def data_name(self, manifest: ck._Manifest | None) -> str:
-        return (
-            manifest.data
-            if manifest is not None
-            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
-        )
+        return ck._data_name(manifest, self.prefix, self.iteration)
 
     def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is): the local checks, on objects."""
