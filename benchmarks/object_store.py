@@ -139,6 +139,7 @@ def _run(
                     failed[label] = f"{type(e).__name__}: {e}"[:300].replace("|", "/")
                     continue
                 elapsed = time.perf_counter() - start
+                print(f"  {label}: {elapsed:.2f} s", file=sys.stderr, flush=True)  # progress
                 if round_:
                     times[label].append(elapsed)
     return times, failed

@@ -794,7 +794,8 @@ class Checkpointer:
         return self._store if isinstance(self._store, storage.ObjectStore) else None
 
     def checkpoint_path(self, iteration_number: int) -> Path | str:
-        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist)."""
+        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist;
+        on an object store a re-saved N's data is ``<this>~<hex>``, named by its manifest)."""
         name = f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
         return storage.join(self.base_directory, name)
 
