@@ -50,6 +50,7 @@ __all__ = [
     "LOCAL_PROTOCOLS",
     "MAX_WAIT",
     "READ_CHUNK",
+    "READ_STREAMS",
     "UPLOAD_PART",
     "LocalStore",
     "MissingDriverError",
@@ -83,8 +84,11 @@ UPLOAD_PART: int | None = None
 # (the server may still be assembling it: moto needs ~20 s for 1 GiB, s3fs waits 15 s for an
 # answer) before uploading it again.
 COMPLETION_WAIT = 60.0
-# Ranged reads fetch this many bytes per request (several requests are in flight at once).
+# Ranged reads fetch at least this many bytes per request, and an object in at most READ_STREAMS
+# requests, all in flight at once, so per-request costs stay bounded (moto copies the whole
+# object for every ranged GET: 16 MiB ranges cost it 64 copies of a 1 GiB object).
 READ_CHUNK = 16 * 1024 * 1024
+READ_STREAMS = 8
 
 T = TypeVar("T")
 
@@ -363,12 +367,14 @@ class ObjectStore:
         )
 
     def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
-        """Fill ``buffer`` with the object's bytes from ``offset`` on, with ranged reads of
-        :data:`READ_CHUNK` bytes issued together (s3fs and gcsfs run them concurrently)."""
+        """Fill ``buffer`` with the object's bytes from ``offset`` on, with at most
+        :data:`READ_STREAMS` ranged reads of at least :data:`READ_CHUNK` bytes issued together
+        (s3fs and gcsfs run them concurrently)."""
         view = memoryview(buffer).cast("B")
         total = view.nbytes
-        starts = list(range(0, total, READ_CHUNK))
-        ends = [min(s + READ_CHUNK, total) for s in starts]
+        chunk = max(READ_CHUNK, -(-total // READ_STREAMS))
+        starts = list(range(0, total, chunk))
+        ends = [min(s + chunk, total) for s in starts]
         path = self._path(key)
 
         def fetch() -> list[bytes]:

@@ -95,6 +95,25 @@ def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, 
     assert torch.equal(loaded["model"].tensors["weight"], _data(0)["model"].tensors["weight"])
 
 
+def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
+    monkeypatch.setattr(storage, "READ_CHUNK", 1024)
+    store = storage.object_store(_url())
+    data = os.urandom(100 * 1024 + 5)
+    store.write("blob", data)
+    requests = []
+    cat_ranges = MemoryFileSystem.cat_ranges
+
+    def counted(self, paths, starts, ends, **kwargs):
+        requests.extend(zip(starts, ends, strict=True))
+        return cat_ranges(self, paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", counted)
+    buffer = bytearray(len(data) - 5)
+    store.read_into("blob", buffer, offset=5)
+    assert bytes(buffer) == data[5:]
+    assert len(requests) == storage.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
+
+
 # --- the protocol on memory:// ------------------------------------------------------------------
 
 
