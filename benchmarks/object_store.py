@@ -10,9 +10,10 @@ as it would to a cloud bucket:
   ``torch.load`` through an fsspec file + ``copy_``;
 - **torch DCP** with ``FsspecWriter`` / ``FsspecReader`` (single process), loading in place.
 
-What dominates here is the server: moto handles each request in Python and keeps the bytes in
-memory, so absolute numbers are far below a cloud bucket's; the ratios say how much each format
-adds on top of moving the bytes.
+What dominates here is the server: moto handles each request in Python, copies the whole object
+for every ranged GET and assembles a completed multipart upload for ~20 s per GiB (longer than
+s3fs's 15 s read timeout, so completions are retried), so absolute numbers are far below a cloud
+bucket's; the ratios say how much each format adds on top of moving the bytes.
 """
 
 from __future__ import annotations
