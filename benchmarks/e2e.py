@@ -1,10 +1,11 @@
 """End-to-end cost of per-epoch checkpoints: the digits example trained with and without them.
 
 Drives ``examples/train_digits.py`` through its API (``DigitsModel``, ``DigitsData``) with the
-Trainer settings its ``train()`` uses, in three variants run interleaved: no checkpoint callback,
-``BurnpackCheckpoint()`` (synchronous saves) and ``BurnpackCheckpoint(async_save=True)``. Each
-run is a whole ``trainer.fit`` in a fresh directory, teardown included (so the async variant
-pays for waiting on its last write). The overhead is the median's excess over no callback.
+Trainer settings its ``train()`` uses (and one intra-op thread), in three variants run
+interleaved: no checkpoint callback, ``BurnpackCheckpoint()`` (synchronous saves) and
+``BurnpackCheckpoint(async_save=True)``. Each run is a whole ``trainer.fit`` in a fresh
+directory, teardown included (so the async variant pays for waiting on its last write). The
+overhead is the median's excess over no callback.
 
 The example's epochs are short (~40 ms: 25 batches of a tiny MLP) while each save has a fixed
 cost, so a second, clearly labelled measurement passes over the same data ``REPEAT`` times per
@@ -158,10 +159,17 @@ def _fit(root: Path, epochs: int, callbacks: list[L.Callback], repeat: int = 1) 
         enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
     )
-    start = time.perf_counter()
-    data = train_digits.DigitsData() if repeat == 1 else _RepeatedData()
-    trainer.fit(train_digits.DigitsModel(), datamodule=data)
-    return time.perf_counter() - start
+    # One intra-op thread: the model's ops are far too small to gain from two, and on a shared
+    # 2-core machine a second OpenMP thread spin-waits for a descheduled peer (10x the CPU time).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        data = train_digits.DigitsData() if repeat == 1 else _RepeatedData()
+        trainer.fit(train_digits.DigitsModel(), datamodule=data)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure(directory: Path, *, quick: bool, reps: int | None = None, repeat: int = 1) -> Overhead:
