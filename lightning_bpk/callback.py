@@ -288,7 +288,11 @@ class BurnpackCheckpoint(Checkpoint):
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread
             (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
-            a copy into reused staging buffers. The checkpoint becomes complete (sentinel) once
+            a copy into reused staging buffers (and for building the records, ~3 ms of Python
+            for a small model). The buffers of the model and optimizer state are allocated and
+            faulted in on that thread right after the first optimizer step (when the optimizer
+            state exists), so the first save costs a copy too; a save joins that reservation
+            before copying. The checkpoint becomes complete (sentinel) once
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write. With a URL
             ``dirpath`` this is "upload behind": the upload and commit run on that thread.
