@@ -740,15 +740,19 @@ class BurnpackCheckpoint(Checkpoint):
 
     def _reserve_staging(self, trainer: pl.Trainer) -> None:
         """After the first optimizer step (its state exists now), let the async saver allocate
-        the model's and optimizers' staging buffers on its own thread, before any save."""
+        the model's and optimizers' staging buffers on its own thread, before any save. Not for
+        sharded saves, which never use them (and DTensors would reserve the global shapes)."""
         self._reserved = True
-        if trainer.is_global_zero and self._saver is not None:
-            module = trainer.lightning_module
-            data: dict[str, Any] = {trainer_state.MODEL_KEY: ModuleRecord.from_module(module)}
-            for i, optimizer in enumerate(trainer.optimizers):
-                key = trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)
-                data[key] = OptimizerRecord.from_optimizer(optimizer, module)
-            self._saver.reserve(data)
+        module = trainer.lightning_module
+        if not trainer.is_global_zero or self._saver is None:
+            return
+        if self._sharded(trainer, {"state_dict": module.state_dict()}):
+            return
+        data: dict[str, Any] = {trainer_state.MODEL_KEY: ModuleRecord.from_module(module)}
+        for i, optimizer in enumerate(trainer.optimizers):
+            key = trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)
+            data[key] = OptimizerRecord.from_optimizer(optimizer, module)
+        self._saver.reserve(data)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         due = self._due is not None and not trainer.sanity_checking
@@ -851,9 +855,7 @@ class BurnpackCheckpoint(Checkpoint):
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _lightning_compat.dump_checkpoint(trainer)
         staged: dict = {}
-        if sharded.holds_dtensors(checkpoint) or (  # FSDP2 / tensor parallel, or by choice
-            self.distributed_save and trainer.world_size > 1
-        ):
+        if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
                 staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
@@ -898,6 +900,12 @@ class BurnpackCheckpoint(Checkpoint):
         self._saved_step = trainer.global_step
         self._save_cost = time.perf_counter() - started
         self._last_step_end = None  # the next step's time does not include this save
+
+    def _sharded(self, trainer: pl.Trainer, checkpoint: dict) -> bool:
+        """Every rank writes its share: FSDP2 / tensor parallel, or ``distributed_save``."""
+        return sharded.holds_dtensors(checkpoint) or (
+            self.distributed_save and trainer.world_size > 1
+        )
 
     def _write(
         self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: dict

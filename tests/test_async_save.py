@@ -415,6 +415,42 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
         assert (roots["async"] / "ckpt.4" / name).read_bytes() == want, name
 
 
+def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
+    """FSDP2 state (DTensors) is saved by every rank through DCP, never through the staging
+    area: reserving it would hold a global-shape copy of the model and optimizer on rank 0."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning_fsdp import ShardedTiny
+
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    L, _, make_trainer = _lightning()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)  # Lightning sets them for this process's group
+    seen = []
+
+    class Observed(BurnpackCheckpoint):
+        def _save(self, trainer, number, **kwargs):
+            self._saver.wait()
+            seen.append((number, self._saver.staging.nbytes))
+            super()._save(trainer, number, **kwargs)
+
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
+    callback = Observed(async_save=True, every_n_train_steps=3)
+    try:
+        L.seed_everything(0)
+        make_trainer(str(tmp_path), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == [(3, 0), (4, 0)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt.*")) == [
+        "ckpt.3",
+        "ckpt.4",
+    ]
+
+
 def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monkeypatch):
     import errno
 
