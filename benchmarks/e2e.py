@@ -24,7 +24,7 @@ ahead on the writer thread (what the callback does after the first optimizer ste
 
 Run alone (prints the tables; ``make bench`` runs them too and writes ``docs/benchmarks.md``)::
 
-    .venv/bin/python benchmarks/e2e.py            # every end-to-end row (~10 min on 2 cores)
+    .venv/bin/python benchmarks/e2e.py            # every end-to-end row (~6 min, 2 idle cores)
     .venv/bin/python benchmarks/e2e.py --quick    # fewer rounds and steps, smaller state
     .venv/bin/python benchmarks/e2e.py --only steps first-save
 """
