@@ -95,7 +95,7 @@ def shard_box(
     """
     for placement in placements:
         if isinstance(placement, _StridedShard) or not isinstance(placement, Shard | Replicate):
-            raise ValueError(f"placement {placement} is not Shard(dim) or Replicate()")
+            raise ValueError(f"placement {placement!r} is not Shard(dim) or Replicate()")
     local, offset = _compute_local_shape_and_global_offset(
         tuple(shape), tuple(mesh_shape), list(coordinate), placements
     )
@@ -247,6 +247,10 @@ def _rule_moves(step: Step, ndim: int) -> Moves:
     raise _Unknown
 
 
+def _unknown(step: Step) -> str:
+    return f"{step.rule} (a rule whose effect on dims is not known here)"
+
+
 def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[str, _Dims]:
     """Each tensor after the rules (by module name) -> where its file tensors' dims went."""
     state = {n: _Dims({n: list(range(ndims[n]))}) for n in names}
@@ -256,7 +260,7 @@ def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[
         try:
             moves, works = _rule_moves(step, ndim)
         except _Unknown:  # every dim stays where it was, and must be whole
-            moves, works = list(range(ndim)), set(range(ndim))
+            return dims.mapped(list(range(ndim)), dict.fromkeys(range(ndim), _unknown(step)))
         return dims.mapped(moves, dict.fromkeys(works, str(step.rule)))
 
     for step in steps:
@@ -272,7 +276,7 @@ def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[
             if name in after:
                 continue
             if name not in state:  # made by a rule that did not report it (not traced)
-                whole = dict.fromkeys(range(tensor.dim()), str(step.rule))
+                whole = dict.fromkeys(range(tensor.dim()), _unknown(step))
                 after[name] = _Dims(dict(unknown), whole)
             elif step.before[name][0] is tensor:
                 after[name] = state[name]
