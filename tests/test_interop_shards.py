@@ -352,3 +352,16 @@ def test_verify_checks_whole_tensors_and_torch_files_are_refused(tmp_path):
     torch.save({"w": full}, tmp_path / "m.pt")
     with pytest.raises(RecordError, match="cannot be read in byte ranges"):
         load_into_shards(tmp_path / "m.pt", nn.Linear(4, 4))
+
+
+def test_load_remapped_points_sharded_modules_here(tmp_path):
+    """load_remapped refuses DTensor targets before writing anything (it used to fail in
+    torch's copy, after other tensors were already loaded)."""
+    path = save_module_record(
+        ModuleRecord({"a": torch.ones(2), "w": torch.ones(4)}), tmp_path / "m.bpk"
+    )
+    with rank_of((2,), 0) as mesh:
+        net = module_of({"a": nn.Parameter(torch.zeros(2)), "w": sharded((4,), mesh, [Shard(0)])})
+        with pytest.raises(RecordError, match="'w' is a DTensor shard: load with load_into_shards"):
+            load_remapped(path, net)
+        assert torch.equal(net.a, torch.zeros(2))

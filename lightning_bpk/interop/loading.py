@@ -41,6 +41,7 @@ from typing import TypeVar
 import safetensors
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack.base import _parsed_dtype_info
@@ -322,6 +323,12 @@ def load_remapped(
             adapter=adapter,
         )
         destinations = _destinations(module, plan.result.tensors, adapter)
+        shards = [n for n, t in destinations.items() if isinstance(t, DTensor)]
+        if shards:
+            raise RecordError(
+                "validation",
+                [f"{path}: '{n}' is a DTensor shard: load with load_into_shards" for n in shards],
+            )
         cast = dtype_policy == "cast_to_module"
 
         def task(group: list[str]) -> None:
