@@ -359,6 +359,7 @@ class _Planned:
     record: ModuleRecord  # the same as a record, to check against the module
     groups: list[list[str]]  # file names (aliases included) converted together
     steps: list[Step]  # every rule applied, in order
+    meta: Items  # the file's tensors (aliases included) as the rules took them
 
 
 def _plan(source: _Source, remapper: KeyRemapper) -> _Planned:
@@ -381,7 +382,7 @@ def _plan(source: _Source, remapper: KeyRemapper) -> _Planned:
         if all(rule.traced for rule in remapper.rules)
         else [names]
     )
-    return _Planned(result, record, groups, steps)
+    return _Planned(result, record, groups, steps, meta)
 
 
 def _items(

@@ -57,6 +57,7 @@ from lightning_bpk.interop.loading import (
     _items,
     _open,
     _plan,
+    _Planned,
     _run,
     _Shadow,
     _Source,
@@ -141,12 +142,22 @@ class _RangedFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def read(self, start: int, shape: Sequence[int], dtype: torch.dtype, box: Box) -> torch.Tensor:
+    def read(
+        self,
+        start: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        box: Box,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The ``box`` of the tensor of ``shape`` and ``dtype`` stored at ``start``, read into
+        ``out`` (contiguous, of the box's shape) or a new tensor."""
         if len(box) != len(shape) or any(
             not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)
         ):
             raise ValueError(f"{self.path}: box {list(box)} outside a tensor of {list(shape)}")
-        out = torch.empty([stop - begin for begin, stop in box], dtype=dtype)
+        if out is None:
+            out = torch.empty([stop - begin for begin, stop in box], dtype=dtype)
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
         at = 0
         for offset, length in byte_runs(shape, out.element_size(), box):
@@ -360,12 +371,13 @@ def load_into_shards(
                     for n in boxes
                 )
             cast = dtype_policy == "cast_to_module"
+            into = _read_into(plan, source, targets)
 
             def read(name: str) -> torch.Tensor:
                 shape, dtype = source.specs[name]
                 start, stored = source.spans[name]  # type: ignore[index]
                 box = boxes.get(name, tuple((0, n) for n in shape))
-                tensor = file.read(start, shape, stored, box)
+                tensor = file.read(start, shape, stored, box, into.get(name))
                 if dtype == torch.bool and stored != torch.bool:
                     return tensor != 0  # a Burn Bool(U8)/Bool(U32)
                 return tensor
@@ -378,13 +390,16 @@ def load_into_shards(
                     target = targets.get(name)
                     if target is None:
                         continue
-                    if isinstance(target, DTensor):
-                        local = target.to_local()
-                        if local.shape != tensor.shape:  # the plan rules this out
-                            raise RuntimeError(
-                                f"{path}: '{name}': read {list(tensor.shape)} for a local shard "
-                                f"of {list(local.shape)}"
-                            )
+                    local = _local(target)
+                    if local.shape != tensor.shape:  # the plan rules this out
+                        raise RuntimeError(
+                            f"{path}: '{name}': read {list(tensor.shape)} for a local shard "
+                            f"of {list(local.shape)}"
+                        )
+                    if tensor is local:  # read in place: only the param id is left
+                        if pid is not None:
+                            setattr(target, _PARAM_ID_ATTR, pid)
+                    elif isinstance(target, DTensor):
                         with torch.no_grad():
                             local.copy_(tensor)
                         if pid is not None:
@@ -399,6 +414,34 @@ def load_into_shards(
             file.close()
         done.bytes_read += file.bytes_read
     return done
+
+
+def _local(target: torch.Tensor) -> torch.Tensor:
+    """The tensor a load writes: a DTensor's local shard, or the plain tensor itself."""
+    if isinstance(target, DTensor):
+        with torch.no_grad():
+            return target.to_local()
+    return target
+
+
+def _read_into(plan: _Planned, source: _Source, targets: dict[str, torch.Tensor]) -> dict:
+    """File name -> the module tensor to read it into, in place: where the rules only rename it
+    and the target is contiguous, of the stored dtype, on the CPU (no second copy)."""
+    unchanged = {id(t): n for n, (t, _) in plan.meta.items()}
+    into: dict[str, torch.Tensor] = {}
+    for name, target in targets.items():
+        file_name = unchanged.get(id(plan.result.tensors[name][0]))
+        if file_name is None:
+            continue
+        stored = source.aliases.get(file_name, file_name)
+        local = _local(target)
+        if (
+            local.is_contiguous()
+            and local.device.type == "cpu"
+            and local.dtype == source.spans[stored][1] == source.specs[stored][1]  # type: ignore[index]
+        ):
+            into.setdefault(stored, local)
+    return into
 
 
 def _boxes(
