@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
+from test_interop_loading import Untraced
+from test_records_module import module_from_names
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -31,7 +33,6 @@ from lightning_bpk.interop import (
     MergeModulelist,
     PermuteForRope,
     Rename,
-    Rule,
     Split,
     Transpose,
     Unstack,
@@ -163,15 +164,10 @@ def sharded(shape, mesh: DeviceMesh, placements, dtype=torch.float32) -> nn.Para
 
 
 def module_of(params: dict[str, nn.Parameter]) -> nn.Module:
-    net = nn.Module()
+    net = module_from_names({n: () for n in params})
     for name, param in params.items():
-        owner = net
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, param)
+        owner, _, leaf = name.rpartition(".")
+        net.get_submodule(owner).register_parameter(leaf, param)
     return net
 
 
@@ -262,22 +258,12 @@ def test_which_conversions_commute(tmp_path, rule, placement, ok):
         assert all(v.to_local().isnan().all() for v in net.state_dict().values())
 
 
-class Untraced(Rule):
-    """A user's rule: its effect on dims is unknown."""
-
-    def forward(self, items):
-        return {n.replace("old.", "new."): v for n, v in items.items()}, len(items)
-
-    def backward(self, items):
-        return {n.replace("new.", "old."): v for n, v in items.items()}, len(items)
-
-
 def test_problems_reported_together_before_anything_is_read(tmp_path):
     """Missing, unused, mismatched, a dtype a shard cannot take, a fused tensor cut along its
     stacking dim, an unknown rule on a sharded tensor: one error naming the file and each
     parameter, and not a shard written."""
     file = {"layer." + n: t for n, t in W.items()} | {
-        "old.w": torch.randn(4, 4),
+        "attn.w": torch.randn(4, 4),
         "wide": torch.randn(4, 5),
         "dbl": torch.randn(4, dtype=torch.float64),
         "extra": torch.randn(1),
@@ -287,7 +273,7 @@ def test_problems_reported_together_before_anything_is_read(tmp_path):
         net = module_of(
             {
                 "layer.experts.gate_up_proj": sharded((3, 12, 8), mesh, [Shard(0)]),
-                "new.w": sharded((4, 4), mesh, [Shard(1)]),
+                "attention.w": sharded((4, 4), mesh, [Shard(1)]),
                 "wide": sharded((4, 6), mesh, [Shard(0)]),
                 "dbl": sharded((4,), mesh, [Shard(0)]),
                 "absent": sharded((2,), mesh, [Shard(0)]),
@@ -304,7 +290,7 @@ def test_problems_reported_together_before_anything_is_read(tmp_path):
             ["'wide'", "shape mismatch"],
             ["'dbl'", "torch.float64", "cast_to_module"],
             ["'layer.experts.gate_up_proj'", "MergeModulelist(dim=0)", "Shard(dim=0)"],
-            ["'new.w'", "Untraced", "Shard(dim=1)"],
+            ["'attention.w'", "Untraced", "Shard(dim=1)"],
         ]:
             assert any(all(w in p for w in words) for p in problems), (words, text)
         assert all(v.to_local().isnan().all() for v in net.state_dict().values())

@@ -21,14 +21,13 @@ Prints ``OK rank=<r> ...`` per rank on success; any mismatch raises (non-zero ex
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import launch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -188,12 +187,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(
-        worker, args=(args.world, port, args.root), nprocs=args.world, start_method="fork"
-    )
+    launch(worker, args.world, args.root)
 
 
 if __name__ == "__main__":
