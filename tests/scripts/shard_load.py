@@ -4,7 +4,8 @@ Run by tests/test_interop_shards.py as a standalone script (a timeout kills the 
 group). Writes a model's full state once as ``.bpk`` and ``.safetensors`` (and a converted
 layout), then on every rank:
 
-- an FSDP2 model (``fully_shard``, uneven ``Shard(0)``) and a tensor-parallel one
+- an FSDP2 model (``fully_shard``, uneven ``Shard(0)``, and ``Shard(1)`` through
+  ``shard_placement_fn``) and a tensor-parallel one
   (``ColwiseParallel``: ``Shard(0)``; ``RowwiseParallel``: ``Shard(1)`` weight, replicated bias)
   load each file; every local shard must equal the slice of the full tensor torch assigns to
   the rank, and the rank must have read about its shards' bytes, not the whole file: the
@@ -31,7 +32,7 @@ from ranks import launch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -85,12 +86,22 @@ def write_files(root: Path) -> None:
     save_module_record(ModuleRecord(converted), root / "converted.safetensors")
 
 
-def fsdp(mesh) -> nn.Module:
+def fsdp(mesh, dim: int = 0) -> nn.Module:
+    """FSDP2 sharding each weight along ``dim`` where it is even (FSDP2 cuts dims other than 0
+    evenly only), else along dim 0 (uneven: 383 rows)."""
     torch.manual_seed(1)  # other values than the files': everything must come from them
     net = Net()
-    fully_shard(net.up, mesh=mesh)
-    fully_shard(net.down, mesh=mesh)
+
+    def placement(p: nn.Parameter) -> Shard:
+        return Shard(dim if p.dim() > dim and p.shape[dim] % mesh.size() == 0 else 0)
+
+    fully_shard(net.up, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(net.down, mesh=mesh, shard_placement_fn=placement)
     return fully_shard(net, mesh=mesh)
+
+
+def fsdp_dim1(mesh) -> nn.Module:
+    return fsdp(mesh, dim=1)
 
 
 def tensor_parallel(mesh) -> nn.Module:
@@ -133,6 +144,12 @@ def load(path: Path, net: nn.Module, remapper: KeyRemapper | None, what: str) ->
     done = load_into_shards(path, net, remapper, workers=2)
     kernel = rchar() - before
     local = check(net, what)
+    if what.startswith("fsdp"):  # FSDP2 computes with what it loaded (TP: 383 is uneven)
+        x = torch.linspace(-1, 1, 3 * IN).reshape(3, IN)
+        plain = Net()
+        plain.load_state_dict(reference())
+        with torch.no_grad():
+            assert torch.allclose(net.down(net.up(x)), plain.down(plain.up(x)), atol=1e-5), what
     file_bytes = sum(t.numel() * t.element_size() for t in reference().values())
     assert done.bytes_read == local, (what, done.bytes_read, local)
     assert local <= kernel <= local + SLACK, (what, kernel, local)
@@ -164,7 +181,7 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         load_into_shards(root_path / "full.bpk", fsdp(mesh))  # warm-up: imports read files
         report = []
-        for maker in (fsdp, tensor_parallel):
+        for maker in (fsdp, fsdp_dim1, tensor_parallel):
             for suffix in ("bpk", "safetensors"):
                 what = f"{maker.__name__}-{suffix}"
                 report.append(load(root_path / f"full.{suffix}", maker(mesh), None, what))
