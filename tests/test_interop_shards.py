@@ -260,13 +260,14 @@ def test_which_conversions_commute(tmp_path, rule, placement, ok):
 
 def test_problems_reported_together_before_anything_is_read(tmp_path):
     """Missing, unused, mismatched, a dtype a shard cannot take, a fused tensor cut along its
-    stacking dim, an unknown rule on a sharded tensor: one error naming the file and each
-    parameter, and not a shard written."""
+    stacking dim, an unknown rule on a sharded tensor, a shard not allocated: one error naming
+    the file and each parameter, and not a shard written."""
     file = {"layer." + n: t for n, t in W.items()} | {
         "attn.w": torch.randn(4, 4),
         "wide": torch.randn(4, 5),
         "dbl": torch.randn(4, dtype=torch.float64),
         "extra": torch.randn(1),
+        "meta": torch.randn(4),
     }
     path = save_module_record(ModuleRecord(file), tmp_path / "bad.safetensors")
     with rank_of((2,), 0) as mesh:
@@ -277,6 +278,9 @@ def test_problems_reported_together_before_anything_is_read(tmp_path):
                 "wide": sharded((4, 6), mesh, [Shard(0)]),
                 "dbl": sharded((4,), mesh, [Shard(0)]),
                 "absent": sharded((2,), mesh, [Shard(0)]),
+                "meta": nn.Parameter(
+                    DTensor.from_local(torch.empty(2, device="meta"), mesh, [Shard(0)])
+                ),
             }
         )
         with pytest.raises(RecordError) as info:
@@ -291,9 +295,10 @@ def test_problems_reported_together_before_anything_is_read(tmp_path):
             ["'dbl'", "torch.float64", "cast_to_module"],
             ["'layer.experts.gate_up_proj'", "MergeModulelist(dim=0)", "Shard(dim=0)"],
             ["'attention.w'", "Untraced", "Shard(dim=1)"],
+            ["'meta'", "meta device"],
         ]:
             assert any(all(w in p for w in words) for p in problems), (words, text)
-        assert all(v.to_local().isnan().all() for v in net.state_dict().values())
+        assert all(v.to_local().isnan().all() for n, v in net.state_dict().items() if n != "meta")
         # cast_to_module takes the float64 file into the float32 shard
         fine = module_of({"dbl": sharded((4,), mesh, [Shard(0)])})
         load_into_shards(path, fine, allow_unused=True, dtype_policy="cast_to_module")

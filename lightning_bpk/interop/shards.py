@@ -472,6 +472,9 @@ def _boxes(
             except ValueError as e:
                 problems.append(f"{where}: {e}, which a full file cannot be read into")
                 continue
+            if target.device_mesh.device_type == "meta" or _local(target).is_meta:
+                problems.append(f"{where}: on the meta device (allocate it first: to_empty)")
+                continue
             dtype = planned[name][0].dtype
             if dtype != target.dtype and dtype_policy != "cast_to_module":
                 problems.append(
