@@ -80,8 +80,8 @@ class _Source:
     metadata: dict[str, str]
     read: Callable[[str], torch.Tensor]  # thread-safe
     verify: Callable[[str], object] | None = None  # checks a tensor's checksum (.bpk only)
-    # name -> (absolute offset of its bytes in the file, stored dtype); not for torch.save files
-    spans: dict[str, tuple[int, torch.dtype]] | None = None
+    # name -> (start, end) of its bytes in the file and their dtype; not for torch.save files
+    spans: dict[str, tuple[int, int, torch.dtype]] | None = None
 
 
 @contextmanager
@@ -135,14 +135,19 @@ def _open_bpk(path: Path) -> Iterator[_Source]:
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             pack.tensor,
             pack.raw,
-            {
-                n: (
-                    pack.data_start + pack.entries[n].data_offsets[0],
-                    _parsed_dtype_info(pack.entries[n].dtype).torch_dtype,
-                )
-                for n in order
-            },
+            {n: _span(pack, n) for n in order},
         )
+
+
+def _span(pack: burnpack.Pack, name: str) -> tuple[int, int, torch.dtype]:
+    """Where tensor ``name``'s bytes lie in the file, and their dtype (a Burn ``Bool(U8)`` is
+    stored as uint8)."""
+    info = pack.entries[name]
+    stored = _parsed_dtype_info(info.dtype).torch_dtype
+    if stored is None:  # refused before: quantized tensors have no torch dtype
+        raise RecordError("validation", f"{pack.source}: tensor '{name}' is quantized (QFloat)")
+    start, end = info.data_offsets
+    return pack.data_start + start, pack.data_start + end, stored
 
 
 @contextmanager
@@ -192,7 +197,7 @@ def _open_safetensors(path: Path) -> Iterator[_Source]:
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             read,
-            spans={n: (start + offsets[n][0], specs[n][1]) for n in specs},
+            spans={n: (start + offsets[n][0], start + offsets[n][1], specs[n][1]) for n in specs},
         )
     finally:
         with contextlib.suppress(BufferError):  # views still alive keep the mapping

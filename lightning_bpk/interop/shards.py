@@ -189,7 +189,7 @@ class _Dims:
         """After a step that moves dim ``i`` to ``dims[i]`` and works along ``whole``."""
         return _Dims(
             {s: [None if d is None else dims[d] for d in ds] for s, ds in self.origin.items()},
-            {dims[d]: why for d, why in self.whole.items() if dims[d] is not None} | whole,
+            {m: why for d, why in self.whole.items() if (m := dims[d]) is not None} | whole,
         )
 
 
@@ -265,7 +265,8 @@ def _unknown(step: Step) -> str:
 def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[str, _Dims]:
     """Each tensor after the rules (by module name) -> where its file tensors' dims went."""
     state = {n: _Dims({n: list(range(ndims[n]))}) for n in names}
-    unknown = {n: [None] * ndims[n] for n in names}  # came from anywhere: every file tensor, whole
+    # made by an untraced rule: may come from any file tensor, read whole
+    unknown: dict[str, list[int | None]] = {n: [None] * ndims[n] for n in names}
 
     def moved(step: Step, dims: _Dims, ndim: int) -> _Dims:
         try:
@@ -339,6 +340,7 @@ def load_into_shards(
         )
     remapper = remapper if remapper is not None else KeyRemapper([])
     with _open(path) as source:
+        spans = source.spans or {}  # every .bpk and .safetensors file has them
         plan = _plan(source, remapper)
         problems: list[str] = []
         try:
@@ -366,16 +368,13 @@ def load_into_shards(
             done = ShardedLoad(plan.result.unmatched)
             if verify and source.verify is not None:  # first: a damaged file changes nothing
                 _run(source.verify, sorted(boxes), workers)
-                done.bytes_read += sum(
-                    math.prod(source.specs[n][0]) * source.spans[n][1].itemsize  # type: ignore[index]
-                    for n in boxes
-                )
+                done.bytes_read += sum(spans[n][1] - spans[n][0] for n in boxes)
             cast = dtype_policy == "cast_to_module"
-            into = _read_into(plan, source, targets)
+            into = _read_into(plan, source, spans, targets)
 
             def read(name: str) -> torch.Tensor:
                 shape, dtype = source.specs[name]
-                start, stored = source.spans[name]  # type: ignore[index]
+                start, _, stored = spans[name]
                 box = boxes.get(name, tuple((0, n) for n in shape))
                 tensor = file.read(start, shape, stored, box, into.get(name))
                 if dtype == torch.bool and stored != torch.bool:
@@ -424,7 +423,12 @@ def _local(target: torch.Tensor) -> torch.Tensor:
     return target
 
 
-def _read_into(plan: _Planned, source: _Source, targets: dict[str, torch.Tensor]) -> dict:
+def _read_into(
+    plan: _Planned,
+    source: _Source,
+    spans: dict[str, tuple[int, int, torch.dtype]],
+    targets: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     """File name -> the module tensor to read it into, in place: where the rules only rename it
     and the target is contiguous, of the stored dtype, on the CPU (no second copy)."""
     unchanged = {id(t): n for n, (t, _) in plan.meta.items()}
@@ -438,7 +442,7 @@ def _read_into(plan: _Planned, source: _Source, targets: dict[str, torch.Tensor]
         if (
             local.is_contiguous()
             and local.device.type == "cpu"
-            and local.dtype == source.spans[stored][1] == source.specs[stored][1]  # type: ignore[index]
+            and local.dtype == spans[stored][2] == source.specs[stored][1]
         ):
             into.setdefault(stored, local)
     return into
