@@ -356,3 +356,19 @@ def test_load_remapped_points_sharded_modules_here(tmp_path):
         with pytest.raises(RecordError, match="'w' is a DTensor shard: load with load_into_shards"):
             load_remapped(path, net)
         assert torch.equal(net.a, torch.zeros(2))
+
+
+def test_tied_shards_read_once(tmp_path):
+    """A tied parameter (an embedding and an output head sharing one sharded weight) is saved
+    once with an alias, and read once, into the shared shard."""
+    weight = torch.randn(6, 4, generator=g)
+    source = ModuleRecord({"embed.weight": weight}, aliases={"head.weight": "embed.weight"})
+    for suffix in (".bpk", ".safetensors"):
+        path = save_module_record(source, tmp_path / f"tied{suffix}")
+        with rank_of((2,), 1) as mesh:
+            shared = sharded((6, 4), mesh, [Shard(0)])
+            net = module_of({"embed.weight": shared})
+            net.add_module("head", nn.Module())
+            net.head.weight = shared
+            assert load_into_shards(path, net).bytes_read == 3 * 4 * 4
+            assert torch.equal(shared.to_local(), weight[3:])
