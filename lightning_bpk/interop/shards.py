@@ -14,8 +14,12 @@ row), so no rank reads, or holds, a full tensor. Plain tensors load whole, as in
 **Conversions** run per shard where they commute with the sharding: every rule's effect on
 dims is followed from the file tensor to the module tensor (renames keep them, ``Transpose``
 swaps two, ``MergeModulelist`` adds one, ``SplitModulelist``/``Unstack`` remove one), and an op
-that works along a dim (``Concatenate``, ``Chunk``, ``Split``, ``Interleave``, the stacking dim
-of ``MergeModulelist``, the rows of ``PermuteForRope``) must find it whole in the module's shard.
+that works along a dim (``Concatenate``, ``Chunk``, ``Split``, ``Interleave``, the rows of
+``PermuteForRope``) must find it whole in the module's shard. A cut along the dim
+``MergeModulelist`` stacks (FSDP2's ``Shard(0)`` of fused experts) selects list elements: the
+rank reads only its elements' tensors and hands them to the rules under indices from 0
+(``experts.4.w1`` as ``experts.0.w1`` on the rank holding experts 4 to 7), checked on meta
+tensors first to give exactly its shard.
 Where it does not, or where tensors converted together would need different slices of one file
 tensor, or for a rule this module does not know, a :class:`~lightning_bpk.records.RecordError`
 names the file, the rule, the parameter and its placement before anything is read.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +67,16 @@ from lightning_bpk.interop.loading import (
     _Shadow,
     _Source,
 )
-from lightning_bpk.interop.remap import KeyRemapper, Rename, Split, Step, Transpose, Unstack
+from lightning_bpk.interop.remap import (
+    Items,
+    KeyRemapper,
+    RemapError,
+    Rename,
+    Split,
+    Step,
+    Transpose,
+    Unstack,
+)
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import _PARAM_ID_ATTR
 
@@ -177,19 +191,37 @@ class _RangedFile:
 # --- following dims through the rules ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Pick:
+    """A file tensor stacked by MergeModulelist: it is element ``index`` along ``dim``, and its
+    name is ``head + str(index) + tail`` (``head`` None: the index is not in its file name)."""
+
+    dim: int
+    index: int
+    head: str | None
+    tail: str
+
+
 @dataclass
 class _Dims:
     """A tensor in the middle of the rules: for each file tensor it comes from, where that
-    tensor's dims are now (None: gone); and which dims an op worked along (dim -> the op)."""
+    tensor's dims are now (None: gone) and, if it was stacked, where; and which dims an op
+    worked along (dim -> the op)."""
 
     origin: dict[str, list[int | None]]
     whole: dict[int, str] = field(default_factory=dict)
+    picks: dict[str, _Pick] = field(default_factory=dict)
 
     def mapped(self, dims: list[int | None], whole: dict[int, str]) -> _Dims:
         """After a step that moves dim ``i`` to ``dims[i]`` and works along ``whole``."""
         return _Dims(
             {s: [None if d is None else dims[d] for d in ds] for s, ds in self.origin.items()},
             {m: why for d, why in self.whole.items() if (m := dims[d]) is not None} | whole,
+            {
+                s: _Pick(m, p.index, p.head, p.tail)
+                for s, p in self.picks.items()
+                if (m := dims[p.dim]) is not None
+            },
         )
 
 
@@ -235,27 +267,49 @@ def _op_moves(op: ops.ConversionOps, ndim: int, first: bool) -> Moves:
     raise _Unknown
 
 
-def _rule_moves(step: Step, ndim: int) -> Moves:
-    """What the rule of ``step`` does to the dims of an ``ndim``-dim tensor it converts."""
+def _rule_moves(step: Step, ndim: int) -> tuple[list[int | None], set[int], int | None]:
+    """What the rule of ``step`` does to the dims of an ``ndim``-dim tensor it converts, and
+    the dim a MergeModulelist stacked its list along (a selection of the list commutes with a
+    cut there: each rank stacks only its elements)."""
     rule = step.rule
     if isinstance(rule, Rename | ops.WeightRenaming):
-        return list(range(ndim)), set()
+        return list(range(ndim)), set(), None
     if isinstance(rule, Transpose):
-        return _swap(ndim, rule.dim0, rule.dim1)
+        return (*_swap(ndim, rule.dim0, rule.dim1), None)
     if isinstance(rule, Unstack):
-        return _drop(ndim, rule.dim)
+        return (*_drop(ndim, rule.dim), None)
     if isinstance(rule, Split):
-        return list(range(ndim)), {_norm(rule.dim, ndim)}
+        return list(range(ndim)), {_norm(rule.dim, ndim)}, None
     if isinstance(rule, ops.WeightConverter):
         moves: list[int | None] = list(range(ndim))
         whole: set[int] = set()
+        stacked: int | None = None
         for k, op in enumerate(rule.operations):
             dims, works = _op_moves(op, ndim, k == 0)
             moves = [None if d is None else dims[d] for d in moves]
-            whole = {d for d in (dims[w] for w in whole) if d is not None} | works
+            whole = {d for d in (dims[w] for w in whole) if d is not None}
+            stacked = None if stacked is None else dims[stacked]
             ndim = len({d for d in dims if d is not None} | works)  # a stacked dim is new
-        return moves, whole
+            if k == 0 and isinstance(op, ops.MergeModulelist):
+                (stacked,) = works
+            else:
+                whole |= works
+        return moves, whole, stacked
     raise _Unknown
+
+
+def _pick(step: Step, name: str, file_name: str, dim: int) -> _Pick:
+    """Where the converter of ``step`` stacks ``name`` (its ``*`` index), and where that index
+    is in ``file_name``."""
+    rule: ops.WeightConverter = step.rule  # type: ignore[assignment]
+    pattern = rule.rename_source_key(name)[1] or ""
+    found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name) if "*." in pattern else None
+    if found is None:
+        return _Pick(dim, 0, None, "")
+    index, tail = int(found["star"]), name[found.end("star") :]
+    end = f"{index}{tail}"
+    head = file_name[: -len(end)] if file_name.endswith("." + end) else None
+    return _Pick(dim, index, head, tail)
 
 
 def _unknown(step: Step) -> str:
@@ -268,21 +322,25 @@ def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[
     # made by an untraced rule: may come from any file tensor, read whole
     unknown: dict[str, list[int | None]] = {n: [None] * ndims[n] for n in names}
 
-    def moved(step: Step, dims: _Dims, ndim: int) -> _Dims:
+    def moved(step: Step, name: str, dims: _Dims, ndim: int) -> _Dims:
         try:
-            moves, works = _rule_moves(step, ndim)
+            moves, works, stacked = _rule_moves(step, ndim)
         except _Unknown:  # every dim stays where it was, and must be whole
             return dims.mapped(list(range(ndim)), dict.fromkeys(range(ndim), _unknown(step)))
-        return dims.mapped(moves, dict.fromkeys(works, str(step.rule)))
+        out = dims.mapped(moves, dict.fromkeys(works, str(step.rule)))
+        if stacked is not None:
+            out.picks.update({f: _pick(step, name, f, stacked) for f in dims.origin})
+        return out
 
     for step in steps:
         after: dict[str, _Dims] = {}
         for olds, news in step.pairs:
             merged = _Dims({})
             for old in olds:
-                part = moved(step, state[old], step.before[old][0].dim())
+                part = moved(step, old, state[old], step.before[old][0].dim())
                 merged.origin.update(part.origin)
                 merged.whole.update(part.whole)
+                merged.picks.update(part.picks)
             after.update(dict.fromkeys(news, merged))
         for name, (tensor, _) in step.after.items():
             if name in after:
@@ -293,7 +351,7 @@ def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[
             elif step.before[name][0] is tensor:
                 after[name] = state[name]
             else:  # changed in place (Transpose)
-                after[name] = moved(step, state[name], step.before[name][0].dim())
+                after[name] = moved(step, name, state[name], step.before[name][0].dim())
         state = after
     return state
 
@@ -360,7 +418,11 @@ def load_into_shards(
             for name, target in _destinations(module, plan.result.tensors, None).items()
             if tuple(target.shape) == tuple(plan.result.tensors[name][0].shape)
         }
-        boxes = _boxes(source, plan.steps, targets, plan.result.tensors, dtype_policy, problems)
+        boxes, renames = _boxes(
+            source, plan.steps, targets, plan.result.tensors, dtype_policy, problems
+        )
+        if not problems:
+            _check_selections(plan, source, remapper, boxes, renames, targets, problems)
         if problems:
             raise RecordError("validation", [f"{path}: {p}" for p in problems])
         file = _RangedFile(path)
@@ -382,9 +444,10 @@ def load_into_shards(
                 return tensor
 
             def task(group: list[str]) -> None:
-                if not any(source.aliases.get(n, n) in boxes for n in group):
+                needed = [n for n in group if source.aliases.get(n, n) in boxes]
+                if not needed:
                     return  # feeds nothing this module loads
-                items = _items(source, group, read)
+                items = {renames.get(n, n): v for n, v in _items(source, needed, read).items()}
                 for name, (tensor, pid) in remapper.load(items).tensors.items():
                     target = targets.get(name)
                     if target is None:
@@ -455,13 +518,15 @@ def _boxes(
     planned: dict,
     dtype_policy: str,
     problems: list[str],
-) -> dict[str, Box]:
-    """The box of each file tensor this rank reads (stored names); problems where a target's
-    shard cannot be read as a box through the rules."""
+) -> tuple[dict[str, Box], dict[str, str]]:
+    """The box of each file tensor this rank reads (stored names), and the names it loads them
+    under where it stacks only some of a list (``experts.4.w1`` as ``experts.0.w1``); problems
+    where a target's shard cannot be read as a box through the rules."""
     names = list(source.specs) + list(source.aliases)
     ndims = {n: len(source.specs[source.aliases.get(n, n)][0]) for n in names}
     dims = _follow(steps, names, ndims)
     needs: dict[str, dict[str, Box]] = {}  # stored name -> target -> the box it needs
+    renames: dict[str, str] = {}
     for name, target in targets.items():
         shape = tuple(target.shape)
         box: Box = tuple((0, n) for n in shape)
@@ -495,6 +560,18 @@ def _boxes(
                 )
                 continue
         for file_name, file_dims in dims[name].origin.items():
+            pick = dims[name].picks.get(file_name)
+            if pick is not None and box[pick.dim] != (0, shape[pick.dim]):
+                start, stop = box[pick.dim]  # this rank stacks elements start..stop-1
+                if not start <= pick.index < stop:
+                    continue
+                if pick.head is None:
+                    problems.append(
+                        f"parameter '{name}' ({_placement(target)}): '{file_name}' is stacked "  # type: ignore[arg-type]
+                        f"along its sharded dim {pick.dim} under no index in its name"
+                    )
+                    continue
+                renames[file_name] = f"{pick.head}{pick.index - start}{pick.tail}"
             stored = source.aliases.get(file_name, file_name)
             full = source.specs[stored][0]
             # a cut dim is worked along by no rule, so it has the same extent in the file
@@ -512,4 +589,37 @@ def _boxes(
                 f"of it: {', '.join(f'{t!r} needs {list(b)}' for t, b in by_target.items())}"
             )
         boxes[stored] = distinct.pop()
-    return boxes
+    return boxes, renames
+
+
+def _check_selections(
+    plan: _Planned,
+    source: _Source,
+    remapper: KeyRemapper,
+    boxes: dict[str, Box],
+    renames: dict[str, str],
+    targets: dict[str, torch.Tensor],
+    problems: list[str],
+) -> None:
+    """Run the rules on meta tensors of what each group stacking only some of its lists will
+    read: they must give exactly the targets' shards."""
+    for group in plan.groups:
+        if not any(n in renames for n in group):
+            continue
+        meta: Items = {}
+        for n in group:
+            stored = source.aliases.get(n, n)
+            if stored in boxes:
+                shape = [b - a for a, b in boxes[stored]]
+                meta[renames.get(n, n)] = (torch.empty(shape, device="meta"), None)
+        try:
+            out = remapper.load(meta).tensors
+        except RemapError as e:
+            problems.append(f"stacking only this rank's elements of {sorted(renames)}: {e}")
+            continue
+        for name, (tensor, _) in out.items():
+            if name in targets and tuple(tensor.shape) != tuple(_local(targets[name]).shape):
+                problems.append(
+                    f"parameter '{name}': stacking only this rank's elements gives "
+                    f"{list(tensor.shape)}, not its shard's {list(_local(targets[name]).shape)}"
+                )
