@@ -303,7 +303,9 @@ def _pick(step: Step, name: str, file_name: str, dim: int) -> _Pick:
     is in ``file_name``."""
     rule: ops.WeightConverter = step.rule  # type: ignore[assignment]
     pattern = rule.rename_source_key(name)[1] or ""
-    found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name) if "*." in pattern else None
+    found = None
+    if pattern.count("*.") == 1:  # the converter numbers one list per pattern
+        found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name)
     if found is None:
         return _Pick(dim, 0, None, "")
     index, tail = int(found["star"]), name[found.end("star") :]
