@@ -372,9 +372,9 @@ class ObjectStore:
         (s3fs and gcsfs run them concurrently)."""
         view = memoryview(buffer).cast("B")
         total = view.nbytes
-        chunk = max(READ_CHUNK, -(-total // READ_STREAMS))
-        starts = list(range(0, total, chunk))
-        ends = [min(s + chunk, total) for s in starts]
+        size = max(READ_CHUNK, -(-total // READ_STREAMS))
+        starts = list(range(0, total, size))
+        ends = [min(s + size, total) for s in starts]
         path = self._path(key)
 
         def fetch() -> list[bytes]:
