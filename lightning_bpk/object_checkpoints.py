@@ -48,8 +48,10 @@ from lightning_bpk.storage import ObjectStore, StorageError
 
 __all__ = [
     "RemoteCheckpoint",
+    "clear",
     "collect_garbage",
     "commit",
+    "discard",
     "fetch_pack",
     "latest",
     "list_checkpoints",
@@ -256,14 +258,42 @@ def latest(
     return -1
 
 
-def save(checkpointer: ck.Checkpointer, store: ObjectStore, n: int, data: Mapping[str, Any]) -> str:
-    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL."""
+def save(
+    checkpointer: ck.Checkpointer,
+    store: ObjectStore,
+    n: int,
+    data: Mapping[str, Any],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
+) -> str:
+    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL.
+
+    ``uploaded``: files other processes already put into N's data prefix after :func:`clear`
+    (a sharded save's ranks): confirmed and listed in the manifest with the staged ones.
+    """
     scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
     try:
         staging, files = checkpointer._stage(n, data, under=scratch)
-        return commit(checkpointer, store, n, staging, files)
+        return commit(checkpointer, store, n, staging, files, uploaded)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def clear(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> str:
+    """Steps 2-3: check the lease, then remove an existing N, its sentinel first; N's data URL.
+
+    A sharded save calls this before its ranks put their objects under that URL, and then
+    :func:`save` with them as ``uploaded``.
+    """
+    if checkpointer.lease is not None:
+        checkpointer.lease.check()
+    name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
+    listing = store.list("")
+    if sentinel in listing:
+        store.remove([sentinel])
+    if name in listing:
+        store.remove_prefix(name)
+    return store.url_of(name)
 
 
 def commit(
@@ -272,22 +302,23 @@ def commit(
     n: int,
     staging: Path,
     files: Mapping[str, ck._FileEntry],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
 ) -> str:
-    """Upload a staged checkpoint and write its sentinel last (steps 2-7)."""
+    """Upload a staged checkpoint and write its sentinel last (steps 2-7; ``uploaded``: see
+    :func:`save`, whose data prefix :func:`clear` prepared instead)."""
     lease = checkpointer.lease
     name = f"{checkpointer.checkpoint_file_prefix}.{n}"
     sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
-    if lease is not None:
+    if uploaded is None:
+        clear(checkpointer, store, n)
+    elif lease is not None:
         lease.check()
-    listing = store.list("")
-    if sentinel in listing:
-        store.remove([sentinel])
-    if name in listing:
-        store.remove_prefix(name)
+    files = {**(uploaded or {}), **files}
     committed = False
     try:
         for key in files:
-            store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
+            if key not in (uploaded or {}):
+                store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
         present = store.list(name)
         for key, entry in files.items():
             found = present.get(key + ck.RECORD_SUFFIX)
@@ -307,18 +338,27 @@ def commit(
             )
         committed = True
     finally:
-        if not committed and _still_owner(lease):
-            try:
-                store.remove_prefix(name)
-            except OSError as e:  # the next garbage collection removes the rest
-                warnings.warn(
-                    f"checkpoint {n}: removing the uploaded objects of the failed save from "
-                    f"{store.url_of(name)} failed: {e}",
-                    ck.CheckpointWarning,
-                    stacklevel=3,
-                )
+        if not committed:
+            discard(checkpointer, store, n)
     collect_garbage(checkpointer, store, n)
     return store.url_of(name)
+
+
+def discard(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
+    """Remove what a failed save of N uploaded, unless a newer run owns the directory now
+    (best effort: a failure warns, and the next garbage collection removes the rest)."""
+    if not _still_owner(checkpointer.lease):
+        return
+    name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+    try:
+        store.remove_prefix(name)
+    except OSError as e:
+        warnings.warn(
+            f"checkpoint {n}: removing the uploaded objects of the failed save from "
+            f"{store.url_of(name)} failed: {e}",
+            ck.CheckpointWarning,
+            stacklevel=3,
+        )
 
 
 def _still_owner(lease: Any) -> bool:
