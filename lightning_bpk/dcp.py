@@ -512,7 +512,7 @@ class Index:
                 problems.append(f"{path}: {size} bytes, the index records {expected['size']}")
                 continue
             try:
-                if _head(path)[1] != expected["head_xxh3"]:
+                if _head(path)[2] != expected["head_xxh3"]:
                     problems.append(f"{path}: header/metadata differ from the index (damaged)")
                     continue
                 if verify_tensors:

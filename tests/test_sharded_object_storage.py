@@ -151,8 +151,10 @@ def test_fsdp2_run_saves_to_s3_survives_a_failed_put_and_resumes_bit_identically
     for key, value in straight.items():
         if key.startswith("model."):
             assert torch.equal(full[key], value), key
-    assert cli.main(["verify", base]) == 0
-    assert cli.main(["ls", base]) == 0
+    for command in ("verify", "ls"):
+        assert cli.main([command, base]) == 0
+    for command in ("verify", "inspect"):  # the sharded checkpoint itself, by URL
+        assert cli.main([command, f"{base}/ckpt.1"]) == 0
     assert os.listdir(cwd) == []  # nothing went to a local folder named after the URL
 
 
