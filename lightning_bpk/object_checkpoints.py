@@ -18,6 +18,11 @@ The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/mod
 7. garbage collection (the local arithmetic), after one more lease check: sentinels are deleted
    before their data, so a checkpoint is incomplete before it is partial.
 
+A sharded save (:mod:`lightning_bpk.sharded`) splits this: rank 0 runs steps 2-3 first
+(:func:`clear`), every rank then uploads its shards into N's data prefix and rank 0 confirms
+them, and :func:`save` with those objects as ``uploaded`` runs 1 and 4-7 for the other records,
+listing every object in the manifest.
+
 A failure anywhere in 2-6 raises (a :class:`~lightning_bpk.storage.StorageError` after the
 retries) and leaves every other checkpoint as it was; what was uploaded for N is removed on a
 best-effort basis (never after losing the lease). An object is never visible half-written on
