@@ -270,9 +270,8 @@ def publish(
     """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
     ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does;
     shards that are not committed are removed."""
-    uploaded = {k: v for k, v in staged.items() if isinstance(v, _FileEntry)}
     store = checkpointer._remote
-    if not uploaded or store is None:
+    if store is None:  # staged files, moved into the checkpoint as it is published
         try:
             return checkpointer.save_checkpoint(number, {**staged, **rest})
         finally:
@@ -280,7 +279,7 @@ def publish(
     if number % checkpointer.checkpoint_frequency:  # skipped, as save_checkpoint would
         object_checkpoints.discard(checkpointer, store, number)
         return None
-    return object_checkpoints.save(checkpointer, store, number, rest, uploaded)
+    return object_checkpoints.save(checkpointer, store, number, rest, uploaded=staged)
 
 
 def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
