@@ -17,11 +17,13 @@ import sys
 import uuid
 import warnings
 
+import fsspec
 import lightning.pytorch as pl
 import pytest
 import test_object_storage as object_storage
 import torch
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -191,6 +193,42 @@ def test_raw_dcp_on_memory_is_written_once_and_damage_is_named():
     assert index.check_files() == [
         f"{url}/{rank_file}: {len(good) - 1} bytes, the index records {len(good)}"
     ]
+
+
+class ReadRecordingFileSystem(MemoryFileSystem):
+    """memory:// that records every read request as ``(path, start, end)``."""
+
+    protocol = "recorded"
+    store: dict = {}  # noqa: RUF012 - fsspec's MemoryFileSystem keeps its files on the class
+    pseudo_dirs: list = [""]  # noqa: RUF012
+    reads: list = []  # noqa: RUF012
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        self.reads.append((path, start, end))
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+fsspec.register_implementation("recorded", ReadRecordingFileSystem, clobber=True)
+
+
+def test_a_load_fetches_the_index_the_head_and_only_the_chunk_it_needs():
+    url = f"recorded://bucket-{uuid.uuid4().hex[:8]}/step-1"
+    a, b = torch.arange(4096.0), -torch.arange(4096.0)  # 16 KiB each, in one rank file
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.save({"a": a, "b": b}, storage_writer=BurnpackStorageWriter(url))
+        ReadRecordingFileSystem.reads.clear()
+        target = {"b": torch.zeros(4096)}
+        dcp.load(target, storage_reader=BurnpackStorageReader(url))
+    assert torch.equal(target["b"], b)
+    reads = list(ReadRecordingFileSystem.reads)
+    index = read_index(url)
+    (rank_file,) = index.files
+    head = index.files[rank_file]["head_size"]
+    with burnpack.loads(storage.object_store(url).read(rank_file)) as pack:
+        start, end = (head + offset for offset in pack.entries["b"].data_offsets)
+    assert sorted((s, e) for p, s, e in reads if p.endswith(rank_file)) == [(0, head), (start, end)]
+    assert {p.rpartition("/")[2] for p, _, _ in reads} == {"sharded.index.bpk", rank_file}
 
 
 def test_a_superseded_run_stops_before_any_rank_writes_a_shard():
