@@ -512,6 +512,7 @@ class BurnpackCheckpoint(Checkpoint):
                 self.checkpoint_file_prefix,
                 required,
                 at_most=number,
+                unloaded=(trainer_state.INDEX_KEY,),
             )
         if number < 0:
             return number, None
@@ -560,11 +561,12 @@ class BurnpackCheckpoint(Checkpoint):
             if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-                if self._preloaded is not None:  # rank 0 read it while choosing (object store)
-                    data, self._preloaded = self._preloaded, None
-                    return path, trainer_state.from_records(data, str(path))
-            if storage.is_local(path) and sharded.is_sharded(path):  # FSDP2 / split writes
-                return path, sharded.restore(trainer, path)  # every rank reads its part
+            if sharded.is_sharded(path, storage_options=self.storage_options):  # FSDP2 etc.
+                # every rank reads its part
+                return path, sharded.restore(trainer, path, self.storage_options)
+            if ours and self._preloaded is not None:  # rank 0 read it choosing (object store)
+                data, self._preloaded = self._preloaded, None
+                return path, trainer_state.from_records(data, str(path))
             return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
@@ -882,7 +884,9 @@ class BurnpackCheckpoint(Checkpoint):
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
-                staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
+                staged = sharded.save_shards(
+                    trainer, self.checkpointer, number, checkpoint, self.storage_options
+                )
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike
                 raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
         ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
@@ -947,12 +951,8 @@ class BurnpackCheckpoint(Checkpoint):
             checkpointer.lease = self.checkpointer.lease
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         if staged:  # the shards are written; publish them with the rest, synchronously
-            try:
-                path = checkpointer.save_checkpoint(
-                    number, {**staged, **sharded.records(checkpoint, schedulers)}
-                )
-            finally:
-                sharded.discard(staged)
+            rest = sharded.records(checkpoint, schedulers)
+            path = sharded.publish(checkpointer, number, staged, rest)
             log.info("saved sharded checkpoint %d at %s", number, path)
             return
         data = trainer_state.to_records(

@@ -234,7 +234,7 @@ def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    if storage.is_local(args.file) and is_sharded(args.file):
+    if is_sharded(args.file):  # a local directory or a URL prefix
         from lightning_bpk import dcp  # seconds to import: only for a sharded directory
 
         info = _describe_sharded(dcp.read_index(args.file))
@@ -448,7 +448,7 @@ def _verify_object(url: str) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = storage.location(args.target)
-    if isinstance(target, Path) and is_sharded(target):  # a checkpoint's data, any DCP dir of ours
+    if is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
         from lightning_bpk import dcp
 
         index = dcp.read_index(target)

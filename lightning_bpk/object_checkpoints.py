@@ -22,6 +22,11 @@ The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/mod
    one more lease check: sentinels are deleted before their data, so a checkpoint is incomplete
    before it is partial, and an old copy of a re-saved N that a crash left is deleted too.
 
+A sharded save (:mod:`lightning_bpk.sharded`) splits this: rank 0 runs steps 2-3 first
+(:func:`clear`), every rank then uploads its shards into N's data prefix and rank 0 confirms
+them, and :func:`save` with those objects as ``uploaded`` runs 1 and 4-7 for the other records,
+listing every object in the manifest.
+
 A failure anywhere in 2-6 raises (a :class:`~lightning_bpk.storage.StorageError` after the
 retries) and leaves every other checkpoint, and an earlier save of the same N, as it was; what
 was uploaded for N is removed on a best-effort basis (never after losing the lease, nor when the
@@ -54,8 +59,10 @@ from lightning_bpk.storage import ObjectStore, StorageError
 
 __all__ = [
     "RemoteCheckpoint",
+    "clear",
     "collect_garbage",
     "commit",
+    "discard",
     "fetch_pack",
     "latest",
     "list_checkpoints",
@@ -275,19 +282,27 @@ def load_newest(
     prefix: str | None,
     required_keys: Sequence[str],
     at_most: int,
+    unloaded: Sequence[str] = (),
 ) -> tuple[int, dict[str, Any] | None]:
     """Resume's verify and load in one read: the newest checkpoint ``<= at_most`` that passes
     the quick checks (sentinel, sizes, required keys) and loads, every byte verified as it is
     read (head digests, tensor checksums), with what it holds. A damaged one is skipped with a
-    :class:`~lightning_bpk.checkpointer.CheckpointWarning`, falling back to the one before."""
+    :class:`~lightning_bpk.checkpointer.CheckpointWarning`, falling back to the one before.
+
+    A checkpoint holding one of the ``unloaded`` keys (a sharded checkpoint's index: every
+    rank reads its own part, verified as it reads) is chosen on the quick checks alone, with
+    ``None`` for what it holds."""
     listing = store.list("")
     for n in sorted((m for m in _sentinels(listing, identifier) if m <= at_most), reverse=True):
         checkpoint = RemoteCheckpoint(store, n, identifier, prefix)
         problems = checkpoint.problems(full=False, required_keys=required_keys)
         if not problems:
             try:
+                manifest = checkpoint.read_manifest()
+                if manifest is not None and any(k in manifest.files for k in unloaded):
+                    return n, None
                 data = checkpoint.load(None)
-            except (RecordError, OSError, KeyError) as e:
+            except (RecordError, OSError, KeyError, ValueError) as e:
                 problems = [str(e)]
             else:
                 if data is not None:
@@ -301,14 +316,44 @@ def load_newest(
     return -1, None
 
 
-def save(checkpointer: ck.Checkpointer, store: ObjectStore, n: int, data: Mapping[str, Any]) -> str:
-    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL."""
+def save(
+    checkpointer: ck.Checkpointer,
+    store: ObjectStore,
+    n: int,
+    data: Mapping[str, Any],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
+) -> str:
+    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL.
+
+    ``uploaded``: files other processes already put into N's data prefix after :func:`clear`
+    (a sharded save's ranks): confirmed and listed in the manifest with the staged ones.
+    """
     scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
     try:
         staging, files = checkpointer._stage(n, data, under=scratch)
-        return commit(checkpointer, store, n, staging, files)
+        return commit(checkpointer, store, n, staging, files, uploaded)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def clear(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> str:
+    """Check the lease, then remove an existing N, its sentinel first; N's data URL.
+
+    A sharded save calls this before its ranks put their objects under that URL, and then
+    :func:`save` with them as ``uploaded``. So a sharded re-save of N, unlike an unsharded one,
+    does not keep the old copy until the new one is committed: if it fails, resume falls back
+    to the checkpoint before N.
+    """
+    if checkpointer.lease is not None:
+        checkpointer.lease.check()
+    prefix = checkpointer.checkpoint_file_prefix
+    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
+    listing = store.list("")
+    if sentinel in listing:
+        store.remove([sentinel])
+    for old in _data_entries(listing, prefix).get(n, []):  # ``prefix.N`` and its re-saves
+        store.remove_prefix(old)
+    return store.url_of(f"{prefix}.{n}")
 
 
 def commit(
@@ -317,26 +362,36 @@ def commit(
     n: int,
     staging: Path,
     files: Mapping[str, ck._FileEntry],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
 ) -> str:
-    """Upload a staged checkpoint and write its sentinel last (steps 2-7)."""
+    """Upload a staged checkpoint and write its sentinel last (steps 2-7; ``uploaded``: see
+    :func:`save`, whose data prefix :func:`clear` prepared instead)."""
     lease = checkpointer.lease
     prefix = checkpointer.checkpoint_file_prefix
     sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
-    if lease is not None:
+    if uploaded is None:
+        clear(checkpointer, store, n)
+    elif lease is not None:
         lease.check()
-    listing = store.list("")
-    resave = sentinel in listing
-    earlier = _data_entries(listing, prefix).get(n, [])
-    if not resave:  # data of N without a sentinel: what failed or crashed saves left
-        for old in earlier:
-            store.remove_prefix(old)
-    # a name never used before when N had data: the old copy stays whole until the new sentinel
-    name = f"{prefix}.{n}" if not earlier else f"{prefix}.{n}{ck._VERSION_MARK}{_version()}"
+    if uploaded is None:
+        listing = store.list("")
+        resave = sentinel in listing
+        earlier = _data_entries(listing, prefix).get(n, [])
+        if not resave:  # data of N without a sentinel: what failed or crashed saves left
+            for old in earlier:
+                store.remove_prefix(old)
+        # a name never used before when N had data: the old copy stays whole until the new
+        # sentinel
+        name = f"{prefix}.{n}" if not earlier else f"{prefix}.{n}{ck._VERSION_MARK}{_version()}"
+    else:  # a sharded save: clear() emptied N's data prefix before the ranks uploaded into it
+        resave, earlier, name = False, [], f"{prefix}.{n}"
+    files = {**(uploaded or {}), **files}
     manifest = ck._encode_manifest(n, ck._Manifest(name, dict(files)))
     state = "uploading"  # -> "committed", or "unknown" when the sentinel's fate is not known
     try:
         for key in files:
-            store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
+            if key not in (uploaded or {}):
+                store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
         present = store.list(name)
         for key, entry in files.items():
             found = present.get(key + ck.RECORD_SUFFIX)
@@ -375,6 +430,15 @@ def commit(
         _remove_quietly(store, earlier, f"the data checkpoint {n} replaced")
     collect_garbage(checkpointer, store, n)
     return store.url_of(name)
+
+
+def discard(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
+    """Remove what a failed sharded save of N uploaded into N's data prefix, unless a newer run
+    owns the directory now (best effort: a failure warns, and the next garbage collection
+    removes the rest)."""
+    if _still_owner(checkpointer.lease):
+        name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+        _remove_quietly(store, [name], f"the uploaded objects of the failed save of {n}")
 
 
 def _version() -> str:
