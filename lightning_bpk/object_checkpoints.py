@@ -369,9 +369,7 @@ def commit(
     lease = checkpointer.lease
     prefix = checkpointer.checkpoint_file_prefix
     sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
-    if uploaded is None:
-        clear(checkpointer, store, n)
-    elif lease is not None:
+    if lease is not None:
         lease.check()
     if uploaded is None:
         listing = store.list("")
