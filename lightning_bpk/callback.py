@@ -880,7 +880,7 @@ class BurnpackCheckpoint(Checkpoint):
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _lightning_compat.dump_checkpoint(trainer)
-        staged: dict = {}
+        staged: Any = {}  # sharded.save_shards' result on rank 0
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
@@ -936,7 +936,7 @@ class BurnpackCheckpoint(Checkpoint):
         )
 
     def _write(
-        self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: dict
+        self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: Any
     ) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer

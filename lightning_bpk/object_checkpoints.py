@@ -23,9 +23,10 @@ The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/mod
    before it is partial, and an old copy of a re-saved N that a crash left is deleted too.
 
 A sharded save (:mod:`lightning_bpk.sharded`) splits this: rank 0 runs steps 2-3 first
-(:func:`clear`), every rank then uploads its shards into N's data prefix and rank 0 confirms
-them, and :func:`save` with those objects as ``uploaded`` runs 1 and 4-7 for the other records,
-listing every object in the manifest.
+(:func:`prepare`), every rank then uploads its shards into the data prefix chosen there and rank
+0 confirms them, and :func:`save` with those objects as :class:`Uploaded` runs 1 and 4-7 for the
+other records, listing every object in the manifest. A sharded re-save of N therefore keeps the
+old copy until its new sentinel is written, as any re-save does.
 
 A failure anywhere in 2-6 raises (a :class:`~lightning_bpk.storage.StorageError` after the
 retries) and leaves every other checkpoint, and an earlier save of the same N, as it was; what
@@ -47,7 +48,7 @@ import tempfile
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -55,11 +56,11 @@ from lightning_bpk import burnpack
 from lightning_bpk import checkpointer as ck
 from lightning_bpk.layout import NUMBER_PATTERN, sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
-from lightning_bpk.storage import ObjectStore, StorageError
+from lightning_bpk.storage import ObjectStore, StorageError, name_of
 
 __all__ = [
     "RemoteCheckpoint",
-    "clear",
+    "Uploaded",
     "collect_garbage",
     "commit",
     "discard",
@@ -67,6 +68,7 @@ __all__ = [
     "latest",
     "list_checkpoints",
     "load_newest",
+    "prepare",
     "remove",
     "save",
 ]
@@ -290,8 +292,8 @@ def load_newest(
     :class:`~lightning_bpk.checkpointer.CheckpointWarning`, falling back to the one before.
 
     A checkpoint holding one of the ``unloaded`` keys (a sharded checkpoint's index: every
-    rank reads its own part, verified as it reads) is chosen on the quick checks alone, with
-    ``None`` for what it holds."""
+    rank then reads its own part) is verified in full instead, every object read once, and
+    comes with ``None`` for what it holds."""
     listing = store.list("")
     for n in sorted((m for m in _sentinels(listing, identifier) if m <= at_most), reverse=True):
         checkpoint = RemoteCheckpoint(store, n, identifier, prefix)
@@ -300,14 +302,16 @@ def load_newest(
             try:
                 manifest = checkpoint.read_manifest()
                 if manifest is not None and any(k in manifest.files for k in unloaded):
-                    return n, None
-                data = checkpoint.load(None)
+                    problems = checkpoint.problems(full=True, required_keys=required_keys)
+                    if not problems:
+                        return n, None
+                else:
+                    data = checkpoint.load(None)
+                    if data is not None:
+                        return n, data
+                    problems = [f"{checkpoint.sentinel}: its data is gone"]
             except (RecordError, OSError, KeyError, ValueError) as e:
                 problems = [str(e)]
-            else:
-                if data is not None:
-                    return n, data
-                problems = [f"{checkpoint.sentinel}: its data is gone"]
         warnings.warn(
             f"checkpoint {n} in {store.url} skipped: " + ck.summarise(problems),
             ck.CheckpointWarning,
@@ -316,17 +320,25 @@ def load_newest(
     return -1, None
 
 
+class Uploaded(NamedTuple):
+    """Objects other processes already put into a checkpoint's data prefix (a sharded save's
+    ranks, into the prefix :func:`prepare` chose), with their manifest entries."""
+
+    name: str
+    files: Mapping[str, ck._FileEntry]
+
+
 def save(
     checkpointer: ck.Checkpointer,
     store: ObjectStore,
     n: int,
     data: Mapping[str, Any],
-    uploaded: Mapping[str, ck._FileEntry] | None = None,
+    uploaded: Uploaded | None = None,
 ) -> str:
     """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL.
 
-    ``uploaded``: files other processes already put into N's data prefix after :func:`clear`
-    (a sharded save's ranks): confirmed and listed in the manifest with the staged ones.
+    ``uploaded``: objects already in the data prefix :func:`prepare` chose (a sharded save's
+    ranks): confirmed and listed in the manifest with the staged ones.
     """
     scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
     try:
@@ -336,24 +348,38 @@ def save(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def clear(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> str:
-    """Check the lease, then remove an existing N, its sentinel first; N's data URL.
+def prepare(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> str:
+    """Steps 2-3 for a sharded save: check the lease and choose N's data prefix; its URL.
 
-    A sharded save calls this before its ranks put their objects under that URL, and then
-    :func:`save` with them as ``uploaded``. So a sharded re-save of N, unlike an unsharded one,
-    does not keep the old copy until the new one is committed: if it fails, resume falls back
-    to the checkpoint before N.
+    The ranks then put their objects under that URL, and :func:`save` commits them as
+    :class:`Uploaded`. As for any save, a re-save of N gets a name never used before, so the
+    old copy stays whole until the new sentinel replaces the old one.
     """
     if checkpointer.lease is not None:
         checkpointer.lease.check()
+    name, _, _ = _choose_data_name(checkpointer, store, n)
+    return store.url_of(name)
+
+
+def _choose_data_name(
+    checkpointer: ck.Checkpointer, store: ObjectStore, n: int, name: str | None = None
+) -> tuple[str, bool, list[str]]:
+    """Step 3: ``(name, resave, earlier)``: N's data name (``name`` when the caller's uploads
+    already chose it), whether N is committed (a re-save), and the other data of N that a
+    re-save deletes after its sentinel. Data of N without a sentinel of N (what failed or
+    crashed saves left) is deleted now."""
     prefix = checkpointer.checkpoint_file_prefix
-    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
     listing = store.list("")
-    if sentinel in listing:
-        store.remove([sentinel])
-    for old in _data_entries(listing, prefix).get(n, []):  # ``prefix.N`` and its re-saves
-        store.remove_prefix(old)
-    return store.url_of(f"{prefix}.{n}")
+    resave = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}" in listing
+    earlier = [e for e in _data_entries(listing, prefix).get(n, []) if e != name]
+    if not resave:
+        for old in earlier:
+            store.remove_prefix(old)
+    if name is None:
+        # a name never used before when N had data: the old copy stays whole until the new
+        # sentinel, and no upload still landing from a failed save mixes into the new one
+        name = f"{prefix}.{n}" if not earlier else f"{prefix}.{n}{ck._VERSION_MARK}{_version()}"
+    return name, resave, earlier if resave else []
 
 
 def commit(
@@ -362,33 +388,24 @@ def commit(
     n: int,
     staging: Path,
     files: Mapping[str, ck._FileEntry],
-    uploaded: Mapping[str, ck._FileEntry] | None = None,
+    uploaded: Uploaded | None = None,
 ) -> str:
     """Upload a staged checkpoint and write its sentinel last (steps 2-7; ``uploaded``: see
-    :func:`save`, whose data prefix :func:`clear` prepared instead)."""
+    :func:`save`)."""
     lease = checkpointer.lease
-    prefix = checkpointer.checkpoint_file_prefix
     sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
     if lease is not None:
         lease.check()
-    if uploaded is None:
-        listing = store.list("")
-        resave = sentinel in listing
-        earlier = _data_entries(listing, prefix).get(n, [])
-        if not resave:  # data of N without a sentinel: what failed or crashed saves left
-            for old in earlier:
-                store.remove_prefix(old)
-        # a name never used before when N had data: the old copy stays whole until the new
-        # sentinel
-        name = f"{prefix}.{n}" if not earlier else f"{prefix}.{n}{ck._VERSION_MARK}{_version()}"
-    else:  # a sharded save: clear() emptied N's data prefix before the ranks uploaded into it
-        resave, earlier, name = False, [], f"{prefix}.{n}"
-    files = {**(uploaded or {}), **files}
+    name, resave, earlier = _choose_data_name(
+        checkpointer, store, n, None if uploaded is None else uploaded.name
+    )
+    ours = {} if uploaded is None else uploaded.files
+    files = {**ours, **files}
     manifest = ck._encode_manifest(n, ck._Manifest(name, dict(files)))
     state = "uploading"  # -> "committed", or "unknown" when the sentinel's fate is not known
     try:
         for key in files:
-            if key not in (uploaded or {}):
+            if key not in ours:
                 store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
         present = store.list(name)
         for key, entry in files.items():
@@ -422,21 +439,21 @@ def commit(
             )
         state = "committed"
     finally:
-        if state == "uploading" and _still_owner(lease):
-            _remove_quietly(store, [name], f"the uploaded objects of the failed save of {n}")
+        if state == "uploading":
+            discard(checkpointer, store, store.url_of(name))
     if resave:
         _remove_quietly(store, earlier, f"the data checkpoint {n} replaced")
     collect_garbage(checkpointer, store, n)
     return store.url_of(name)
 
 
-def discard(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
-    """Remove what a failed sharded save of N uploaded into N's data prefix, unless a newer run
+def discard(checkpointer: ck.Checkpointer, store: ObjectStore, url: str) -> None:
+    """Remove what a failed save uploaded into the data prefix at ``url``, unless a newer run
     owns the directory now (best effort: a failure warns, and the next garbage collection
     removes the rest)."""
     if _still_owner(checkpointer.lease):
-        name = f"{checkpointer.checkpoint_file_prefix}.{n}"
-        _remove_quietly(store, [name], f"the uploaded objects of the failed save of {n}")
+        name = name_of(url)
+        _remove_quietly(store, [name], f"the uploaded objects of a failed save ({name})")
 
 
 def _version() -> str:

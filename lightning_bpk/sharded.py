@@ -26,12 +26,12 @@ every earlier checkpoint stays as it was. Shards are staged in ``{prefix}.{N}.dc
 beside the checkpoints; a crash leaves that directory behind, and the next sharded save removes it.
 
 On an object store (``dirpath="s3://..."``) the layout is the same, as keys. Rank 0 first
-checks the lease and removes an existing N, its sentinel first
-(:func:`lightning_bpk.object_checkpoints.clear`); then every rank uploads its shards straight
-into ``ckpt.N/``, rank 0 confirms them and creates the index
-(:class:`~lightning_bpk.dcp.BurnpackStorageWriter`), uploads the other records, confirms those,
-checks the lease again and creates the sentinel (:func:`publish`). A failure on any rank fails
-the save on every rank, and rank 0 removes what was uploaded for N.
+checks the lease and chooses N's data prefix (:func:`lightning_bpk.object_checkpoints.prepare`:
+``ckpt.N/``, or for a re-save of N a fresh ``ckpt.N~<hex>/``, the old copy staying whole until
+the new sentinel); then every rank uploads its shards straight into it, rank 0 confirms them
+and creates the index (:class:`~lightning_bpk.dcp.BurnpackStorageWriter`), uploads the other
+records, confirms those, checks the lease again and creates the sentinel (:func:`publish`). A
+failure on any rank fails the save on every rank, and rank 0 removes what was uploaded for N.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _target(checkpointer: Checkpointer, number: int) -> str:
     directory, or (object store) N's data prefix, emptied first."""
     store = checkpointer._remote
     if store is not None:
-        return object_checkpoints.clear(checkpointer, store, number)
+        return object_checkpoints.prepare(checkpointer, store, number)
     target = _fs.scratch_path(storage.local_path(checkpointer.checkpoint_path(number)))
     directory = target.with_name(target.name.replace(f".{number}.", f".{number}.dcp.", 1))
     _remove_staging_leftovers(target.parent, keep=directory)
@@ -205,7 +205,7 @@ def save_shards(
     number: int,
     checkpoint: dict,
     storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> Mapping[str, Any] | object_checkpoints.Uploaded:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective).
 
     Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
@@ -214,9 +214,9 @@ def save_shards(
     fsspec).
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
-    what :func:`publish` commits: the staged files as records, or the uploaded objects' manifest
-    entries (on other ranks: ``{}``). A failure on any rank raises
-    :class:`ShardedCheckpointError` on every rank.
+    what :func:`publish` commits: the staged files as records, or the uploaded objects
+    (:class:`~lightning_bpk.object_checkpoints.Uploaded`; on other ranks: ``{}``). A failure
+    on any rank raises :class:`ShardedCheckpointError` on every rank.
     """
     target, failure = "", None
     if trainer.is_global_zero:
@@ -245,14 +245,14 @@ def save_shards(
             if store is None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                object_checkpoints.discard(checkpointer, store, number)
+                object_checkpoints.discard(checkpointer, store, target)
         raise ShardedCheckpointError(
             f"writing the shards of checkpoint {number} failed: {_failures(e)}"
         ) from e
     if not trainer.is_global_zero:
         return {}
     if not isinstance(path, Path):
-        return {
+        files = {
             name[: -len(".bpk")]: _FileEntry(
                 INDEX_KIND if name == index_name() else SHARD_KIND,
                 info["size"],
@@ -261,25 +261,30 @@ def save_shards(
             )
             for name, info in writer.files.items()
         }
+        return object_checkpoints.Uploaded(storage.name_of(target), files)
     return {p.name[: -len(".bpk")]: _StagedFile(p) for p in sorted(path.iterdir())}
 
 
 def publish(
-    checkpointer: Checkpointer, number: int, staged: Mapping[str, Any], rest: Mapping[str, Any]
+    checkpointer: Checkpointer,
+    number: int,
+    staged: Mapping[str, Any] | object_checkpoints.Uploaded,
+    rest: Mapping[str, Any],
 ) -> Path | str | None:
     """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
     ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does;
     shards that are not committed are removed."""
     store = checkpointer._remote
-    if store is None:  # staged files, moved into the checkpoint as it is published
-        try:
-            return checkpointer.save_checkpoint(number, {**staged, **rest})
-        finally:
-            discard(staged)
-    if number % checkpointer.checkpoint_frequency:  # skipped, as save_checkpoint would
-        object_checkpoints.discard(checkpointer, store, number)
-        return None
-    return object_checkpoints.save(checkpointer, store, number, rest, uploaded=staged)
+    if isinstance(staged, object_checkpoints.Uploaded):  # already in the store
+        assert store is not None
+        if number % checkpointer.checkpoint_frequency:  # skipped, as save_checkpoint would
+            object_checkpoints.discard(checkpointer, store, store.url_of(staged.name))
+            return None
+        return object_checkpoints.save(checkpointer, store, number, rest, uploaded=staged)
+    try:  # staged files, moved into the checkpoint as it is published
+        return checkpointer.save_checkpoint(number, {**staged, **rest})
+    finally:
+        discard(staged)
 
 
 def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:

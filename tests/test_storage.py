@@ -19,7 +19,8 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from lightning_bpk import storage
+from lightning_bpk import checkpointer as ck
+from lightning_bpk import object_checkpoints, storage
 from lightning_bpk.checkpointer import (
     Checkpointer,
     CheckpointWarning,
@@ -305,6 +306,56 @@ def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_aft
     checkpointer.save_checkpoint(2, _data(2))
     assert not any(k.startswith("ckpt.1/") for k in _keys(url))
     assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
+
+
+def _rank_upload(checkpointer: Checkpointer, url: str, value: float, tmp_path: Path):
+    """What a sharded save's ranks leave in the data prefix at ``url``: one rank file."""
+    local = ModuleRecord({"w": torch.full((4,), value)}).save(tmp_path / f"shard-{value}.bpk")
+    name = storage.name_of(url)
+    store = checkpointer._remote
+    assert store is not None
+    store.upload(local, f"{name}/shard.bpk")
+    return object_checkpoints.Uploaded(name, {"shard": ck._describe(local, "module")})
+
+
+def test_a_sharded_resave_keeps_the_old_copy_until_its_sentinel(faulty, tmp_path):
+    """A sharded save's ranks upload into the prefix ``prepare`` chose before rank 0 commits:
+    a re-save of N gets a fresh prefix, so when its sentinel write fails the old N stays whole
+    (and the failed upload is removed); when it succeeds the old copy is removed."""
+    url = "faulty://b/sharded"
+    checkpointer = Checkpointer(url, checkpoint_duration=1)
+    store = checkpointer._remote
+    assert store is not None
+
+    def resave(value: float) -> str:
+        target = object_checkpoints.prepare(checkpointer, store, 1)
+        uploaded = _rank_upload(checkpointer, target, value, tmp_path)
+        object_checkpoints.save(checkpointer, store, 1, {"trainer": {"v": value}}, uploaded)
+        return target
+
+    assert resave(1.0) == f"{url}/ckpt.1"
+    faulty.faults["pipe"] = (1, 10**6, ConnectionError)  # the sentinel's write, for good
+    with pytest.raises(OSError, match="injected failure of pipe"):
+        resave(2.0)
+    faulty.faults.clear()
+    assert _keys(url) == [
+        "ckpt.1/shard.bpk",
+        "ckpt.1/trainer.bpk",
+        "sentinel_checkpoint_complete.1",
+    ]
+    loaded = checkpointer.load_checkpoint(1)
+    assert loaded["trainer"] == {"v": 1.0}
+    assert torch.equal(loaded["shard"].tensors["w"], torch.full((4,), 1.0))
+    target = resave(3.0)
+    assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
+    name = storage.name_of(target)
+    assert _keys(url) == [
+        f"{name}/shard.bpk",
+        f"{name}/trainer.bpk",
+        "sentinel_checkpoint_complete.1",
+    ]
+    assert checkpointer.load_checkpoint(1)["trainer"] == {"v": 3.0}
+    assert verify_checkpoint(url, 1) == []
 
 
 def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
