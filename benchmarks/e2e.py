@@ -1,10 +1,11 @@
 """End-to-end cost of per-epoch checkpoints: the digits example trained with and without them.
 
 Drives ``examples/train_digits.py`` through its API (``DigitsModel``, ``DigitsData``) with the
-Trainer settings its ``train()`` uses, in three variants run interleaved: no checkpoint callback,
-``BurnpackCheckpoint()`` (synchronous saves) and ``BurnpackCheckpoint(async_save=True)``. Each
-run is a whole ``trainer.fit`` in a fresh directory, teardown included (so the async variant
-pays for waiting on its last write). The overhead is the median's excess over no callback.
+Trainer settings its ``train()`` uses (and one intra-op thread), in three variants run
+interleaved: no checkpoint callback, ``BurnpackCheckpoint()`` (synchronous saves) and
+``BurnpackCheckpoint(async_save=True)``. Each run is a whole ``trainer.fit`` in a fresh
+directory, teardown included (so the async variant pays for waiting on its last write). The
+overhead is the median's excess over no callback.
 
 The example's epochs are short (~40 ms: 25 batches of a tiny MLP) while each save has a fixed
 cost, so a second, clearly labelled measurement passes over the same data ``REPEAT`` times per
@@ -14,11 +15,24 @@ time the training thread spends inside each save (``BurnpackCheckpoint._save``: 
 
 :func:`measure_steps` checkpoints every ``STEP_INTERVAL`` optimizer steps instead (on the longer
 epochs), against Lightning's own ``ModelCheckpoint(every_n_train_steps=50)``, and reports what
-``every_n_train_steps="auto"`` chose for overhead budgets of 1, 2 and 5 %.
+``every_n_train_steps="auto"`` chose for overhead budgets of 1, 2 and 5 %; the training thread's
+time in each save is split into the first save of a run and the later ones.
+
+:func:`measure_first_save` times the first asynchronous save of a large state (a model and its
+Adam moments, 1.5 GiB; 96 MiB with ``--quick``) with and without the staging buffers reserved
+ahead on the writer thread (what the callback does after the first optimizer step).
+
+Run alone (prints the tables; ``make bench`` runs them too and writes ``docs/benchmarks.md``)::
+
+    .venv/bin/python benchmarks/e2e.py            # every end-to-end row (~6 min, 2 idle cores)
+    .venv/bin/python benchmarks/e2e.py --quick    # fewer rounds and steps, smaller state
+    .venv/bin/python benchmarks/e2e.py --only steps first-save
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -27,10 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import ConcatDataset
 
+from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.callback import BurnpackCheckpoint
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
@@ -42,6 +60,9 @@ REPEAT = 10  # data passes per epoch of the "longer epochs" measurement
 STEP_INTERVAL = 50  # optimizer steps between checkpoints in measure_steps
 STEP_EPOCHS = 4  # of the longer epochs (250 steps each): 20 checkpoints per run
 BUDGETS = (0.01, 0.02, 0.05)  # max_overhead values tried with every_n_train_steps="auto"
+STEP_LIMIT = 0.035  # the issue's bound for saves every STEP_INTERVAL steps (CheckFreq's)
+# measure_first_save: LAYERS square float32 Linear layers of WIDTH (+ two Adam moments each)
+LAYERS, WIDTH, QUICK_WIDTH = 8, 4096, 1024
 
 
 class _RepeatedData(train_digits.DigitsData):
@@ -53,16 +74,25 @@ class _RepeatedData(train_digits.DigitsData):
 
 
 class _TimedCheckpoint(BurnpackCheckpoint):
-    """Records how long each save blocks the training thread."""
+    """Records how long each save blocks the training thread (the first save of the run also
+    in ``first``, when given)."""
 
-    def __init__(self, blocked: list[float], **kwargs: object) -> None:
+    def __init__(
+        self, blocked: list[float], first: list[float] | None = None, **kwargs: object
+    ) -> None:
         super().__init__(**kwargs)
-        self._blocked = blocked
+        self._blocked, self._first = blocked, first
+        self._saved = False
 
     def _save(self, *args: object, **kwargs: object) -> None:
         start = time.perf_counter()
         super()._save(*args, **kwargs)
-        self._blocked.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if self._first is not None and not self._saved:
+            self._first.append(elapsed)
+        else:
+            self._blocked.append(elapsed)
+        self._saved = True
 
 
 @dataclass
@@ -129,10 +159,17 @@ def _fit(root: Path, epochs: int, callbacks: list[L.Callback], repeat: int = 1) 
         enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
     )
-    start = time.perf_counter()
-    data = train_digits.DigitsData() if repeat == 1 else _RepeatedData()
-    trainer.fit(train_digits.DigitsModel(), datamodule=data)
-    return time.perf_counter() - start
+    # One intra-op thread: the model's ops are far too small to gain from two, and on a shared
+    # 2-core machine a second OpenMP thread spin-waits for a descheduled peer (10x the CPU time).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        data = train_digits.DigitsData() if repeat == 1 else _RepeatedData()
+        trainer.fit(train_digits.DigitsModel(), datamodule=data)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure(directory: Path, *, quick: bool, reps: int | None = None, repeat: int = 1) -> Overhead:
@@ -160,11 +197,13 @@ class StepOverhead:
     """Fit times with a checkpoint every ``STEP_INTERVAL`` steps, and what "auto" chose."""
 
     times: dict[str, list[float]]
-    blocked: list[float]  # seconds the training thread spent in each async save
+    blocked: list[float]  # seconds the training thread spent in each later async save
+    first: list[float]  # ... in the first save of each run
     auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
     epochs: int = STEP_EPOCHS
     repeat: int = REPEAT
     what: str = f"training with async checkpoints every {STEP_INTERVAL} steps: overhead"
+    limit: float = STEP_LIMIT
 
     @property
     def overhead(self) -> float:
@@ -172,13 +211,18 @@ class StepOverhead:
 
     def markdown(self) -> list[str]:
         base = statistics.median(self.times["none"])
+        steps = self.epochs * 25 * self.repeat
         lines = [
             f"`examples/train_digits.py` model, data passed {self.repeat}x per epoch, "
             f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} "
-            f"({self.epochs * 25 * self.repeat} optimizer steps), a "
+            f"({steps} optimizer steps), a "
             f"checkpoint every {STEP_INTERVAL} steps, {len(self.times['none'])} interleaved runs "
-            "per variant. Each async save blocks the training thread for "
-            f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}):",
+            f"per variant. An optimizer step takes {base / steps * 1000:.2f} ms without "
+            "checkpoints. Each async save blocks the training thread for "
+            f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}; "
+            f"range {min(self.blocked) * 1000:.1f} - {max(self.blocked) * 1000:.1f} ms), the "
+            f"first save of a run for {statistics.median(self.first) * 1000:.1f} ms (median of "
+            f"{len(self.first)}):",
             "",
             "| variant | median fit time | range | overhead |",
             "|---|---|---|---|",
@@ -224,13 +268,14 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
     reps = reps or (2 if quick else 5)
     epochs = 1 if quick else STEP_EPOCHS
     blocked: list[float] = []
+    first: list[float] = []
 
     def variants() -> dict[str, list[L.Callback]]:
         return {
             "none": [],
             "lightning": [ModelCheckpoint(every_n_train_steps=STEP_INTERVAL)],
             "async": [
-                _TimedCheckpoint(blocked, every_n_train_steps=STEP_INTERVAL, async_save=True)
+                _TimedCheckpoint(blocked, first, every_n_train_steps=STEP_INTERVAL, async_save=True)
             ],
         }
 
@@ -244,6 +289,7 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
                 times[name].append(elapsed)
         if not rnd:
             blocked.clear()
+            first.clear()
         print(f"  every {STEP_INTERVAL} steps: round {rnd}/{reps} done", flush=True)
     auto: dict[float, tuple[int | None, int]] = {}
     for budget in BUDGETS:
@@ -253,4 +299,113 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
         with tempfile.TemporaryDirectory(dir=directory) as root:
             _fit(Path(root), epochs, [callback], REPEAT)
         auto[budget] = (callback.auto_interval, callback.saves)
-    return StepOverhead(times, blocked, auto, epochs)
+    return StepOverhead(times, blocked, first, auto, epochs)
+
+
+@dataclass
+class FirstSave:
+    """The training thread's time in the first async saves of a large state."""
+
+    nbytes: int  # model and optimizer state
+    unreserved: float  # first save, staging buffers allocated and faulted in on this thread
+    reserve: float  # writer thread: reserving (allocating and faulting in) those buffers
+    reserved: float  # first save after the reservation: a copy
+    steady: float  # the save after that
+
+    def markdown(self) -> list[str]:
+        gib = self.nbytes / 2**30
+        return [
+            f"First asynchronous save of a {gib:.2f} GiB state ({LAYERS} float32 Linear layers "
+            "and their Adam moments, `AsyncCheckpointSaver` into a `Checkpointer`): the time "
+            "the training thread spends in `save_checkpoint`, records built from the live "
+            "objects included:",
+            "",
+            "| save | blocks the training thread |",
+            "|---|---|",
+            f"| first save, staging allocated on the training thread | "
+            f"{self.unreserved * 1000:.0f} ms |",
+            f"| staging reserved ahead on the writer thread (not blocking) | "
+            f"{self.reserve * 1000:.0f} ms |",
+            f"| first save after the reservation | {self.reserved * 1000:.0f} ms |",
+            f"| next save | {self.steady * 1000:.0f} ms |",
+        ]
+
+
+def _adam_state(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model of ``LAYERS`` square layers after one Adam step (so the moments exist)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def measure_first_save(directory: Path, *, quick: bool) -> FirstSave:
+    """The first async save of a fresh saver without, then with, the staging reserved ahead."""
+    model, optimizer = _adam_state(QUICK_WIDTH if quick else WIDTH)
+
+    def records() -> dict[str, object]:
+        return {
+            "model": ModuleRecord.from_module(model),
+            "optim": OptimizerRecord.from_optimizer(optimizer, model),
+        }
+
+    def save(saver: AsyncCheckpointSaver, checkpointer: Checkpointer, n: int) -> float:
+        start = time.perf_counter()
+        saver.save_checkpoint(checkpointer, n, records())
+        elapsed = time.perf_counter() - start
+        saver.wait()
+        return elapsed
+
+    times = []
+    for reserve in (False, True):
+        with tempfile.TemporaryDirectory(dir=directory) as root:
+            checkpointer = Checkpointer(root, checkpoint_duration=1)
+            with AsyncCheckpointSaver() as saver:
+                start = time.perf_counter()
+                if reserve:
+                    saver.reserve(records())
+                    saver.wait()
+                reserving = time.perf_counter() - start
+                times.append((save(saver, checkpointer, 0), reserving))
+                if reserve:
+                    steady = save(saver, checkpointer, 1)
+                nbytes = saver.staging.nbytes
+        print(f"  first save ({'reserved' if reserve else 'not reserved'}) done", flush=True)
+    (unreserved, _), (reserved, reserving) = times
+    return FirstSave(nbytes, unreserved, reserving, reserved, steady)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the end-to-end rows of make bench, alone")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, smaller state")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=("epochs", "steps", "first-save"),
+        default=("epochs", "steps", "first-save"),
+    )
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    print("load average at start:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
+    results: list[Overhead | StepOverhead | FirstSave] = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="lightning-bpk-e2e-") as tmp:
+        if "epochs" in args.only:
+            results.append(measure(Path(tmp), quick=args.quick))
+            if not args.quick:
+                results.append(measure(Path(tmp), quick=False, repeat=REPEAT))
+        if "steps" in args.only:
+            results.append(measure_steps(Path(tmp), quick=args.quick))
+        if "first-save" in args.only:
+            results.append(measure_first_save(Path(tmp), quick=args.quick))
+    print("load average at end:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"took {(time.perf_counter() - start) / 60:.1f} min\n")
+    for result in results:
+        print("\n".join(result.markdown()), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,25 +11,41 @@ Side by side on the same files, the page cache warm:
 
 Every method runs once as a warm-up that checks the loaded weights, then ``--reps`` shuffled
 rounds; the table gives the median and the range. The table replaces the one between the
-``remap-bench`` markers of ``docs/interop.md``::
+``remap-bench`` markers of ``docs/interop.md``.
+
+Then, on 2 gloo CPU processes, a full file into an FSDP2 model (``fully_shard`` per layer,
+``Shard(0)``): each rank reading the whole file and copying its slices (``load_module_record``,
+what a rank does without a shard-aware loader) against
+:func:`~lightning_bpk.interop.shards.load_into_shards`, for the bytes each rank reads and the
+wall time of the slowest rank; the table replaces the one between the ``shard-bench`` markers::
 
     .venv/bin/python benchmarks/remap_load.py            # 4 layers x 8 experts, ~200 MiB, 5 rounds
     .venv/bin/python benchmarks/remap_load.py --quick    # 2 layers, 3 rounds
+    .venv/bin/python benchmarks/remap_load.py --only-shards   # the shard table alone
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import socket
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import transformers
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_bpk.interop import (
     Concatenate,
@@ -39,14 +55,19 @@ from lightning_bpk.interop import (
     WeightRenaming,
     apply_remapped,
     convert,
+    load_into_shards,
     load_module_record,
+    save_module_record,
 )
 from lightning_bpk.interop.loading import DEFAULT_WORKERS, load_remapped
+from lightning_bpk.records import ModuleRecord
 
 transformers.utils.logging.disable_progress_bar()
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "interop.md"
 BEGIN, END = "<!-- remap-bench:begin -->", "<!-- remap-bench:end -->"
+SHARD_BEGIN, SHARD_END = "<!-- shard-bench:begin -->", "<!-- shard-bench:end -->"
+RANKS = 2
 MIXTRAL = KeyRemapper(
     [
         WeightRenaming(".block_sparse_moe.", ".mlp."),
@@ -83,8 +104,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 layers, 3 rounds")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--no-doc", action="store_true", help="print only, leave the docs alone")
+    parser.add_argument("--only-shards", action="store_true", help="only the sharded loads")
     args = parser.parse_args()
     reps = args.reps or (3 if args.quick else 5)
+    if not args.only_shards:
+        remapped(args, reps)
+    shards(args, reps)
+
+
+def _write_doc(begin: str, end: str, table: str) -> None:
+    text = DOC.read_text()
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    DOC.write_text(f"{head}{begin}\n{table}{end}{tail}")
+
+
+def remapped(args: argparse.Namespace, reps: int) -> None:
     cfg = config(2 if args.quick else 4)
     torch.manual_seed(0)
     source = transformers.MixtralForCausalLM(cfg)
@@ -160,10 +195,7 @@ def main() -> None:
     table = report(times, cpu, nbytes, cfg, reps)
     print(table)
     if not args.no_doc:
-        text = DOC.read_text()
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        DOC.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+        _write_doc(BEGIN, END, table)
 
 
 def report(
@@ -190,6 +222,127 @@ def report(
             f"| {statistics.median(cpu[label]) * 1000:.0f} ms |"
         )
     return "\n".join(lines) + "\n"
+
+
+# --- a full file into FSDP2 shards, on RANKS processes ------------------------------------------
+
+
+def _mlp(layers: int, width: int) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+def _full_then_slice(path: Path, net: nn.Module) -> int:
+    """Without a shard-aware loader: read the whole file (mapped, every checksum hashed), then
+    copy this rank's slice of each tensor. Returns the tensor bytes read."""
+    record = load_module_record(path)
+    with torch.no_grad():
+        for name, param in net.state_dict().items():
+            shape, offset = compute_local_shape_and_global_offset(
+                param.shape, param.device_mesh, param.placements
+            )
+            box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+            param.to_local().copy_(record.tensors[name][box])
+    return sum(t.nbytes for t in record.tensors.values())
+
+
+def _shard_worker(rank: int, port: int, root: str, layers: int, width: int, reps: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        mesh = init_device_mesh("cpu", (RANKS,))
+        net = _mlp(layers, width)
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        torch.manual_seed(0)
+        expected = _state(_mlp(layers, width))
+        methods: dict[str, Callable[[], int]] = {}
+        for suffix in ("safetensors", "bpk"):
+            path = Path(root) / f"mlp.{suffix}"
+            methods[f"{suffix}: whole file on every rank, then its slices"] = lambda p=path: (
+                _full_then_slice(p, net)
+            )
+            methods[f"{suffix}: `load_into_shards`"] = lambda p=path: (
+                load_into_shards(p, net).bytes_read
+            )
+        methods["bpk: `load_into_shards(verify=True)`"] = lambda: (
+            load_into_shards(Path(root) / "mlp.bpk", net, verify=True).bytes_read
+        )
+        results: dict[str, dict[str, list[float]]] = {m: {"s": [], "bytes": []} for m in methods}
+        for rnd in range(reps + 1):
+            order = list(methods)
+            if rnd:
+                random.Random(rnd).shuffle(order)
+            for label in order:
+                with torch.no_grad():
+                    for t in net.state_dict().values():
+                        t.to_local().zero_()
+                dist.barrier()
+                start = time.perf_counter()
+                nbytes = methods[label]()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
+                if not rnd:
+                    for name, param in net.state_dict().items():
+                        full = param.full_tensor()
+                        if not torch.equal(full, expected[name]):
+                            raise AssertionError(f"{label} loaded wrong weights: {name}")
+                else:
+                    results[label]["s"].append(elapsed.item())
+                    results[label]["bytes"].append(nbytes)
+        if rank == 0:
+            Path(root, "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def shards(args: argparse.Namespace, reps: int) -> None:
+    layers, width = (4, 1024) if args.quick else (8, 2048)
+    torch.manual_seed(0)
+    record = ModuleRecord(_state(_mlp(layers, width)))
+    nbytes = sum(t.nbytes for t in record.tensors.values())
+    with tempfile.TemporaryDirectory(prefix="lightning-bpk-shard-bench-") as tmp:
+        for suffix in ("safetensors", "bpk"):
+            save_module_record(record, Path(tmp) / f"mlp.{suffix}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(
+            _shard_worker,
+            args=(port, tmp, layers, width, reps),
+            nprocs=RANKS,
+            start_method="spawn",  # the parent's torch thread pool does not survive a fork
+        )
+        results = json.loads(Path(tmp, "results.json").read_text())
+    lines = [
+        f"{layers} x `Linear({width}, {width})` under FSDP2 (`Shard(0)`) on {RANKS} gloo CPU "
+        f"processes: {nbytes / 2**20:.0f} MiB of float32 in one file, page cache warm. "
+        f"{os.cpu_count()} cores, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end; median of {reps} rounds "
+        "(min-max) of the slowest rank's time. Read: tensor bytes each rank reads.",
+        "",
+        "| method | read per rank | time | vs whole file |",
+        "|---|---|---|---|",
+    ]
+    bases = {}
+    for label, r in results.items():
+        med = statistics.median(r["s"])
+        kind = label.split(":")[0]
+        bases.setdefault(kind, med)
+        lines.append(
+            f"| {label} | {statistics.median(r['bytes']) / 2**20:.1f} MiB "
+            f"| {med * 1000:.0f} ms ({min(r['s']) * 1000:.0f}-{max(r['s']) * 1000:.0f}) "
+            f"| {bases[kind] / med:.2f}x |"
+        )
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if not args.no_doc:
+        _write_doc(SHARD_BEGIN, SHARD_END, table)
 
 
 if __name__ == "__main__":

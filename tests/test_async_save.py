@@ -363,6 +363,94 @@ def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_pat
         assert trainer_sync["epoch"] == trainer_async["epoch"] == n
 
 
+def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path):
+    """The first step-triggered save finds a staging buffer of the right shape and dtype for
+    every model and optimizer tensor (reserved on the writer thread after the first optimizer
+    step), allocates none of them on the training thread, and writes the synchronous bytes."""
+    from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.trainer_state import TRAINER_KEY
+
+    class Observed(BurnpackCheckpoint):
+        before: dict | None = None
+        after: dict | None = None
+        wanted: dict | None = None
+
+        def _save(self, trainer, number, **kwargs):
+            first = self.before is None
+            if first:
+                self._saver.wait()  # join the reservation, as the save itself does first
+                self.before = dict(self._saver.staging._buffers)
+                module = trainer.lightning_module
+                self.wanted = {
+                    (key, name): (tuple(entry.shape), entry.data.dtype)
+                    for key, record in (
+                        ("model", ModuleRecord.from_module(module)),
+                        ("optim", OptimizerRecord.from_optimizer(trainer.optimizers[0], module)),
+                    )
+                    for name, entry in record.to_content()[0].items()
+                }
+            super()._save(trainer, number, **kwargs)
+            if first:
+                self.after = dict(self._saver.staging._buffers)
+
+    roots = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
+    observed = Observed(dirpath=roots["async"], every_n_train_steps=4, async_save=True)
+    L, TinyModel, make_trainer = _lightning()
+    for root, callback in (
+        (roots["sync"], BurnpackCheckpoint(dirpath=roots["sync"], every_n_train_steps=4)),
+        (roots["async"], observed),
+    ):
+        L.seed_everything(0)
+        quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
+        make_trainer(str(root), 1, [callback], **quick).fit(TinyModel())
+    assert observed.before is not None and observed.after is not None and observed.wanted
+    reserved = {k: (tuple(b.shape), b.dtype) for k, b in observed.before.items()}
+    assert reserved == observed.wanted  # all of model and optimizer, nothing else, before the save
+    for key, buffer in observed.before.items():
+        assert observed.after[key] is buffer, key  # copied into, never reallocated
+    assert {owner for owner, _ in set(observed.after) - set(observed.before)} <= {TRAINER_KEY}
+    assert sorted(os.listdir(roots["sync"])) == sorted(os.listdir(roots["async"]))
+    for name in ("model.bpk", "optim.bpk"):
+        want = (roots["sync"] / "ckpt.4" / name).read_bytes()
+        assert (roots["async"] / "ckpt.4" / name).read_bytes() == want, name
+
+
+def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
+    """FSDP2 state (DTensors) is saved by every rank through DCP, never through the staging
+    area: reserving it would hold a global-shape copy of the model and optimizer on rank 0."""
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning_fsdp import ShardedTiny
+
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    L, _, make_trainer = _lightning()
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)  # Lightning sets them for this process's group
+    seen = []
+
+    class Observed(BurnpackCheckpoint):
+        def _save(self, trainer, number, **kwargs):
+            self._saver.wait()
+            seen.append((number, self._saver.staging.nbytes))
+            super()._save(trainer, number, **kwargs)
+
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
+    callback = Observed(async_save=True, every_n_train_steps=3)
+    try:
+        L.seed_everything(0)
+        make_trainer(str(tmp_path), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert seen == [(3, 0), (4, 0)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt.*")) == [
+        "ckpt.3",
+        "ckpt.4",
+    ]
+
+
 def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monkeypatch):
     import errno
 

@@ -9,6 +9,8 @@
   :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`, ``Transpose``,
   :class:`PermuteForRope`, :class:`Interleave`;
 - :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
+- :mod:`~lightning_bpk.interop.shards`: :func:`load_into_shards`, a full file straight into an
+  FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 """
@@ -49,6 +51,7 @@ from lightning_bpk.interop.remap import (
     derive_inverse,
     record_remapped,
 )
+from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
 __all__ = [
     "SAFETENSORS_INFO_KEY",
@@ -66,6 +69,7 @@ __all__ = [
     "RemapResult",
     "Rename",
     "Rule",
+    "ShardedLoad",
     "Split",
     "SplitModulelist",
     "Transpose",
@@ -76,6 +80,7 @@ __all__ = [
     "convert",
     "derive_inverse",
     "export_checkpoint",
+    "load_into_shards",
     "load_module_record",
     "load_remapped",
     "read_content",

@@ -41,10 +41,21 @@ from typing import TypeVar
 import safetensors
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
+from lightning_bpk.burnpack.base import _parsed_dtype_info
 from lightning_bpk.interop.formats import _ST_BOOL, SAFETENSORS_INFO_KEY, _kind, read_content
-from lightning_bpk.interop.remap import Item, Items, KeyRemapper, Links, tracing
+from lightning_bpk.interop.remap import (
+    Item,
+    Items,
+    KeyRemapper,
+    Links,
+    RemapResult,
+    Step,
+    observing,
+    tracing,
+)
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import (
     _PARAM_ID_ATTR,
@@ -69,6 +80,8 @@ class _Source:
     metadata: dict[str, str]
     read: Callable[[str], torch.Tensor]  # thread-safe
     verify: Callable[[str], object] | None = None  # checks a tensor's checksum (.bpk only)
+    # name -> (start, end) of its bytes in the file and their dtype; not for torch.save files
+    spans: dict[str, tuple[int, int, torch.dtype]] | None = None
 
 
 @contextmanager
@@ -122,7 +135,19 @@ def _open_bpk(path: Path) -> Iterator[_Source]:
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             pack.tensor,
             pack.raw,
+            {n: _span(pack, n) for n in order},
         )
+
+
+def _span(pack: burnpack.Pack, name: str) -> tuple[int, int, torch.dtype]:
+    """Where tensor ``name``'s bytes lie in the file, and their dtype (a Burn ``Bool(U8)`` is
+    stored as uint8)."""
+    info = pack.entries[name]
+    stored = _parsed_dtype_info(info.dtype).torch_dtype
+    if stored is None:  # refused before: quantized tensors have no torch dtype
+        raise RecordError("validation", f"{pack.source}: tensor '{name}' is quantized (QFloat)")
+    start, end = info.data_offsets
+    return pack.data_start + start, pack.data_start + end, stored
 
 
 @contextmanager
@@ -172,6 +197,7 @@ def _open_safetensors(path: Path) -> Iterator[_Source]:
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
             read,
+            spans={n: (start + offsets[n][0], start + offsets[n][1], specs[n][1]) for n in specs},
         )
     finally:
         with contextlib.suppress(BufferError):  # views still alive keep the mapping
@@ -232,8 +258,8 @@ class _Shadow(nn.Module):
         state: dict[str, object] = {}
         for name, value in module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):
-                if id(value) not in twins:
-                    meta = torch.empty_like(value, device="meta")
+                if id(value) not in twins:  # a DTensor's twin has its global shape
+                    meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
                     if isinstance(value, nn.Parameter):
                         meta = nn.Parameter(meta, requires_grad=value.requires_grad)
                     twins[id(value)] = meta
@@ -292,22 +318,8 @@ def load_remapped(
         raise ValueError(f"workers must be >= 1, not {workers}")
     remapper = remapper if remapper is not None else KeyRemapper([])
     with _open(Path(path)) as source:
-        names = list(source.specs) + list(source.aliases)
-        meta: Items = {}
-        for name in names:
-            stored = source.aliases.get(name, name)
-            shape, dtype = source.specs[stored]
-            meta[name] = (
-                torch.empty(shape, dtype=dtype, device="meta"),
-                source.param_ids.get(stored),
-            )
-        with tracing() as links:
-            plan = remapper.load(meta)
-        planned = ModuleRecord(
-            {n: t for n, (t, _) in plan.tensors.items()},
-            param_ids={n: p for n, (_, p) in plan.tensors.items() if p is not None},
-        )
-        planned.apply(  # every check of apply, and no change
+        plan = _plan(source, remapper)
+        plan.record.apply(  # every check of apply, and no change
             _Shadow(module),
             allow_partial=allow_partial,
             allow_unused=allow_unused,
@@ -315,22 +327,17 @@ def load_remapped(
             dtype_policy=dtype_policy,
             adapter=adapter,
         )
-        groups = (
-            _groups(names, source.aliases, links)
-            if all(rule.traced for rule in remapper.rules)
-            else [names]
-        )
-        destinations = _destinations(module, plan.tensors, adapter)
+        destinations = _destinations(module, plan.result.tensors, adapter)
+        shards = [n for n, t in destinations.items() if isinstance(t, DTensor)]
+        if shards:
+            raise RecordError(
+                "validation",
+                [f"{path}: '{n}' is a DTensor shard: load with load_into_shards" for n in shards],
+            )
         cast = dtype_policy == "cast_to_module"
 
         def task(group: list[str]) -> None:
-            read: dict[str, torch.Tensor] = {}
-            items: dict[str, Item] = {}
-            for name in group:
-                stored = source.aliases.get(name, name)
-                if stored not in read:
-                    read[stored] = source.read(stored)
-                items[name] = (read[stored], source.param_ids.get(stored))
+            items = _items(source, group, source.read)
             for name, (tensor, pid) in remapper.load(items).tensors.items():
                 if name not in destinations:
                     continue  # unused (allowed), or a tied tensor loaded under its first name
@@ -343,10 +350,59 @@ def load_remapped(
         try:
             if source.verify is not None:  # checksums first: a damaged file changes nothing
                 _run(source.verify, list(source.specs), workers)
-            _run(task, groups, workers)
+            _run(task, plan.groups, workers)
         except burnpack.BurnpackError as e:
             raise RecordError("io", str(e)) from e
-    return plan.unmatched
+    return plan.result.unmatched
+
+
+@dataclass
+class _Planned:
+    """What the rules make of a file's tensors, found on meta tensors (no data read)."""
+
+    result: RemapResult  # module names -> meta tensors and param ids
+    record: ModuleRecord  # the same as a record, to check against the module
+    groups: list[list[str]]  # file names (aliases included) converted together
+    steps: list[Step]  # every rule applied, in order
+    meta: Items  # the file's tensors (aliases included) as the rules took them
+
+
+def _plan(source: _Source, remapper: KeyRemapper) -> _Planned:
+    """Run ``remapper`` on meta tensors of ``source``'s shapes: every conversion problem is
+    raised here, before any byte is read."""
+    names = list(source.specs) + list(source.aliases)
+    meta: Items = {}
+    for name in names:
+        stored = source.aliases.get(name, name)
+        shape, dtype = source.specs[stored]
+        meta[name] = (torch.empty(shape, dtype=dtype, device="meta"), source.param_ids.get(stored))
+    with tracing() as links, observing() as steps:
+        result = remapper.load(meta)
+    record = ModuleRecord(
+        {n: t for n, (t, _) in result.tensors.items()},
+        param_ids={n: p for n, (_, p) in result.tensors.items() if p is not None},
+    )
+    groups = (
+        _groups(names, source.aliases, links)
+        if all(rule.traced for rule in remapper.rules)
+        else [names]
+    )
+    return _Planned(result, record, groups, steps, meta)
+
+
+def _items(
+    source: _Source, group: list[str], read: Callable[[str], torch.Tensor]
+) -> dict[str, Item]:
+    """The group's tensors as the rules take them, each stored tensor read once (an alias
+    shares its target's)."""
+    tensors: dict[str, torch.Tensor] = {}
+    items: dict[str, Item] = {}
+    for name in group:
+        stored = source.aliases.get(name, name)
+        if stored not in tensors:
+            tensors[stored] = read(stored)
+        items[name] = (tensors[stored], source.param_ids.get(stored))
+    return items
 
 
 @torch.no_grad()

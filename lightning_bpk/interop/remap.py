@@ -59,9 +59,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 import string
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,10 +83,12 @@ __all__ = [
     "Rename",
     "Rule",
     "Split",
+    "Step",
     "Transpose",
     "Unstack",
     "apply_remapped",
     "derive_inverse",
+    "observing",
     "record_remapped",
     "trace_step",
     "tracing",
@@ -296,6 +299,50 @@ def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
     links = _LINKS.get()
     if links is not None and pairs:
         links.append(pairs)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rule applied, as :func:`observing` records it: the items before and after, and the
+    ``(old names, new names)`` pairs the rule reported with :func:`trace_step`."""
+
+    rule: Rule
+    before: Items
+    after: Items
+    pairs: list[tuple[list[str], list[str]]]
+
+
+_STEPS: contextvars.ContextVar[list[Step] | None] = contextvars.ContextVar(
+    "lightning_bpk_remap_steps", default=None
+)
+
+
+@contextlib.contextmanager
+def observing() -> Iterator[list[Step]]:
+    """Record every rule a :class:`KeyRemapper` applies, in order, as :class:`Step`. The
+    shard loader uses them to follow each tensor's dims from the file to the module."""
+    steps: list[Step] = []
+    token = _STEPS.set(steps)
+    try:
+        yield steps
+    finally:
+        _STEPS.reset(token)
+
+
+def _step(
+    rule: Rule, items: Items, call: Callable[[Items], tuple[Items, int]]
+) -> tuple[Items, int]:
+    """``call(items)`` for ``rule``, recorded while :func:`observing`."""
+    steps = _STEPS.get()
+    if steps is None:
+        return call(items)
+    outer = _LINKS.get()
+    with tracing() as links:
+        after, touched = call(items)
+    if outer is not None:
+        outer.extend(links)
+    steps.append(Step(rule, items, after, [pair for step in links for pair in step]))
+    return after, touched
 
 
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
@@ -626,7 +673,7 @@ class KeyRemapper:
         k = 0
         while k < len(rules):
             if rules[k]._phase is None:
-                items, touched = getattr(rules[k], direction)(items)
+                items, touched = _step(rules[k], items, getattr(rules[k], direction))
                 if not touched:
                     unmatched.append(str(rules[k]))
                 k += 1
@@ -652,7 +699,7 @@ def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[
     origin = {n: n for n in items}  # on load, each name as the file has it (for messages)
     for rule in steps:
         if rule._phase == "rename":
-            renamed, touched = getattr(rule, direction)(items)
+            renamed, touched = _step(rule, items, getattr(rule, direction))
             origin = {new: origin.get(old, old) for new, old in zip(renamed, items, strict=True)}
             items = renamed
         else:
@@ -660,11 +707,15 @@ def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[
             converter = transform if direction == "forward" else transform.reverse_transform()
             before = set(items)
             try:
-                items, touched = converter.convert_items(
+                items, touched = _step(
+                    rule,
                     items,
-                    frozenset(produced),
-                    check=None if direction == "forward" else rule,
-                    origin=origin if direction == "forward" else None,
+                    functools.partial(
+                        converter.convert_items,
+                        exclude=frozenset(produced),
+                        check=None if direction == "forward" else rule,
+                        origin=origin if direction == "forward" else None,
+                    ),
                 )
             except RemapError as e:
                 problems.append(str(e))

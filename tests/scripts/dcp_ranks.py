@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import launch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -240,15 +239,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(
-        worker,
-        args=(args.world, port, args.scenarios, args.root),
-        nprocs=args.world,
-        start_method="fork",
-    )
+    launch(worker, args.world, args.scenarios, args.root)
 
 
 if __name__ == "__main__":

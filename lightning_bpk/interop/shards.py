@@ -1,0 +1,627 @@
+"""Load a full (unsharded) ``.bpk`` or ``.safetensors`` file straight into a sharded module:
+each rank reads only the bytes of its own shards.
+
+:func:`load_into_shards` is :func:`~lightning_bpk.interop.loading.load_remapped` for a module
+whose parameters are ``DTensor`` (FSDP2's ``fully_shard``, tensor parallel's
+``parallelize_module``, ``distribute_tensor``): for each ``DTensor`` it computes the box of the
+full tensor this rank holds, from its device mesh and placements (``Shard(d)``, ``Replicate()``,
+uneven shards as torch cuts them), and reads that box from the file with positional reads into
+a buffer of the shard's size. In a row-major tensor a box is one byte range per run of its
+partial dims (a ``Shard(0)`` slice is one range, a ``Shard(1)`` slice of a matrix one range per
+row), so no rank reads, or holds, a full tensor. Plain tensors load whole, as in
+``load_remapped``. Nothing is collective: every rank plans and reads on its own.
+
+**Conversions** run per shard where they commute with the sharding: every rule's effect on
+dims is followed from the file tensor to the module tensor (renames keep them, ``Transpose``
+swaps two, ``MergeModulelist`` adds one, ``SplitModulelist``/``Unstack`` remove one), and an op
+that works along a dim (``Concatenate``, ``Chunk``, ``Split``, ``Interleave``, the rows of
+``PermuteForRope``) must find it whole in the module's shard. A cut along the dim
+``MergeModulelist`` stacks (FSDP2's ``Shard(0)`` of fused experts) selects list elements: the
+rank reads only its elements' tensors and hands them to the rules under indices from 0
+(``experts.4.w1`` as ``experts.0.w1`` on the rank holding experts 4 to 7), checked on meta
+tensors first to give exactly its shard.
+Where it does not, or where tensors converted together would need different slices of one file
+tensor, or for a rule this module does not know, a :class:`~lightning_bpk.records.RecordError`
+names the file, the rule, the parameter and its placement before anything is read.
+
+**What is checked.** Before any shard is written, as ``load_remapped``: the file's header
+(a ``.bpk`` file's layout, offsets, sizes and dtypes; a safetensors header through the
+``safetensors`` package), the conversions, and the module's names, global shapes and dtypes,
+all problems reported together. A ``.bpk`` file's per-tensor xxh3 checksums cover whole tensors,
+so a rank that reads a slice cannot check them: ``verify=True`` hashes every tensor the rank
+loads from in full first (reading each of them whole once, through the page cache), and a
+damaged file then changes nothing. Safetensors files carry no checksums.
+
+``torch.save`` files cannot be read in ranges (pickle) and are refused: convert them first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from lightning_bpk import burnpack
+from lightning_bpk.interop import conversions as ops
+from lightning_bpk.interop.formats import _kind
+from lightning_bpk.interop.loading import (
+    DEFAULT_WORKERS,
+    _assign,
+    _destinations,
+    _items,
+    _open,
+    _plan,
+    _Planned,
+    _run,
+    _Shadow,
+    _Source,
+)
+from lightning_bpk.interop.remap import (
+    Items,
+    KeyRemapper,
+    RemapError,
+    Rename,
+    Split,
+    Step,
+    Transpose,
+    Unstack,
+)
+from lightning_bpk.records.base import RecordError
+from lightning_bpk.records.module import _PARAM_ID_ATTR
+
+__all__ = ["ShardedLoad", "byte_runs", "load_into_shards", "shard_box"]
+
+Box = tuple[tuple[int, int], ...]  # per dim: [start, stop) in the full tensor
+
+
+@dataclass
+class ShardedLoad:
+    """What :func:`load_into_shards` did on this rank."""
+
+    unmatched: list[str]  # rules that matched nothing, as load_remapped returns them
+    bytes_read: int = 0  # tensor bytes this rank read from the file (verify=True included)
+
+
+def shard_box(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Placement],
+) -> Box:
+    """The ``[start, stop)`` range per dim of the full tensor of ``shape`` that the rank at
+    ``coordinate`` of a mesh of ``mesh_shape`` holds, as torch cuts it (``torch.chunk`` per
+    ``Shard``, mesh dims in order; a rank past the last chunk holds an empty range).
+
+    >>> shard_box((7, 4), (2,), (1,), [Shard(0)])
+    ((4, 7), (0, 4))
+    >>> shard_box((7, 4), (2, 2), (1, 0), [Shard(1), Shard(0)])
+    ((0, 4), (2, 4))
+    """
+    for placement in placements:
+        if isinstance(placement, _StridedShard) or not isinstance(placement, Shard | Replicate):
+            raise ValueError(f"placement {placement!r} is not Shard(dim) or Replicate()")
+    local, offset = _compute_local_shape_and_global_offset(
+        tuple(shape), tuple(mesh_shape), list(coordinate), placements
+    )
+    return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
+
+
+def byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` in bytes of the contiguous runs of ``box`` in a row-major tensor of
+    ``shape``, in the box's own row-major order: one run when the box spans whole trailing dims
+    (a ``Shard(0)`` slice), else one per index of the dims before its last partial dim.
+
+    >>> list(byte_runs((3, 4), 4, ((0, 3), (1, 3))))  # Shard(1)-like: one run per row
+    [(4, 8), (20, 8), (36, 8)]
+    >>> list(byte_runs((3, 4), 4, ((1, 3), (0, 4))))  # Shard(0)-like: one run
+    [(16, 32)]
+    """
+    if any(stop <= start for start, stop in box):
+        return
+    if not box:  # a scalar
+        yield 0, itemsize
+        return
+    partial = [d for d, (start, stop) in enumerate(box) if (start, stop) != (0, shape[d])]
+    last = partial[-1] if partial else 0
+    strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
+    start, stop = box[last]
+    length = (stop - start) * strides[last]
+    for index in itertools.product(*(range(a, b) for a, b in box[:last])):
+        yield (
+            sum(i * s for i, s in zip(index, strides, strict=False)) + start * strides[last],
+            length,
+        )
+
+
+class _RangedFile:
+    """Positional reads of boxes of a file's tensors, counting the bytes read (thread-safe)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def read(
+        self,
+        start: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        box: Box,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The ``box`` of the tensor of ``shape`` and ``dtype`` stored at ``start``, read into
+        ``out`` (contiguous, of the box's shape) or a new tensor."""
+        if len(box) != len(shape) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)
+        ):
+            raise ValueError(f"{self.path}: box {list(box)} outside a tensor of {list(shape)}")
+        if out is None:
+            out = torch.empty([stop - begin for begin, stop in box], dtype=dtype)
+        flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
+        at = 0
+        for offset, length in byte_runs(shape, out.element_size(), box):
+            view = flat[at : at + length]
+            done = 0
+            while done < length:
+                n = os.preadv(self.fd, [view[done:]], start + offset + done)
+                if n == 0:
+                    raise RecordError("io", f"{self.path}: ends inside a tensor's bytes")
+                done += n
+            at += length
+        with self._lock:
+            self.bytes_read += at
+        return out
+
+
+# --- following dims through the rules ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """A file tensor stacked by MergeModulelist: it is element ``index`` along ``dim``, and its
+    name is ``head + str(index) + tail`` (``head`` None: the index is not in its file name)."""
+
+    dim: int
+    index: int
+    head: str | None
+    tail: str
+
+
+@dataclass
+class _Dims:
+    """A tensor in the middle of the rules: for each file tensor it comes from, where that
+    tensor's dims are now (None: gone) and, if it was stacked, where; and which dims an op
+    worked along (dim -> the op)."""
+
+    origin: dict[str, list[int | None]]
+    whole: dict[int, str] = field(default_factory=dict)
+    picks: dict[str, _Pick] = field(default_factory=dict)
+
+    def mapped(self, dims: list[int | None], whole: dict[int, str]) -> _Dims:
+        """After a step that moves dim ``i`` to ``dims[i]`` and works along ``whole``."""
+        return _Dims(
+            {s: [None if d is None else dims[d] for d in ds] for s, ds in self.origin.items()},
+            {m: why for d, why in self.whole.items() if (m := dims[d]) is not None} | whole,
+            {
+                s: _Pick(m, p.index, p.head, p.tail)
+                for s, p in self.picks.items()
+                if (m := dims[p.dim]) is not None
+            },
+        )
+
+
+class _Unknown(Exception):
+    """A rule or op whose effect on dims this module does not know."""
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+Moves = tuple[list[int | None], set[int]]  # where each dim goes (None: gone), dims worked along
+
+
+def _swap(ndim: int, dim0: int, dim1: int) -> Moves:
+    dims: list[int | None] = list(range(ndim))
+    a, b = _norm(dim0, ndim), _norm(dim1, ndim)
+    dims[a], dims[b] = b, a
+    return dims, set()
+
+
+def _drop(ndim: int, dim: int) -> Moves:
+    gone = _norm(dim, ndim)
+    return [None if d == gone else d - (d > gone) for d in range(ndim)], set()
+
+
+def _op_moves(op: ops.ConversionOps, ndim: int, first: bool) -> Moves:
+    """What ``op`` does to the dims of ``ndim``-dim tensors; ``first``: it takes the converter's
+    lists of tensors (only then does MergeModulelist stack, adding a dim)."""
+    if isinstance(op, ops.Chunk | ops.Concatenate | ops.Interleave):
+        return list(range(ndim)), {_norm(op.dim, ndim)}
+    if isinstance(op, ops.PermuteForRope):
+        return list(range(ndim)), {0}
+    if isinstance(op, ops.Transpose):
+        return _swap(ndim, op.dim0, op.dim1)
+    if isinstance(op, ops.MergeModulelist):
+        if not first:
+            return list(range(ndim)), set()
+        new = _norm(op.dim, ndim + 1)
+        return [d if d < new else d + 1 for d in range(ndim)], {new}
+    if isinstance(op, ops.SplitModulelist):
+        return _drop(ndim, op.dim)
+    raise _Unknown
+
+
+def _rule_moves(step: Step, ndim: int) -> tuple[list[int | None], set[int], int | None]:
+    """What the rule of ``step`` does to the dims of an ``ndim``-dim tensor it converts, and
+    the dim a MergeModulelist stacked its list along (a selection of the list commutes with a
+    cut there: each rank stacks only its elements)."""
+    rule = step.rule
+    if isinstance(rule, Rename | ops.WeightRenaming):
+        return list(range(ndim)), set(), None
+    if isinstance(rule, Transpose):
+        return (*_swap(ndim, rule.dim0, rule.dim1), None)
+    if isinstance(rule, Unstack):
+        return (*_drop(ndim, rule.dim), None)
+    if isinstance(rule, Split):
+        return list(range(ndim)), {_norm(rule.dim, ndim)}, None
+    if isinstance(rule, ops.WeightConverter):
+        moves: list[int | None] = list(range(ndim))
+        whole: set[int] = set()
+        stacked: int | None = None
+        for k, op in enumerate(rule.operations):
+            dims, works = _op_moves(op, ndim, k == 0)
+            moves = [None if d is None else dims[d] for d in moves]
+            whole = {d for d in (dims[w] for w in whole) if d is not None}
+            stacked = None if stacked is None else dims[stacked]
+            ndim = len({d for d in dims if d is not None} | works)  # a stacked dim is new
+            if k == 0 and isinstance(op, ops.MergeModulelist):
+                (stacked,) = works
+            else:
+                whole |= works
+        return moves, whole, stacked
+    raise _Unknown
+
+
+def _pick(step: Step, name: str, file_name: str, dim: int) -> _Pick:
+    """Where the converter of ``step`` stacks ``name`` (its ``*`` index), and where that index
+    is in ``file_name``."""
+    rule: ops.WeightConverter = step.rule  # type: ignore[assignment]
+    pattern = rule.rename_source_key(name)[1] or ""
+    found = None
+    if pattern.count("*.") == 1:  # the converter numbers one list per pattern
+        found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name)
+    if found is None:
+        return _Pick(dim, 0, None, "")
+    index, tail = int(found["star"]), name[found.end("star") :]
+    end = f"{index}{tail}"
+    head = file_name[: -len(end)] if file_name.endswith("." + end) else None
+    return _Pick(dim, index, head, tail)
+
+
+def _unknown(step: Step) -> str:
+    return f"{step.rule} (a rule whose effect on dims is not known here)"
+
+
+def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[str, _Dims]:
+    """Each tensor after the rules (by module name) -> where its file tensors' dims went."""
+    state = {n: _Dims({n: list(range(ndims[n]))}) for n in names}
+    # made by an untraced rule: may come from any file tensor, read whole
+    unknown: dict[str, list[int | None]] = {n: [None] * ndims[n] for n in names}
+
+    def moved(step: Step, name: str, dims: _Dims, ndim: int) -> _Dims:
+        try:
+            moves, works, stacked = _rule_moves(step, ndim)
+        except _Unknown:  # every dim stays where it was, and must be whole
+            return dims.mapped(list(range(ndim)), dict.fromkeys(range(ndim), _unknown(step)))
+        out = dims.mapped(moves, dict.fromkeys(works, str(step.rule)))
+        if stacked is not None:
+            out.picks.update({f: _pick(step, name, f, stacked) for f in dims.origin})
+        return out
+
+    for step in steps:
+        after: dict[str, _Dims] = {}
+        for olds, news in step.pairs:
+            merged = _Dims({})
+            for old in olds:
+                part = moved(step, old, state[old], step.before[old][0].dim())
+                merged.origin.update(part.origin)
+                merged.whole.update(part.whole)
+                merged.picks.update(part.picks)
+            after.update(dict.fromkeys(news, merged))
+        for name, (tensor, _) in step.after.items():
+            if name in after:
+                continue
+            if name not in state:  # made by a rule that did not report it (not traced)
+                whole = dict.fromkeys(range(tensor.dim()), _unknown(step))
+                after[name] = _Dims(dict(unknown), whole)
+            elif step.before[name][0] is tensor:
+                after[name] = state[name]
+            else:  # changed in place (Transpose)
+                after[name] = moved(step, name, state[name], step.before[name][0].dim())
+        state = after
+    return state
+
+
+# --- the loader ----------------------------------------------------------------------------------
+
+
+def _placement(tensor: DTensor) -> str:
+    return f"{list(tensor.placements)} on a mesh of {tuple(tensor.device_mesh.shape)}"
+
+
+def load_into_shards(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    remapper: KeyRemapper | None = None,
+    *,
+    verify: bool = False,
+    workers: int = DEFAULT_WORKERS,
+    allow_partial: bool = False,
+    allow_unused: bool = False,
+    validate: bool = True,
+    dtype_policy: str = "from_record",
+) -> ShardedLoad:
+    """Load a full ``.bpk`` or ``.safetensors`` file into ``module``, whose tensors may be
+    ``DTensor`` shards, through ``remapper``; each rank reads only its own shards' bytes (see
+    the module docs). Call it on every rank; it needs no collective. Same checks and options as
+    :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout changes as
+    rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts the file's).
+    ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
+
+    Example, on each rank of an FSDP2 model::
+
+        fully_shard(model)
+        load_into_shards("model.safetensors", model, KeyRemapper([Rename(r"^model\\.", "")]))
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, not {workers}")
+    path = Path(path)
+    if _kind(path) == "torch":
+        raise RecordError(
+            "io",
+            f"{path}: a torch.save file cannot be read in byte ranges; convert it to "
+            ".safetensors or .bpk first (lightning_bpk.interop.convert)",
+        )
+    remapper = remapper if remapper is not None else KeyRemapper([])
+    with _open(path) as source:
+        spans = source.spans or {}  # every .bpk and .safetensors file has them
+        plan = _plan(source, remapper)
+        problems: list[str] = []
+        try:
+            plan.record.apply(
+                _Shadow(module),
+                allow_partial=allow_partial,
+                allow_unused=allow_unused,
+                validate=validate,
+                dtype_policy=dtype_policy,
+            )
+        except RecordError as e:
+            if e.kind != "validation":
+                raise
+            problems += e.problems
+        targets = {
+            name: target
+            for name, target in _destinations(module, plan.result.tensors, None).items()
+            if tuple(target.shape) == tuple(plan.result.tensors[name][0].shape)
+        }
+        boxes, renames = _boxes(
+            source, plan.steps, targets, plan.result.tensors, dtype_policy, problems
+        )
+        if not problems:
+            _check_selections(plan, source, remapper, boxes, renames, targets, problems)
+        if problems:
+            raise RecordError("validation", [f"{path}: {p}" for p in problems])
+        file = _RangedFile(path)
+        try:
+            done = ShardedLoad(plan.result.unmatched)
+            if verify and source.verify is not None:  # first: a damaged file changes nothing
+                _run(source.verify, sorted(boxes), workers)
+                done.bytes_read += sum(spans[n][1] - spans[n][0] for n in boxes)
+            cast = dtype_policy == "cast_to_module"
+            into = _read_into(plan, source, spans, targets)
+
+            def read(name: str) -> torch.Tensor:
+                shape, dtype = source.specs[name]
+                start, _, stored = spans[name]
+                box = boxes.get(name, tuple((0, n) for n in shape))
+                tensor = file.read(start, shape, stored, box, into.get(name))
+                if dtype == torch.bool and stored != torch.bool:
+                    return tensor != 0  # a Burn Bool(U8)/Bool(U32)
+                return tensor
+
+            def task(group: list[str]) -> None:
+                needed = [n for n in group if source.aliases.get(n, n) in boxes]
+                if not needed:
+                    return  # feeds nothing this module loads
+                items = {renames.get(n, n): v for n, v in _items(source, needed, read).items()}
+                for name, (tensor, pid) in remapper.load(items).tensors.items():
+                    target = targets.get(name)
+                    if target is None:
+                        continue
+                    local = _local(target)
+                    if local.shape != tensor.shape:  # the plan rules this out
+                        raise RuntimeError(
+                            f"{path}: '{name}': read {list(tensor.shape)} for a local shard "
+                            f"of {list(local.shape)}"
+                        )
+                    if tensor is local:  # read in place: only the param id is left
+                        if pid is not None:
+                            setattr(target, _PARAM_ID_ATTR, pid)
+                    elif isinstance(target, DTensor):
+                        with torch.no_grad():
+                            local.copy_(tensor)
+                        if pid is not None:
+                            setattr(target, _PARAM_ID_ATTR, pid)
+                    else:
+                        _assign(target, tensor, pid, cast)
+
+            _run(task, plan.groups, workers)
+        except burnpack.BurnpackError as e:
+            raise RecordError.from_format_error(e) from e
+        finally:
+            file.close()
+        done.bytes_read += file.bytes_read
+    return done
+
+
+def _local(target: torch.Tensor) -> torch.Tensor:
+    """The tensor a load writes: a DTensor's local shard, or the plain tensor itself."""
+    if isinstance(target, DTensor):
+        with torch.no_grad():
+            return target.to_local()
+    return target
+
+
+def _read_into(
+    plan: _Planned,
+    source: _Source,
+    spans: dict[str, tuple[int, int, torch.dtype]],
+    targets: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """File name -> the module tensor to read it into, in place: where the rules only rename it
+    and the target is contiguous, of the stored dtype, on the CPU (no second copy)."""
+    unchanged = {id(t): n for n, (t, _) in plan.meta.items()}
+    into: dict[str, torch.Tensor] = {}
+    for name, target in targets.items():
+        file_name = unchanged.get(id(plan.result.tensors[name][0]))
+        if file_name is None:
+            continue
+        stored = source.aliases.get(file_name, file_name)
+        local = _local(target)
+        if (
+            local.is_contiguous()
+            and local.device.type == "cpu"
+            and local.dtype == spans[stored][2] == source.specs[stored][1]
+        ):
+            into.setdefault(stored, local)
+    return into
+
+
+def _boxes(
+    source: _Source,
+    steps: list[Step],
+    targets: dict[str, torch.Tensor],
+    planned: dict,
+    dtype_policy: str,
+    problems: list[str],
+) -> tuple[dict[str, Box], dict[str, str]]:
+    """The box of each file tensor this rank reads (stored names), and the names it loads them
+    under where it stacks only some of a list (``experts.4.w1`` as ``experts.0.w1``); problems
+    where a target's shard cannot be read as a box through the rules."""
+    names = list(source.specs) + list(source.aliases)
+    ndims = {n: len(source.specs[source.aliases.get(n, n)][0]) for n in names}
+    dims = _follow(steps, names, ndims)
+    needs: dict[str, dict[str, Box]] = {}  # stored name -> target -> the box it needs
+    renames: dict[str, str] = {}
+    for name, target in targets.items():
+        shape = tuple(target.shape)
+        box: Box = tuple((0, n) for n in shape)
+        if isinstance(target, DTensor):
+            where = f"parameter '{name}' ({_placement(target)})"
+            coordinate = target.device_mesh.get_coordinate()
+            try:
+                if coordinate is None:  # not in the mesh: holds nothing
+                    box = tuple((0, 0) for _ in shape)
+                else:
+                    box = shard_box(shape, target.device_mesh.shape, coordinate, target.placements)
+            except ValueError as e:
+                problems.append(f"{where}: {e}, which a full file cannot be read into")
+                continue
+            if target.device_mesh.device_type == "meta" or _local(target).is_meta:
+                problems.append(f"{where}: on the meta device (allocate it first: to_empty)")
+                continue
+            dtype = planned[name][0].dtype
+            if dtype != target.dtype and dtype_policy != "cast_to_module":
+                problems.append(
+                    f"{where}: the file's {dtype} cannot replace a sharded {target.dtype} "
+                    "parameter in place (use dtype_policy='cast_to_module')"
+                )
+            whole = dims[name].whole
+            cut = [d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d]) and d in whole]
+            if cut:
+                problems.append(
+                    f"{where}: {', '.join(sorted({whole[d] for d in cut}))} works along its "
+                    f"sharded dim {', '.join(map(str, cut))}, so it does not commute with the "
+                    "sharding (load the file unconverted, or shard another dim)"
+                )
+                continue
+        for file_name, file_dims in dims[name].origin.items():
+            pick = dims[name].picks.get(file_name)
+            if pick is not None and box[pick.dim] != (0, shape[pick.dim]):
+                start, stop = box[pick.dim]  # this rank stacks elements start..stop-1
+                if not start <= pick.index < stop:
+                    continue
+                if pick.head is None:
+                    problems.append(
+                        f"parameter '{name}' ({_placement(target)}): '{file_name}' is stacked "  # type: ignore[arg-type]
+                        f"along its sharded dim {pick.dim} under no index in its name"
+                    )
+                    continue
+                renames[file_name] = f"{pick.head}{pick.index - start}{pick.tail}"
+            stored = source.aliases.get(file_name, file_name)
+            full = source.specs[stored][0]
+            # a cut dim is worked along by no rule, so it has the same extent in the file
+            need = tuple(
+                box[d] if d is not None and box[d] != (0, shape[d]) else (0, full[j])
+                for j, d in enumerate(file_dims)
+            )
+            needs.setdefault(stored, {})[name] = need
+    boxes: dict[str, Box] = {}
+    for stored, by_target in needs.items():
+        distinct = set(by_target.values())
+        if len(distinct) > 1:
+            problems.append(
+                f"tensor '{stored}' feeds tensors sharded differently, each needing another part "
+                f"of it: {', '.join(f'{t!r} needs {list(b)}' for t, b in by_target.items())}"
+            )
+        boxes[stored] = distinct.pop()
+    return boxes, renames
+
+
+def _check_selections(
+    plan: _Planned,
+    source: _Source,
+    remapper: KeyRemapper,
+    boxes: dict[str, Box],
+    renames: dict[str, str],
+    targets: dict[str, torch.Tensor],
+    problems: list[str],
+) -> None:
+    """Run the rules on meta tensors of what each group stacking only some of its lists will
+    read: they must give exactly the targets' shards."""
+    for group in plan.groups:
+        if not any(n in renames for n in group):
+            continue
+        meta: Items = {}
+        for n in group:
+            stored = source.aliases.get(n, n)
+            if stored in boxes:
+                shape = [b - a for a, b in boxes[stored]]
+                meta[renames.get(n, n)] = (torch.empty(shape, device="meta"), None)
+        try:
+            out = remapper.load(meta).tensors
+        except RemapError as e:
+            problems.append(f"stacking only this rank's elements of {sorted(renames)}: {e}")
+            continue
+        for name, (tensor, _) in out.items():
+            if name in targets and tuple(tensor.shape) != tuple(_local(targets[name]).shape):
+                problems.append(
+                    f"parameter '{name}': stacking only this rank's elements gives "
+                    f"{list(tensor.shape)}, not its shard's {list(_local(targets[name]).shape)}"
+                )
