@@ -10,9 +10,10 @@ as it would to a cloud bucket:
   ``torch.load`` through an fsspec file + ``copy_``;
 - **torch DCP** with ``FsspecWriter`` / ``FsspecReader`` (single process), loading in place.
 
-What dominates here is the server: moto handles each request in Python and keeps the bytes in
-memory, so absolute numbers are far below a cloud bucket's; the ratios say how much each format
-adds on top of moving the bytes.
+What dominates here is the server: moto handles each request in Python, copies the whole object
+for every ranged GET and assembles a completed multipart upload for ~20 s per GiB (longer than
+s3fs's 15 s read timeout, so completions are retried), so absolute numbers are far below a cloud
+bucket's; the ratios say how much each format adds on top of moving the bytes.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def _run(
                     failed[label] = f"{type(e).__name__}: {e}"[:300].replace("|", "/")
                     continue
                 elapsed = time.perf_counter() - start
+                print(f"  {label}: {elapsed:.2f} s", file=sys.stderr, flush=True)  # progress
                 if round_:
                     times[label].append(elapsed)
     return times, failed

@@ -8,11 +8,21 @@ a sharded directory apart, and importing DCP costs seconds, so they start here a
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from lightning_bpk import storage
 from lightning_bpk.errors import LightningBpkError
 
-__all__ = ["DEFAULT_PREFIX", "INDEX_KEY", "ShardedCheckpointError", "index_path", "is_sharded"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "INDEX_KEY",
+    "ShardedCheckpointError",
+    "index_name",
+    "index_path",
+    "is_sharded",
+]
 
 DEFAULT_PREFIX = "sharded"
 INDEX_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
@@ -22,11 +32,24 @@ class ShardedCheckpointError(LightningBpkError, RuntimeError):
     """A sharded checkpoint could not be written or read; the message names the file."""
 
 
+def index_name(prefix: str = DEFAULT_PREFIX) -> str:
+    """The file (or object) name of the index inside a sharded checkpoint."""
+    return f"{prefix}.index.bpk"
+
+
 def index_path(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> Path:
     """Where the index of the sharded checkpoint in ``directory`` lives."""
-    return Path(directory) / f"{prefix}.index.bpk"
+    return Path(directory) / index_name(prefix)
 
 
-def is_sharded(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> bool:
-    """True when ``directory`` holds a committed sharded checkpoint (its index exists)."""
-    return index_path(directory, prefix).is_file()
+def is_sharded(
+    directory: str | os.PathLike[str],
+    prefix: str = DEFAULT_PREFIX,
+    storage_options: Mapping[str, Any] | None = None,
+) -> bool:
+    """True when ``directory`` (a local path or an object-store URL) holds a committed sharded
+    checkpoint: its index exists."""
+    location = storage.location(directory)
+    if isinstance(location, Path):
+        return index_path(location, prefix).is_file()
+    return storage.object_store(location, storage_options).size(index_name(prefix)) is not None

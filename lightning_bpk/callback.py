@@ -104,7 +104,15 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import _gin, _lightning_compat, sharded, slurm, storage, trainer_state
+from lightning_bpk import (
+    _gin,
+    _lightning_compat,
+    object_checkpoints,
+    sharded,
+    slurm,
+    storage,
+    trainer_state,
+)
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import (
     RUN_SUBDIRECTORY,
@@ -398,6 +406,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.restored_number: int | None = None  # the checkpoint this fit resumed from
         self.last_saved_number: int | None = None
         self._resume_number = -1
+        self._preloaded: dict[str, Any] | None = None  # what rank 0 read choosing the resume
         self._position = DataPosition()
         self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
         self._fit_started = False
@@ -443,6 +452,7 @@ class BurnpackCheckpoint(Checkpoint):
         # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
         choice: tuple[int, str | None] = (-1, None)
         failure: Exception | None = None
+        self._preloaded = None
         if self.resume and trainer.is_global_zero:
             try:
                 choice = self._choose_resume(dirpath)
@@ -489,9 +499,21 @@ class BurnpackCheckpoint(Checkpoint):
         if not storage.is_local(dirpath):  # unreachable, bad credentials, no bucket: say which
             storage.object_store(dirpath, self.storage_options).check()
         required = trainer_state.REQUIRED_KEYS
+        local = storage.is_local(dirpath)
         number = get_latest_checkpoint_number(
-            dirpath, verify=self.verify, required_keys=required, **self._names()
+            dirpath, verify=self.verify and local, required_keys=required, **self._names()
         )
+        if number >= 0 and self.verify and not local:
+            # one read of each object, not two: verified as it is loaded, kept for resume_start
+            store = storage.object_store(dirpath, self.storage_options)
+            number, self._preloaded = object_checkpoints.load_newest(
+                store,
+                self.sentinel_file_identifier,
+                self.checkpoint_file_prefix,
+                required,
+                at_most=number,
+                unloaded=(trainer_state.INDEX_KEY,),
+            )
         if number < 0:
             return number, None
         # Only an override_number can fail here: the search returns a checked checkpoint.
@@ -539,8 +561,12 @@ class BurnpackCheckpoint(Checkpoint):
             if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
-            if storage.is_local(path) and sharded.is_sharded(path):  # FSDP2 / split writes
-                return path, sharded.restore(trainer, path)  # every rank reads its part
+            if sharded.is_sharded(path, storage_options=self.storage_options):  # FSDP2 etc.
+                # every rank reads its part
+                return path, sharded.restore(trainer, path, self.storage_options)
+            if ours and self._preloaded is not None:  # rank 0 read it choosing (object store)
+                data, self._preloaded = self._preloaded, None
+                return path, trainer_state.from_records(data, str(path))
             return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
@@ -858,7 +884,9 @@ class BurnpackCheckpoint(Checkpoint):
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
-                staged = sharded.save_shards(trainer, self.checkpointer, number, checkpoint)
+                staged = sharded.save_shards(
+                    trainer, self.checkpointer, number, checkpoint, self.storage_options
+                )
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike
                 raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
         ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
@@ -923,12 +951,8 @@ class BurnpackCheckpoint(Checkpoint):
             checkpointer.lease = self.checkpointer.lease
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         if staged:  # the shards are written; publish them with the rest, synchronously
-            try:
-                path = checkpointer.save_checkpoint(
-                    number, {**staged, **sharded.records(checkpoint, schedulers)}
-                )
-            finally:
-                sharded.discard(staged)
+            rest = sharded.records(checkpoint, schedulers)
+            path = sharded.publish(checkpointer, number, staged, rest)
             log.info("saved sharded checkpoint %d at %s", number, path)
             return
         data = trainer_state.to_records(

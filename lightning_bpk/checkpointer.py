@@ -166,6 +166,9 @@ MAX_SENTINEL_SIZE = 16 * 1024 * 1024
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)  # what _fs.scratch_path appends
 _DIGEST = re.compile(r"[0-9a-f]{16}")
+# A re-saved N's data on an object store: "<prefix>.<N>~<hex>" ("~" is in no safe name).
+_VERSION_MARK = "~"
+_DATA_VERSION = re.compile(r"[0-9a-f]{8,32}")
 # Where BurnpackCheckpoint saves inside a run's default_root_dir (``lightning-bpk ls RUN`` looks
 # there too).
 RUN_SUBDIRECTORY = "checkpoints"
@@ -378,9 +381,9 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
             f"manifest is for iteration {_quote(doc.get('iteration'))}, not {iteration}"
         )
     data = doc.get("data")
-    if not isinstance(data, str) or not data.endswith(f".{iteration}"):
+    if not isinstance(data, str) or not _names_data(data, None, iteration):
         raise ValueError(f"manifest names data {_quote(data)}, not '<prefix>.{iteration}'")
-    _safe_name(data, "manifest data directory")
+    _safe_name(data.partition(_VERSION_MARK)[0], "manifest data directory")
     files = doc.get("files")
     if not isinstance(files, dict):
         raise ValueError("manifest has no 'files' map")
@@ -398,6 +401,32 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
             raise ValueError(f"manifest entry {_quote(key)} is malformed")
         entries[key] = _FileEntry(*(entry[f] for f in fields))
     return _Manifest(data, entries)
+
+
+def _names_data(data: str, prefix: str | None, iteration: int) -> bool:
+    """Whether ``data`` is a data name of ``iteration`` (of checkpointer ``prefix``, or of any):
+    ``<prefix>.<N>``, or ``<prefix>.<N>~<hex>`` (a re-save of N on an object store, whose data
+    goes beside the old copy under a name never used before)."""
+    base, mark, version = data.partition(_VERSION_MARK)
+    if mark and not _DATA_VERSION.fullmatch(version):
+        return False
+    return base == f"{prefix}.{iteration}" if prefix is not None else base.endswith(f".{iteration}")
+
+
+def _data_name(manifest: _Manifest | None, prefix: str | None, iteration: int) -> str:
+    """The data a sentinel stands for: the manifest's, or (Dopamine's ``b'done'``, which names
+    none) ``<prefix>.<N>``."""
+    return manifest.data if manifest is not None else f"{prefix or DEFAULT_PREFIX}.{iteration}"
+
+
+def _check_data_name(manifest: _Manifest | None, prefix: str | None, iteration: int) -> None:
+    """Raise ``ValueError`` when a manifest names data of another checkpointer prefix."""
+    if (
+        manifest is not None
+        and prefix is not None
+        and not _names_data(manifest.data, prefix, iteration)
+    ):
+        raise ValueError(f"manifest names data {manifest.data!r}, not {f'{prefix}.{iteration}'!r}")
 
 
 def _is_count(value: object) -> bool:
@@ -430,19 +459,11 @@ class _Checkpoint:
         if len(raw) > MAX_SENTINEL_SIZE:
             raise ValueError(f"sentinel is larger than {MAX_SENTINEL_SIZE} bytes")
         manifest = _parse_manifest(raw, self.iteration)
-        if manifest is not None and self.prefix is not None:
-            expected = f"{self.prefix}.{self.iteration}"
-            if manifest.data != expected:
-                raise ValueError(f"manifest names data {manifest.data!r}, not {expected!r}")
+        _check_data_name(manifest, self.prefix, self.iteration)
         return manifest
 
     def data_path(self, manifest: _Manifest | None) -> Path:
-        name = (
-            manifest.data
-            if manifest is not None
-            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
-        )
-        return self.base / name
+        return self.base / _data_name(manifest, self.prefix, self.iteration)
 
     def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is).
@@ -773,7 +794,8 @@ class Checkpointer:
         return self._store if isinstance(self._store, storage.ObjectStore) else None
 
     def checkpoint_path(self, iteration_number: int) -> Path | str:
-        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist)."""
+        """The data directory (a URL on object stores) of ``iteration_number`` (may not exist;
+        on an object store a re-saved N's data is ``<this>~<hex>``, named by its manifest)."""
         name = f"{self.checkpoint_file_prefix}.{_iteration(iteration_number)}"
         return storage.join(self.base_directory, name)
 

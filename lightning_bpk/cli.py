@@ -23,13 +23,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import sys
+import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,18 +201,40 @@ def _open_pack(target: str) -> burnpack.Pack:
     return fetch_pack(store, storage.name_of(location), size)
 
 
-def _local_only(path: str, command: str) -> str:
-    """``convert`` and ``diff`` read local files; a URL gets a clear error, not a local path."""
-    if not storage.is_local(path):
-        raise OSError(
-            f"{path}: {command} reads local files only (ls, verify and inspect accept URLs); "
-            "copy the object first"
-        )
-    return path
+@contextlib.contextmanager
+def _local_copies(*targets: str, only: str | None = None) -> Iterator[list[Path]]:
+    """A local path for each argument of ``convert`` and ``diff``, whose readers (safetensors,
+    ``torch.load``) need files: a path as it is; a URL copied into a temporary folder, removed
+    afterwards: an object as a file, a prefix (a checkpoint's data) as a folder of the objects
+    directly under it (``only`` that one if it is there)."""
+    with tempfile.TemporaryDirectory(prefix="lightning_bpk-cli-") as scratch:
+        yield [_local_copy(t, Path(scratch) / str(i), only) for i, t in enumerate(targets)]
+
+
+def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
+    location = storage.location(target)
+    if isinstance(location, Path):
+        return location
+    scratch.mkdir()
+    name = storage.name_of(location)
+    parent = storage.object_store(storage.parent_of(location))
+    if parent.size(name) is not None:
+        parent.download(name, scratch / name)
+        return scratch / name
+    store = storage.object_store(location)
+    objects = [key for key, size in store.list("").items() if size is not None]
+    if only in objects:
+        objects = [only]
+    if not objects:
+        raise OSError(f"{location}: no such object, nor objects under it")
+    (scratch / name).mkdir()
+    for key in objects:
+        store.download(key, scratch / name / key)
+    return scratch / name
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    if storage.is_local(args.file) and is_sharded(args.file):
+    if is_sharded(args.file):  # a local directory or a URL prefix
         from lightning_bpk import dcp  # seconds to import: only for a sharded directory
 
         info = _describe_sharded(dcp.read_index(args.file))
@@ -424,7 +448,7 @@ def _verify_object(url: str) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = storage.location(args.target)
-    if isinstance(target, Path) and is_sharded(target):  # a checkpoint's data, any DCP dir of ours
+    if is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
         from lightning_bpk import dcp
 
         index = dcp.read_index(target)
@@ -480,10 +504,24 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    _local_only(args.src, "convert"), _local_only(args.dst, "convert")
-    written = convert(args.src, args.dst, progress=_progress(f"convert {Path(args.src).name}"))
-    info = {"src": args.src, "dst": str(written), "size": written.stat().st_size}
-    _emit(args, info, f"wrote {written} ({_size_text(info['size'])})")
+    """Convert ``src`` to ``dst``; either may be a URL (an object store's output is written to
+    a temporary file first, then uploaded)."""
+    remote_dst = not storage.is_local(args.dst)
+    with (
+        _local_copies(args.src, only=MODEL_FILE) as (src,),
+        tempfile.TemporaryDirectory() as scratch,
+    ):
+        progress = _progress(f"convert {storage.name_of(storage.location(args.src))}")
+        dst = Path(scratch) / storage.name_of(args.dst) if remote_dst else Path(args.dst)
+        written: Path | str = convert(src, dst, progress=progress)
+        size = Path(written).stat().st_size
+        if remote_dst:
+            target = storage.location(args.dst)
+            store = storage.object_store(storage.parent_of(target))
+            store.upload(written, storage.name_of(target))
+            written = target
+    info = {"src": args.src, "dst": str(written), "size": size}
+    _emit(args, info, f"wrote {written} ({_size_text(size)})")
     return EXIT_OK
 
 
@@ -589,8 +627,11 @@ def _entry_text(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Compare two files: tensors, scalars and metadata; returns the JSON info and the text."""
+def _diff_files(
+    a: Path, b: Path, args: argparse.Namespace, names: tuple[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Compare two files: tensors, scalars and metadata; returns the JSON info and the text.
+    ``names``: what to call them (the URLs of local copies)."""
     ca, cb = read_content(a), read_content(b)
     atol = args.atol if args.atol is not None else 0.0
     rows = _diff_contents(ca, cb, _progress(f"diff {a.name}"))
@@ -646,8 +687,8 @@ def _diff_files(a: Path, b: Path, args: argparse.Namespace) -> tuple[dict[str, A
         f"differ; {len(metadata)} metadata entries, {len(entries_differ) - n_scalars} differ"
     )
     info = {
-        "a": str(a),
-        "b": str(b),
+        "a": names[0] if names else str(a),
+        "b": names[1] if names else str(b),
         "identical": not different and not entries_differ,
         "tensors": rows,
         "scalars": scalars,
@@ -663,16 +704,33 @@ def _model_file(path: Path) -> Path:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = Path(_local_only(args.a, "diff")), Path(_local_only(args.b, "diff"))
+    """Compare two files or checkpoint directories; either may be a URL (copied first)."""
+    with _local_copies(args.a, args.b) as (a, b):
+        return _diff(a, b, args)
+
+
+def _diff(a: Path, b: Path, args: argparse.Namespace) -> int:
+    def shown(path: Path, local: Path, argument: str) -> str:
+        """A path inside a local copy, named by the argument's URL."""
+        if storage.is_local(argument):
+            return str(path)
+        relative = path.relative_to(local).as_posix()
+        return argument.rstrip("/") + ("" if relative == "." else f"/{relative}")
+
     if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b):
-        info, text = _diff_files(_model_file(a), _model_file(b), args)
+        fa, fb = _model_file(a), _model_file(b)
+        names = (shown(fa, a, args.a), shown(fb, b, args.b))
+        info, text = _diff_files(fa, fb, args, names)
         _emit(args, info, text)
         return EXIT_OK if info["identical"] else EXIT_FOUND
     # Two checkpoint directories: every record file, matched by name.
     names_a = {p.name for p in a.glob("*" + checkpointer.RECORD_SUFFIX)}
     names_b = {p.name for p in b.glob("*" + checkpointer.RECORD_SUFFIX)}
     if not names_a and not names_b:
-        raise OSError(f"{a} and {b}: no {checkpointer.RECORD_SUFFIX} files to compare")
+        raise OSError(
+            f"{shown(a, a, args.a)} and {shown(b, b, args.b)}: no "
+            f"{checkpointer.RECORD_SUFFIX} files to compare"
+        )
     files, texts = [], []
     for name in sorted(names_a | names_b):
         if name not in names_a or name not in names_b:
@@ -680,14 +738,20 @@ def _cmd_diff(args: argparse.Namespace) -> int:
             files.append({"file": name, "identical": False, "status": side})
             texts.append(f"{name}: {side}")
             continue
-        info, text = _diff_files(a / name, b / name, args)
+        names = (shown(a / name, a, args.a), shown(b / name, b, args.b))
+        info, text = _diff_files(a / name, b / name, args, names)
         files.append({"file": name, **info})
         texts.append(f"{name}: {'same' if info['identical'] else 'differs'}\n{text}")
     identical = all(f["identical"] for f in files)
     summary = f"{len(files)} files, {sum(not f['identical'] for f in files)} differ"
     _emit(
         args,
-        {"a": str(a), "b": str(b), "identical": identical, "files": files},
+        {
+            "a": shown(a, a, args.a),
+            "b": shown(b, b, args.b),
+            "identical": identical,
+            "files": files,
+        },
         "\n\n".join([*texts, summary]),
     )
     return EXIT_OK if identical else EXIT_FOUND

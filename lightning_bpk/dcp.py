@@ -22,6 +22,16 @@ DCP collects every rank's exception after planning and after writing and raises
 ``CheckpointException`` on every rank, so a failure anywhere fails the save everywhere; nothing
 is committed and the directory's previous checkpoint (if any) still loads.
 
+**On object storage** (``s3://bucket/run/step-100``, any fsspec URL but a local one) the same
+names are keys below the URL. No rename exists there, so: each rank writes its file to a local
+scratch folder and uploads it (a multipart upload when big; retried, bounded); the coordinator's
+``finish`` lists the prefix once, checks that every rank's object is present with the size that
+rank reported, and only then writes the index **create-only** (a conditional PUT on S3 and GCS):
+the index is the commit point, so such a checkpoint is written once; saving into a URL that
+holds one already is refused in ``prepare_global_plan``, before any rank writes. Reads fetch each
+rank file's head (checked against the index's digest) and then only the byte ranges of the chunks
+a rank needs, each checked against its xxh3 checksum.
+
 Nothing is pickled: tensors are burnpack tensors, the index is JSON, and a non-tensor value
 (an optimizer's ``lr``, say) is stored as a :class:`~lightning_bpk.records.StateRecord` blob.
 Loading such a value hands DCP's planner ``torch.save`` bytes produced here, in memory, from
@@ -46,10 +56,13 @@ import dataclasses
 import io
 import itertools
 import json
+import mmap
 import os
 import re
+import shutil
+import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,10 +90,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItem, WriteI
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_bpk import burnpack
+from lightning_bpk import _fs, burnpack, storage
 from lightning_bpk._sharded_names import (
     DEFAULT_PREFIX,
     ShardedCheckpointError,
+    index_name,
     index_path,
     is_sharded,
 )
@@ -120,13 +134,20 @@ def _chunk_name(index: MetadataIndex) -> str:
     return f"{index.fqn}@{','.join(map(str, index.offset))}"
 
 
-def _head(path: Path) -> tuple[int, str]:
-    """A written file's size and the xxh3 of its head (header and metadata, with checksums)."""
+def _head(path: Path) -> tuple[int, int, str]:
+    """A written file's size, its head's size and the xxh3 of its head (header and metadata,
+    with the tensor checksums)."""
     with burnpack.read(path) as pack:
         head_size = pack.data_start
     with open(path, "rb") as f:
         digest = xxhash.xxh3_64_hexdigest(f.read(head_size))
-    return path.stat().st_size, digest
+    return path.stat().st_size, head_size, digest
+
+
+def _stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list[str]:
+    """Rank files of earlier or failed saves among ``names``: any not in ``live``."""
+    pattern = re.compile(re.escape(prefix) + r"\.rank-[0-9]+\..*")
+    return [name for name in names if pattern.fullmatch(name) and name not in live]
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -140,6 +161,7 @@ class _Location:
     name: str
     file_size: int
     head_xxh3: str
+    head_size: int = 0
 
 
 def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
@@ -181,12 +203,15 @@ class BurnpackStorageWriter(StorageWriter):
     others; the coordinator writes the JSON index last (see the module docstring).
 
     Args:
-        path: the checkpoint directory (created if missing); ``dcp.save(checkpoint_id=...)``
-            may give it instead.
+        path: the checkpoint directory (created if missing), or an object-store URL (a prefix
+            of keys; see the module docstring); ``dcp.save(checkpoint_id=...)`` may give it
+            instead.
         prefix: file names are ``{prefix}.rank-{r}.{id}.bpk`` and ``{prefix}.index.bpk``.
+        storage_options: passed to fsspec for a URL (credentials, endpoint).
 
-    Every byte a rank writes goes through :meth:`write_file` (one call per rank and save), the
-    one place a storage layer other than the local filesystem plugs in.
+    Every byte a rank writes goes through :meth:`write_file` (one call per rank and save; for
+    a URL into a local scratch file, which :meth:`put_file` then uploads). After a save, the
+    coordinator's :attr:`files` describes every file it committed (the index too).
     """
 
     def __init__(
@@ -194,32 +219,46 @@ class BurnpackStorageWriter(StorageWriter):
         path: str | os.PathLike[str] | None = None,
         *,
         prefix: str = DEFAULT_PREFIX,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.path = None if path is None else Path(path)
+        self.path = None if path is None else storage.location(path)
         self.prefix = prefix
+        self.storage_options = storage_options
         self.is_coordinator = False
         self.save_id = ""
+        # file name -> {"size", "head_size", "head_xxh3"}: what finish committed (coordinator)
+        self.files: dict[str, dict[str, Any]] = {}
 
     # -- DCP protocol ----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = storage.location(checkpoint_id)
 
     @property
-    def checkpoint_id(self) -> Path | None:
+    def checkpoint_id(self) -> Path | str | None:
         return self.path
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.save_id = uuid.uuid4().hex  # the coordinator's names every file of this save
-        self._directory().mkdir(parents=True, exist_ok=True)
+        self.files = {}
+        location = self._directory()
+        if isinstance(location, Path):
+            location.mkdir(parents=True, exist_ok=True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        store = self._store()
+        if store is not None and store.size(index_name(self.prefix)) is not None:
+            raise ShardedCheckpointError(
+                f"{store.url_of(index_name(self.prefix))}: a committed checkpoint is there "
+                "already; on object storage a sharded checkpoint is written once (its index is "
+                "created only if absent), so save into a new checkpoint_id"
+            )
         # New names for every save: files of the committed checkpoint are never overwritten.
         return [
             dataclasses.replace(
@@ -235,15 +274,34 @@ class BurnpackStorageWriter(StorageWriter):
         entries = {_chunk_name(item.index): _entry(planner, item) for item in plan.items}
         results = []
         if entries:
-            target = self._directory() / file
-            self.write_file(target, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id})
-            size, head = _head(target)
+            size, head_size, head = self._write_rank_file(
+                file, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id}
+            )
             for item in plan.items:
-                location = _Location(file, _chunk_name(item.index), size, head)
+                location = _Location(file, _chunk_name(item.index), size, head, head_size)
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _write_rank_file(
+        self, file: str, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
+    ) -> tuple[int, int, str]:
+        """Write this rank's file where the checkpoint lives; its size, head size and digest."""
+        location = self._directory()
+        if isinstance(location, Path):
+            target = location / file
+            self.write_file(target, entries, metadata)
+            return _head(target)
+        scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
+        try:
+            local = scratch / file
+            self.write_file(local, entries, metadata)
+            described = _head(local)
+            self.put_file(local, file)
+            return described
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def write_file(
         self, target: Path, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
@@ -254,42 +312,94 @@ class BurnpackStorageWriter(StorageWriter):
         except burnpack.BurnpackError as e:
             raise ShardedCheckpointError(str(e)) from e
 
+    def put_file(self, local: Path, name: str) -> None:
+        """Upload one rank file written to ``local`` as object ``name`` (retried, bounded)."""
+        store = self._store()
+        assert store is not None
+        try:
+            store.upload(local, name)
+        except OSError as e:
+            raise ShardedCheckpointError(f"{store.url_of(name)}: upload failed: {e}") from e
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locations = {r.index: r.storage_data for rank in results for r in rank}
-        document = _encode_index(metadata, locations, self.save_id)
+        document, files = _encode_index(metadata, locations, self.save_id)
+        index = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document})
+        head_size = burnpack.loads(index).data_start
+        self.files = {
+            **files,
+            index_name(self.prefix): {
+                "size": len(index),
+                "head_size": head_size,
+                "head_xxh3": xxhash.xxh3_64_hexdigest(index[:head_size]),
+            },
+        }
+        store = self._store()
+        if store is not None:
+            listing = self._commit_remote(store, files, index)
+            # Committed: objects of earlier or failed saves are garbage now (the next save
+            # retries what fails here).
+            with contextlib.suppress(OSError):
+                store.remove(_stale_rank_files(self.prefix, list(listing), set(files)))
+            return
         directory = self._directory()
-        burnpack.write(
-            index_path(directory, self.prefix),
-            {},
-            metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document},
-            add_suffix=False,
-        )
+        assert isinstance(directory, Path)
+        with _fs.atomic_file(index_path(directory, self.prefix)) as f:
+            _fs.write_all(f, index)
         # Committed: rank files of earlier or failed saves are garbage now (removed after the
         # index, so a crash here leaves extra files, never an index naming missing ones).
-        live = {location.file for location in locations.values()}
-        stale = re.compile(re.escape(self.prefix) + r"\.rank-[0-9]+\..*")
-        for entry in os.scandir(directory):
-            if stale.fullmatch(entry.name) and entry.name not in live:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        names = [entry.name for entry in os.scandir(directory)]
+        for name in _stale_rank_files(self.prefix, names, set(files)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
+
+    def _commit_remote(
+        self, store: storage.ObjectStore, files: Mapping[str, Mapping[str, Any]], index: bytes
+    ) -> dict[str, int | None]:
+        """Confirm every rank's object (one listing), then create the index; the listing."""
+        listing = store.list("")
+        for name, expected in files.items():
+            found = listing.get(name)
+            if found != expected["size"]:
+                raise ShardedCheckpointError(
+                    f"{store.url_of(name)}: uploaded, but the store lists "
+                    f"{'nothing' if found is None else f'{found} bytes'} instead of "
+                    f"{expected['size']} bytes; the checkpoint is not committed"
+                )
+        if not store.create(index_name(self.prefix), index):
+            raise ShardedCheckpointError(
+                f"{store.url_of(index_name(self.prefix))}: another save committed a checkpoint "
+                "here while this one wrote its shards; not overwritten"
+            )
+        return listing
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)  # asked before set-up: no save id yet
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in str(checkpoint_id)
+        return _servable(checkpoint_id)
 
-    def _directory(self) -> Path:
+    def _directory(self) -> Path | str:
         if self.path is None:
             raise ShardedCheckpointError("no checkpoint directory: pass path or checkpoint_id")
         return self.path
+
+    def _store(self) -> storage.ObjectStore | None:
+        """The object store of a URL checkpoint (``None`` for a local directory)."""
+        location = self._directory()
+        if isinstance(location, Path):
+            return None
+        return storage.object_store(location, self.storage_options)
 
 
 # --- the index ------------------------------------------------------------------------------------
 
 
-def _encode_index(metadata: Metadata, locations: Mapping[MetadataIndex, Any], save_id: str) -> str:
+def _encode_index(
+    metadata: Metadata, locations: Mapping[MetadataIndex, Any], save_id: str
+) -> tuple[str, dict[str, dict[str, Any]]]:
+    """The index document (JSON) and its table of files (name -> size, head size and digest)."""
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
@@ -298,7 +408,11 @@ def _encode_index(metadata: Metadata, locations: Mapping[MetadataIndex, Any], sa
         location = locations.get(index)
         if not isinstance(location, _Location):
             raise ShardedCheckpointError(f"no rank reported writing '{index.fqn}' {index.offset}")
-        files[location.file] = {"size": location.file_size, "head_xxh3": location.head_xxh3}
+        files[location.file] = {
+            "size": location.file_size,
+            "head_size": location.head_size,
+            "head_xxh3": location.head_xxh3,
+        }
         return location.name, location.file
 
     for fqn, md in metadata.state_dict_metadata.items():
@@ -328,30 +442,33 @@ def _encode_index(metadata: Metadata, locations: Mapping[MetadataIndex, Any], sa
         json.dumps(planner_data)
     except (TypeError, ValueError) as e:
         raise ShardedCheckpointError(f"the planner's data is not plain data: {e}") from e
-    return json.dumps(
-        {
-            "format": INDEX_FORMAT,
-            "version": INDEX_VERSION,
-            "save_id": save_id,
-            "files": files,
-            "tensors": tensors,
-            "objects": objects,
-            "planner_data": planner_data,
-        },
-        separators=(",", ":"),
-    )
+    document = {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "save_id": save_id,
+        "files": files,
+        "tensors": tensors,
+        "objects": objects,
+        "planner_data": planner_data,
+    }
+    return json.dumps(document, separators=(",", ":")), files
 
 
 @dataclass(frozen=True)
 class Index:
     """A parsed sharded-checkpoint index: which chunk of which tensor lies in which file."""
 
-    directory: Path
+    directory: Path | str  # a local directory, or the URL of an object-store prefix
     save_id: str
-    files: dict[str, dict[str, Any]]  # file name -> {"size", "head_xxh3"}
+    files: dict[str, dict[str, Any]]  # file name -> {"size", "head_xxh3"[, "head_size"]}
     tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape", "requires_grad", "chunks"}
     objects: dict[str, dict[str, Any]]  # fqn -> {"file", "name"}
     planner_data: Any
+    store: storage.ObjectStore | None = None  # the store of a URL directory
+
+    def where(self, file: str) -> str:
+        """The path or URL of one of the checkpoint's files, for messages."""
+        return str(storage.join(self.directory, file))
 
     def metadata(self) -> Metadata:
         """The index as DCP's ``Metadata`` (what a planner needs to plan a load)."""
@@ -380,7 +497,10 @@ class Index:
 
     def check_files(self, *, verify_tensors: bool = False) -> list[str]:
         """Problems with the rank files (sizes, head digests, save ids; optionally every tensor)."""
+        if self.store is not None:
+            return self._check_objects(self.store, verify_tensors)
         problems = []
+        assert isinstance(self.directory, Path)
         for name, expected in self.files.items():
             path = self.directory / name
             try:
@@ -392,7 +512,7 @@ class Index:
                 problems.append(f"{path}: {size} bytes, the index records {expected['size']}")
                 continue
             try:
-                if _head(path)[1] != expected["head_xxh3"]:
+                if _head(path)[2] != expected["head_xxh3"]:
                     problems.append(f"{path}: header/metadata differ from the index (damaged)")
                     continue
                 if verify_tensors:
@@ -402,14 +522,53 @@ class Index:
                 problems.append(str(e))
         return problems
 
+    def _check_objects(self, store: storage.ObjectStore, verify_tensors: bool) -> list[str]:
+        """:meth:`check_files` on an object store: one listing for the sizes; the heads (and
+        with ``verify_tensors`` every chunk) with ranged reads."""
+        listing = store.list("")
+        problems = []
+        for name, expected in self.files.items():
+            found = listing.get(name)
+            if found is None:
+                problems.append(f"{self.where(name)}: listed in the index but missing")
+            elif found != expected["size"]:
+                problems.append(
+                    f"{self.where(name)}: {found} bytes, the index records {expected['size']}"
+                )
+            elif verify_tensors:
+                with _opened(self, verify=True) as packs:
+                    try:
+                        pack = packs.pack(name)
+                        for chunk in pack.names:
+                            packs.tensor(name, chunk)
+                    except (ShardedCheckpointError, burnpack.BurnpackError, OSError) as e:
+                        problems.append(str(e))
+        return problems
 
-def read_index(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> Index:
-    """Parse the index of the sharded checkpoint in ``directory`` (raises naming the file)."""
-    path = index_path(directory, prefix)
+
+def read_index(
+    directory: str | os.PathLike[str],
+    prefix: str = DEFAULT_PREFIX,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Index:
+    """Parse the index of the sharded checkpoint in ``directory`` (a local directory or an
+    object-store URL; raises naming the file)."""
+    location = storage.location(directory)
+    store = None
+    if isinstance(location, Path):
+        path: Path | str = index_path(location, prefix)
+    else:
+        store = storage.object_store(location, storage_options)
+        path = store.url_of(index_name(prefix))
     try:
-        with burnpack.read(path) as pack:
-            raw = pack.metadata.get(INDEX_KEY)
-    except burnpack.BurnpackError as e:
+        if store is None:
+            with burnpack.read(path) as pack:
+                raw = pack.metadata.get(INDEX_KEY)
+        else:
+            raw = burnpack.loads(store.read(index_name(prefix))).metadata.get(INDEX_KEY)
+    except FileNotFoundError as e:
+        raise ShardedCheckpointError(f"{path}: no sharded checkpoint index there") from e
+    except (burnpack.BurnpackError, OSError) as e:
         raise ShardedCheckpointError(f"{path}: not a sharded checkpoint index ({e})") from e
     try:
         doc = json.loads(raw) if raw is not None else None
@@ -423,12 +582,13 @@ def read_index(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) 
         )
     try:
         index = Index(
-            Path(directory),
+            location,
             str(doc["save_id"]),
             dict(doc["files"]),
             dict(doc["tensors"]),
             dict(doc["objects"]),
             doc.get("planner_data"),
+            store,
         )
         for fqn, t in index.tensors.items():
             for c in t["chunks"]:
@@ -445,9 +605,10 @@ def read_index(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) 
 class _Packs:
     """Rank files opened once per read and checked against the index.
 
-    Chunks are read with ``pread`` into a fresh tensor and verified there, and only the chunk in
-    use is kept (callers go chunk by chunk), so a rank's peak extra memory is about its largest
-    chunk, whatever the size of the files (a memory-mapped read would count every page of them).
+    Chunks are read with ``pread`` (on an object store: ranged reads of just the chunk's bytes)
+    into a fresh tensor and verified there, and only the chunk in use is kept (callers go chunk
+    by chunk), so a rank's peak extra memory is about its largest chunk, whatever the size of
+    the files (a memory-mapped read would count every page of them).
     """
 
     def __init__(self, index: Index, verify: bool) -> None:
@@ -455,6 +616,9 @@ class _Packs:
         self.verify = verify
         self.packs: dict[str, burnpack.Pack] = {}
         self.current: tuple[tuple[str, str], torch.Tensor] | None = None
+        # an object's pack parses its head in an anonymous mapping of the object's size: the
+        # pages of the data section are never touched, so they take no memory (see _open_object)
+        self.mappings: dict[str, mmap.mmap] = {}
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
         if self.current is None or self.current[0] != (file, name):
@@ -473,9 +637,13 @@ class _Packs:
     def _read(self, file: str, name: str) -> torch.Tensor:
         pack, info, dtype = self._info(file, name)
         if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
+            if file in self.mappings:  # fetch the chunk into the object's mapping first
+                start = pack.data_start + info.data_offsets[0]
+                view = memoryview(self.mappings[file])[start : start + info.nbytes]
+                self._pread(file, pack, name, info, view)
             return pack.tensor(name, verify=self.verify).clone()
         data = torch.empty(info.nbytes, dtype=torch.uint8)
-        self._pread(pack, name, info, burnpack.tensor_bytes(data))
+        self._pread(file, pack, name, info, burnpack.tensor_bytes(data))
         return data.view(dtype).reshape(info.shape)
 
     def read_into(self, file: str, name: str, target: torch.Tensor) -> bool:
@@ -491,21 +659,32 @@ class _Packs:
             or target.numel() == 0
         ):
             return False
-        self._pread(pack, name, info, burnpack.tensor_bytes(target))
+        self._pread(file, pack, name, info, burnpack.tensor_bytes(target))
         return True
 
     def _pread(
-        self, pack: burnpack.Pack, name: str, info: burnpack.TensorInfo, view: memoryview
+        self,
+        file: str,
+        pack: burnpack.Pack,
+        name: str,
+        info: burnpack.TensorInfo,
+        view: memoryview,
     ) -> None:
         """Read the chunk's bytes into ``view`` and check them against its checksum."""
         start = pack.data_start + info.data_offsets[0]
-        with open(pack.source, "rb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                got = os.preadv(f.fileno(), [view[done:]], start + done)
-                if got <= 0:
-                    raise ShardedCheckpointError(f"{pack.source}: truncated in chunk '{name}'")
-                done += got
+        if self.index.store is not None:
+            try:
+                self.index.store.read_into(file, view, offset=start)
+            except OSError as e:
+                raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
+        else:
+            with open(pack.source, "rb", buffering=0) as f:
+                done = 0
+                while done < len(view):
+                    got = os.preadv(f.fileno(), [view[done:]], start + done)
+                    if got <= 0:
+                        raise ShardedCheckpointError(f"{pack.source}: truncated in chunk '{name}'")
+                    done += got
         expected = pack.checksums.get(name)
         if self.verify and expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
             raise ShardedCheckpointError(
@@ -514,25 +693,73 @@ class _Packs:
 
     def pack(self, file: str) -> burnpack.Pack:
         if file not in self.packs:
-            path = self.index.directory / file
             expected = self.index.files.get(file)
             try:
-                pack = burnpack.read(path)
+                if self.index.store is None:
+                    assert isinstance(self.index.directory, Path)
+                    pack = burnpack.read(self.index.directory / file)
+                else:
+                    pack = self._open_object(self.index.store, file, expected)
             except burnpack.BurnpackError as e:
                 raise ShardedCheckpointError(f"cannot read rank file: {e}") from e
             if expected is None or pack.metadata.get(SAVE_ID_KEY) != self.index.save_id:
                 pack.close()
                 raise ShardedCheckpointError(
-                    f"{path}: belongs to another save than the index {index_path(path.parent)}"
+                    f"{self.index.where(file)}: belongs to another save than the index "
+                    f"{self.index.where(index_name())}"
                 )
             self.packs[file] = pack
         return self.packs[file]
+
+    def _open_object(
+        self, store: storage.ObjectStore, file: str, expected: Mapping[str, Any] | None
+    ) -> burnpack.Pack:
+        """Parse an object's head, fetched with one ranged read and checked against the index.
+
+        The pack sees an anonymous mapping of the object's full size holding just the head;
+        chunks are then fetched on their own (:meth:`_pread`), so nothing else is downloaded.
+        """
+        url = store.url_of(file)
+        if expected is None or not expected.get("head_size"):
+            raise ShardedCheckpointError(f"{url}: the index does not describe this file")
+        size, head_size = int(expected["size"]), int(expected["head_size"])
+        if not 0 < head_size <= size <= burnpack.MAX_FILE_SIZE:
+            raise ShardedCheckpointError(f"{url}: the index records impossible sizes")
+        mapping = mmap.mmap(-1, size)
+        try:
+            if _fetch_head(store, file, mapping, head_size) != expected["head_xxh3"]:
+                raise ShardedCheckpointError(
+                    f"{url}: header/metadata differ from the index (damaged)"
+                )
+            pack = burnpack.Pack(mapping, source=url)
+        except BaseException as e:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+            if isinstance(e, OSError):
+                raise ShardedCheckpointError(f"{url}: {e}") from e
+            raise
+        self.mappings[file] = mapping
+        return pack
 
     def close(self) -> None:
         self.current = None
         for pack in self.packs.values():
             pack.close()
         self.packs.clear()
+        for mapping in self.mappings.values():
+            with contextlib.suppress(BufferError):  # a tensor still views it: freed with it
+                mapping.close()
+        self.mappings.clear()
+
+
+def _fetch_head(store: storage.ObjectStore, file: str, mapping: mmap.mmap, head_size: int) -> str:
+    """Read the first ``head_size`` bytes of object ``file`` into ``mapping``; their xxh3."""
+    view = memoryview(mapping)[:head_size]
+    try:
+        store.read_into(file, view)
+        return xxhash.xxh3_64_hexdigest(view)
+    finally:
+        view.release()  # the mapping can be closed only once no view of it is left
 
 
 @contextlib.contextmanager
@@ -555,9 +782,11 @@ def _object(packs: _Packs, file: str, name: str, fqn: str) -> Any:
 class BurnpackStorageReader(StorageReader):
     """DCP storage reader for checkpoints written by :class:`BurnpackStorageWriter`.
 
-    Each rank opens only the rank files holding chunks it needs (memory-mapped) and copies the
-    overlapping part of each chunk into its own tensors; every tensor read is checked against its
-    xxh3 checksum (``verify=False`` skips that).
+    Each rank opens only the rank files holding chunks it needs and copies the overlapping
+    part of each chunk into its own tensors; every tensor read is checked against its xxh3
+    checksum (``verify=False`` skips that). ``path`` may be an object-store URL
+    (``storage_options`` go to fsspec): then only the heads of those files and the byte ranges
+    of those chunks are fetched.
     """
 
     def __init__(
@@ -566,28 +795,30 @@ class BurnpackStorageReader(StorageReader):
         *,
         prefix: str = DEFAULT_PREFIX,
         verify: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.path = None if path is None else Path(path)
+        self.path = None if path is None else storage.location(path)
         self.prefix = prefix
         self.verify = verify
+        self.storage_options = storage_options
         self.index: Index | None = None
         self.storage_data: dict[MetadataIndex, tuple[str, str]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = storage.location(checkpoint_id)
         self.index = None
         self.storage_data = {}
 
     @property
-    def checkpoint_id(self) -> Path | None:
+    def checkpoint_id(self) -> Path | str | None:
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ShardedCheckpointError("no checkpoint directory: pass path or checkpoint_id")
-        self.index = read_index(self.path, self.prefix)
+        self.index = read_index(self.path, self.prefix, self.storage_options)
         problems = self.index.check_files()
         if problems:
             raise ShardedCheckpointError("; ".join(problems))
@@ -643,22 +874,38 @@ class BurnpackStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return "://" not in str(checkpoint_id) and is_sharded(checkpoint_id)
+        try:
+            return _servable(checkpoint_id) and is_sharded(checkpoint_id)
+        except OSError:
+            return False
+
+
+def _servable(checkpoint_id: str | os.PathLike[str]) -> bool:
+    """A local path, or a URL whose fsspec driver is installed."""
+    try:
+        storage.open_store(checkpoint_id)
+    except (storage.StorageError, storage.MissingDriverError):
+        return False
+    return True
 
 
 # --- without a process group ----------------------------------------------------------------------
 
 
 def load_full_state_dict(
-    directory: str | os.PathLike[str], *, prefix: str = DEFAULT_PREFIX, verify: bool = True
+    directory: str | os.PathLike[str],
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The full (unsharded) flat state dict of a sharded checkpoint, in this process alone.
 
     Keys are DCP's flattened keys (``state_dict.layer.weight``, ``optimizer_0.state...``); each
     tensor is assembled from its chunks, whatever the world size that saved it. Objects come back
-    as their plain-data values. No process group is needed.
+    as their plain-data values. No process group is needed. ``directory`` may be a URL.
     """
-    index = read_index(directory, prefix)
+    index = read_index(directory, prefix, storage_options)
     problems = index.check_files()
     if problems:
         raise ShardedCheckpointError("; ".join(problems))
@@ -675,8 +922,8 @@ def load_full_state_dict(
                 covered += region.numel()
             if covered != full.numel():
                 raise ShardedCheckpointError(
-                    f"{index_path(directory, prefix)}: the chunks of '{fqn}' cover {covered} of "
-                    f"{full.numel()} elements"
+                    f"{index.where(index_name(prefix))}: the chunks of '{fqn}' cover {covered} "
+                    f"of {full.numel()} elements"
                 )
             out[fqn] = full
         for fqn, o in index.objects.items():
@@ -701,10 +948,14 @@ def _put(root: dict, path: tuple, value: Any) -> None:
 
 
 def load_nested(
-    directory: str | os.PathLike[str], *, prefix: str = DEFAULT_PREFIX, verify: bool = True
+    directory: str | os.PathLike[str],
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The state dict as it was saved (nested again by the planner's key paths), every tensor
-    full-size, in this process alone.
+    full-size, in this process alone (``directory`` may be a URL).
 
     >>> import tempfile, torch, torch.distributed.checkpoint as dcp
     >>> path = tempfile.mkdtemp()
@@ -713,8 +964,10 @@ def load_nested(
     >>> load_nested(path)["opt"]["groups"]
     [{'lr': 0.1}]
     """
-    flat = load_full_state_dict(directory, prefix=prefix, verify=verify)
-    mapping = read_index(directory, prefix).metadata().planner_data
+    flat = load_full_state_dict(
+        directory, prefix=prefix, verify=verify, storage_options=storage_options
+    )
+    mapping = read_index(directory, prefix, storage_options).metadata().planner_data
     if not isinstance(mapping, dict):
         return flat
     nested: dict[str, Any] = {}

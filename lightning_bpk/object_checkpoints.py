@@ -7,22 +7,31 @@ The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/mod
 1. the records are written to a local staging directory (the local protocol's ``_stage``: each
    file fsynced) and described for the manifest (size, head digest);
 2. the lease is checked (:mod:`lightning_bpk.lease`): a superseded run stops here;
-3. if N exists already, its sentinel is deleted first (N stops being complete), then its
-   objects: the data prefix of N only ever holds bytes of a save whose sentinel is not yet
-   written, so no sentinel names bytes other than those it was written for;
+3. the data name is chosen: ``ckpt.N`` when the store holds no data of N, else
+   ``ckpt.N~<16 hex>``, a name never used before, so a re-save never touches the copy the
+   sentinel of N names and no sentinel names bytes other than those it was written for. Data of
+   N without a sentinel of N (left by a failed or crashed save) is deleted first;
 4. every file is uploaded (large files as multipart uploads) with bounded retries;
 5. one listing of the data prefix confirms every object is present with its size;
-6. the lease is checked again and the sentinel is written **create-only** (a conditional PUT on
-   S3 and GCS): if another writer committed N in between, this save fails instead of
-   overwriting its commit;
-7. garbage collection (the local arithmetic), after one more lease check: sentinels are deleted
-   before their data, so a checkpoint is incomplete before it is partial.
+6. the lease is checked again and the sentinel is written: **create-only** (a conditional PUT
+   on S3 and GCS) for a new N, so if another writer committed N in between this save fails
+   instead of overwriting its commit; for a re-save of N one PUT replaces the old manifest by the
+   new one (an object is replaced whole: readers see the old checkpoint or the new, never
+   neither). A sentinel write that raised is read back: it may have landed;
+7. a re-save deletes the old copy of N's data; garbage collection (the local arithmetic), after
+   one more lease check: sentinels are deleted before their data, so a checkpoint is incomplete
+   before it is partial, and an old copy of a re-saved N that a crash left is deleted too.
+
+A sharded save (:mod:`lightning_bpk.sharded`) splits this: rank 0 runs steps 2-3 first
+(:func:`clear`), every rank then uploads its shards into N's data prefix and rank 0 confirms
+them, and :func:`save` with those objects as ``uploaded`` runs 1 and 4-7 for the other records,
+listing every object in the manifest.
 
 A failure anywhere in 2-6 raises (a :class:`~lightning_bpk.storage.StorageError` after the
-retries) and leaves every other checkpoint as it was; what was uploaded for N is removed on a
-best-effort basis (never after losing the lease). An object is never visible half-written on
-these stores, so a crash at any point leaves at most unreferenced data, which the next garbage
-collection removes.
+retries) and leaves every other checkpoint, and an earlier save of the same N, as it was; what
+was uploaded for N is removed on a best-effort basis (never after losing the lease, nor when the
+sentinel's fate is unknown). An object is never visible half-written on these stores, so a crash
+at any point leaves at most unreferenced data, which later garbage collection removes.
 
 Reads stream: a record object is fetched with ranged reads into memory, its head (header and
 metadata) first and checked against the manifest's digest before the tensor bytes are fetched;
@@ -31,6 +40,8 @@ the tensor checksums are verified as the record is decoded. Nothing goes to a te
 
 from __future__ import annotations
 
+import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -42,40 +53,56 @@ import xxhash
 
 from lightning_bpk import burnpack
 from lightning_bpk import checkpointer as ck
-from lightning_bpk.layout import DEFAULT_PREFIX, sentinel_stem
+from lightning_bpk.layout import NUMBER_PATTERN, sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
 from lightning_bpk.storage import ObjectStore, StorageError
 
 __all__ = [
     "RemoteCheckpoint",
+    "clear",
     "collect_garbage",
     "commit",
+    "discard",
     "fetch_pack",
     "latest",
     "list_checkpoints",
+    "load_newest",
     "remove",
     "save",
 ]
 
 
-def _entries(listing: Mapping[str, int | None], stem: str, *, data: bool) -> dict[int, str]:
-    """``{N: name}`` for the names ``stem.N`` of a listing (data: prefixes; sentinels: objects)."""
-    found = {}
-    for name, match in ck.number_matches(listing, stem):
-        if (listing[name] is None) == data:
-            found[int(match.group(1))] = name
+def _sentinels(listing: Mapping[str, int | None], identifier: str) -> dict[int, str]:
+    """``{N: name}`` for the sentinel objects of a listing."""
+    return {
+        int(match.group(1)): name
+        for name, match in ck.number_matches(listing, sentinel_stem(identifier))
+        if listing[name] is not None
+    }
+
+
+def _data_entries(listing: Mapping[str, int | None], prefix: str) -> dict[int, list[str]]:
+    """``{N: [names]}`` for the data prefixes of a listing: ``prefix.N`` and the re-saves
+    ``prefix.N~<hex>`` (the plain name first)."""
+    stem = re.escape(prefix) + r"\." + NUMBER_PATTERN
+    compiled = re.compile(stem + f"(?:{re.escape(ck._VERSION_MARK)}{ck._DATA_VERSION.pattern})?")
+    found: dict[int, list[str]] = {}
+    for name in sorted(listing):
+        match = compiled.fullmatch(name)
+        if match and listing[name] is None:
+            found.setdefault(int(match.group(1)), []).append(name)
     return found
 
 
 def list_checkpoints(store: ObjectStore, identifier: str, prefix: str) -> list[ck.CheckpointEntry]:
     """:func:`lightning_bpk.checkpointer.list_checkpoints` on a store (one listing)."""
     listing = store.list("")
-    sentinels = _entries(listing, sentinel_stem(identifier), data=False)
-    data = _entries(listing, prefix, data=True)
+    sentinels = _sentinels(listing, identifier)
+    data = _data_entries(listing, prefix)
     return [
         ck.CheckpointEntry(
             n,
-            store.url_of(data[n]) if n in data else None,
+            store.url_of(data[n][0]) if n in data else None,
             store.url_of(sentinels[n]) if n in sentinels else None,
         )
         for n in sorted(set(sentinels) | set(data), reverse=True)
@@ -100,18 +127,11 @@ class RemoteCheckpoint:
         if size > ck.MAX_SENTINEL_SIZE:
             raise ValueError(f"sentinel is larger than {ck.MAX_SENTINEL_SIZE} bytes")
         manifest = ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration)
-        if manifest is not None and self.prefix is not None:
-            expected = f"{self.prefix}.{self.iteration}"
-            if manifest.data != expected:
-                raise ValueError(f"manifest names data {manifest.data!r}, not {expected!r}")
+        ck._check_data_name(manifest, self.prefix, self.iteration)
         return manifest
 
     def data_name(self, manifest: ck._Manifest | None) -> str:
-        return (
-            manifest.data
-            if manifest is not None
-            else f"{self.prefix or DEFAULT_PREFIX}.{self.iteration}"
-        )
+        return ck._data_name(manifest, self.prefix, self.iteration)
 
     def problems(self, *, full: bool, required_keys: Sequence[str] = ()) -> list[str]:
         """Why this checkpoint is not usable ([] if it is): the local checks, on objects."""
@@ -242,7 +262,7 @@ def latest(
     """:func:`lightning_bpk.checkpointer.get_latest_checkpoint_number` on a store: the newest
     sentinel whose checkpoint passes the checks; skipped ones warn with the reason."""
     listing = store.list("")
-    for n in sorted(_entries(listing, sentinel_stem(identifier), data=False), reverse=True):
+    for n in sorted(_sentinels(listing, identifier), reverse=True):
         problems = RemoteCheckpoint(store, n, identifier, prefix).problems(
             full=verify, required_keys=required_keys
         )
@@ -256,14 +276,84 @@ def latest(
     return -1
 
 
-def save(checkpointer: ck.Checkpointer, store: ObjectStore, n: int, data: Mapping[str, Any]) -> str:
-    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL."""
+def load_newest(
+    store: ObjectStore,
+    identifier: str,
+    prefix: str | None,
+    required_keys: Sequence[str],
+    at_most: int,
+    unloaded: Sequence[str] = (),
+) -> tuple[int, dict[str, Any] | None]:
+    """Resume's verify and load in one read: the newest checkpoint ``<= at_most`` that passes
+    the quick checks (sentinel, sizes, required keys) and loads, every byte verified as it is
+    read (head digests, tensor checksums), with what it holds. A damaged one is skipped with a
+    :class:`~lightning_bpk.checkpointer.CheckpointWarning`, falling back to the one before.
+
+    A checkpoint holding one of the ``unloaded`` keys (a sharded checkpoint's index: every
+    rank reads its own part, verified as it reads) is chosen on the quick checks alone, with
+    ``None`` for what it holds."""
+    listing = store.list("")
+    for n in sorted((m for m in _sentinels(listing, identifier) if m <= at_most), reverse=True):
+        checkpoint = RemoteCheckpoint(store, n, identifier, prefix)
+        problems = checkpoint.problems(full=False, required_keys=required_keys)
+        if not problems:
+            try:
+                manifest = checkpoint.read_manifest()
+                if manifest is not None and any(k in manifest.files for k in unloaded):
+                    return n, None
+                data = checkpoint.load(None)
+            except (RecordError, OSError, KeyError, ValueError) as e:
+                problems = [str(e)]
+            else:
+                if data is not None:
+                    return n, data
+                problems = [f"{checkpoint.sentinel}: its data is gone"]
+        warnings.warn(
+            f"checkpoint {n} in {store.url} skipped: " + ck.summarise(problems),
+            ck.CheckpointWarning,
+            stacklevel=3,
+        )
+    return -1, None
+
+
+def save(
+    checkpointer: ck.Checkpointer,
+    store: ObjectStore,
+    n: int,
+    data: Mapping[str, Any],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
+) -> str:
+    """Save iteration ``n`` into ``store`` (steps 1-7 of the module docstring); its data URL.
+
+    ``uploaded``: files other processes already put into N's data prefix after :func:`clear`
+    (a sharded save's ranks): confirmed and listed in the manifest with the staged ones.
+    """
     scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
     try:
         staging, files = checkpointer._stage(n, data, under=scratch)
-        return commit(checkpointer, store, n, staging, files)
+        return commit(checkpointer, store, n, staging, files, uploaded)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def clear(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> str:
+    """Check the lease, then remove an existing N, its sentinel first; N's data URL.
+
+    A sharded save calls this before its ranks put their objects under that URL, and then
+    :func:`save` with them as ``uploaded``. So a sharded re-save of N, unlike an unsharded one,
+    does not keep the old copy until the new one is committed: if it fails, resume falls back
+    to the checkpoint before N.
+    """
+    if checkpointer.lease is not None:
+        checkpointer.lease.check()
+    prefix = checkpointer.checkpoint_file_prefix
+    sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
+    listing = store.list("")
+    if sentinel in listing:
+        store.remove([sentinel])
+    for old in _data_entries(listing, prefix).get(n, []):  # ``prefix.N`` and its re-saves
+        store.remove_prefix(old)
+    return store.url_of(f"{prefix}.{n}")
 
 
 def commit(
@@ -272,22 +362,34 @@ def commit(
     n: int,
     staging: Path,
     files: Mapping[str, ck._FileEntry],
+    uploaded: Mapping[str, ck._FileEntry] | None = None,
 ) -> str:
-    """Upload a staged checkpoint and write its sentinel last (steps 2-7)."""
+    """Upload a staged checkpoint and write its sentinel last (steps 2-7; ``uploaded``: see
+    :func:`save`, whose data prefix :func:`clear` prepared instead)."""
     lease = checkpointer.lease
-    name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+    prefix = checkpointer.checkpoint_file_prefix
     sentinel = f"{sentinel_stem(checkpointer.sentinel_file_identifier)}.{n}"
     if lease is not None:
         lease.check()
-    listing = store.list("")
-    if sentinel in listing:
-        store.remove([sentinel])
-    if name in listing:
-        store.remove_prefix(name)
-    committed = False
+    if uploaded is None:
+        listing = store.list("")
+        resave = sentinel in listing
+        earlier = _data_entries(listing, prefix).get(n, [])
+        if not resave:  # data of N without a sentinel: what failed or crashed saves left
+            for old in earlier:
+                store.remove_prefix(old)
+        # a name never used before when N had data: the old copy stays whole until the new
+        # sentinel
+        name = f"{prefix}.{n}" if not earlier else f"{prefix}.{n}{ck._VERSION_MARK}{_version()}"
+    else:  # a sharded save: clear() emptied N's data prefix before the ranks uploaded into it
+        resave, earlier, name = False, [], f"{prefix}.{n}"
+    files = {**(uploaded or {}), **files}
+    manifest = ck._encode_manifest(n, ck._Manifest(name, dict(files)))
+    state = "uploading"  # -> "committed", or "unknown" when the sentinel's fate is not known
     try:
         for key in files:
-            store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
+            if key not in (uploaded or {}):
+                store.upload(staging / (key + ck.RECORD_SUFFIX), f"{name}/{key}{ck.RECORD_SUFFIX}")
         present = store.list(name)
         for key, entry in files.items():
             found = present.get(key + ck.RECORD_SUFFIX)
@@ -299,26 +401,69 @@ def commit(
                 )
         if lease is not None:
             lease.check()
-        manifest = ck._encode_manifest(n, ck._Manifest(name, dict(files)))
-        if not store.create(sentinel, manifest):
+        state = "unknown"
+        try:
+            # a re-save overwrites (one PUT: the old manifest or the new one, never neither)
+            if resave:
+                store.write(sentinel, manifest)
+            elif not store.create(sentinel, manifest):
+                state = "refused"
+        except Exception:
+            landed = _holds(store, sentinel, manifest)  # a write that raised may have landed
+            if landed is False:
+                state = "uploading"
+            if not landed:
+                raise
+        if state == "refused":
+            state = "uploading"
             raise StorageError(
                 f"{store.url_of(sentinel)}: another writer committed checkpoint {n} while this "
                 "one uploaded it; not overwritten"
             )
-        committed = True
+        state = "committed"
     finally:
-        if not committed and _still_owner(lease):
-            try:
-                store.remove_prefix(name)
-            except OSError as e:  # the next garbage collection removes the rest
-                warnings.warn(
-                    f"checkpoint {n}: removing the uploaded objects of the failed save from "
-                    f"{store.url_of(name)} failed: {e}",
-                    ck.CheckpointWarning,
-                    stacklevel=3,
-                )
+        if state == "uploading" and _still_owner(lease):
+            _remove_quietly(store, [name], f"the uploaded objects of the failed save of {n}")
+    if resave:
+        _remove_quietly(store, earlier, f"the data checkpoint {n} replaced")
     collect_garbage(checkpointer, store, n)
     return store.url_of(name)
+
+
+def discard(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
+    """Remove what a failed sharded save of N uploaded into N's data prefix, unless a newer run
+    owns the directory now (best effort: a failure warns, and the next garbage collection
+    removes the rest)."""
+    if _still_owner(checkpointer.lease):
+        name = f"{checkpointer.checkpoint_file_prefix}.{n}"
+        _remove_quietly(store, [name], f"the uploaded objects of the failed save of {n}")
+
+
+def _version() -> str:
+    return secrets.token_hex(8)
+
+
+def _holds(store: ObjectStore, key: str, data: bytes) -> bool | None:
+    """Whether object ``key`` holds ``data`` (None: the store cannot tell now)."""
+    try:
+        return store.read(key) == data
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+
+
+def _remove_quietly(store: ObjectStore, names: Iterable[str], what: str) -> None:
+    """Remove data prefixes; a failure warns (the next garbage collection removes the rest)."""
+    for name in names:
+        try:
+            store.remove_prefix(name)
+        except OSError as e:
+            warnings.warn(
+                f"removing {what} from {store.url_of(name)} failed: {e}",
+                ck.CheckpointWarning,
+                stacklevel=4,
+            )
 
 
 def _still_owner(lease: Any) -> bool:
@@ -337,12 +482,12 @@ def remove(checkpointer: ck.Checkpointer, store: ObjectStore, numbers: Iterable[
         checkpointer.lease.check()
     wanted = sorted(numbers)
     listing = store.list("")
-    sentinels = _entries(listing, sentinel_stem(checkpointer.sentinel_file_identifier), data=False)
-    data = _entries(listing, checkpointer.checkpoint_file_prefix, data=True)
+    sentinels = _sentinels(listing, checkpointer.sentinel_file_identifier)
+    data = _data_entries(listing, checkpointer.checkpoint_file_prefix)
     store.remove(sentinels[m] for m in wanted if m in sentinels)
     for m in wanted:
-        if m in data:
-            store.remove_prefix(data[m])
+        for name in data.get(m, []):
+            store.remove_prefix(name)
 
 
 def collect_garbage(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -> None:
@@ -352,14 +497,24 @@ def collect_garbage(checkpointer: ck.Checkpointer, store: ObjectStore, n: int) -
         if checkpointer.lease is not None:
             checkpointer.lease.check()
         listing = store.list("")
-        sentinels = _entries(
-            listing, sentinel_stem(checkpointer.sentinel_file_identifier), data=False
-        )
-        data = _entries(listing, checkpointer.checkpoint_file_prefix, data=True)
+        sentinels = _sentinels(listing, checkpointer.sentinel_file_identifier)
+        data = _data_entries(listing, checkpointer.checkpoint_file_prefix)
         doomed_sentinels, doomed_data = checkpointer._doomed(n, set(sentinels), set(data))
         store.remove(sentinels[m] for m in sorted(doomed_sentinels))
         for m in sorted(doomed_data):
-            store.remove_prefix(data[m])
+            for name in data[m]:
+                store.remove_prefix(name)
+        for m, names in data.items():  # a re-save's old copy that a crash left beside the new
+            if len(names) > 1 and m in sentinels and m not in doomed_data and m <= n:
+                checkpoint = RemoteCheckpoint(store, m, checkpointer.sentinel_file_identifier, None)
+                try:
+                    live = checkpoint.data_name(checkpoint.read_manifest())
+                except ValueError:  # a damaged sentinel: which copy is live is not known
+                    continue
+                if live in names:
+                    for name in names:
+                        if name != live:
+                            store.remove_prefix(name)
     except OSError as e:
         warnings.warn(
             f"checkpoint {n} in {store.url} is complete, but removing old checkpoints failed: {e}",

@@ -24,6 +24,14 @@ optimizers, on any number of ranks: DCP's planner reshards.
 A save is one collective: if any rank fails, DCP raises on every rank, nothing is published, and
 every earlier checkpoint stays as it was. Shards are staged in ``{prefix}.{N}.dcp.<pid>-<k>.tmp``
 beside the checkpoints; a crash leaves that directory behind, and the next sharded save removes it.
+
+On an object store (``dirpath="s3://..."``) the layout is the same, as keys. Rank 0 first
+checks the lease and removes an existing N, its sentinel first
+(:func:`lightning_bpk.object_checkpoints.clear`); then every rank uploads its shards straight
+into ``ckpt.N/``, rank 0 confirms them and creates the index
+(:class:`~lightning_bpk.dcp.BurnpackStorageWriter`), uploads the other records, confirms those,
+checks the lease again and creates the sentinel (:func:`publish`). A failure on any rank fails
+the save on every rank, and rank 0 removes what was uploaded for N.
 """
 
 from __future__ import annotations
@@ -49,13 +57,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import _fs, burnpack, storage, trainer_state
-from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk import _fs, burnpack, object_checkpoints, storage, trainer_state
+from lightning_bpk.checkpointer import Checkpointer, _FileEntry
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
+    INDEX_KIND,
+    SHARD_KIND,
     BurnpackStorageReader,
     BurnpackStorageWriter,
     ShardedCheckpointError,
+    index_name,
     is_sharded,
     load_full_state_dict,
     load_nested,
@@ -78,6 +89,7 @@ __all__ = [
     "lightning_dict",
     "load",
     "module_record",
+    "publish",
     "records",
     "restore",
     "save_shards",
@@ -175,47 +187,99 @@ def _failures(error: CheckpointException) -> str:
     )
 
 
+def _target(checkpointer: Checkpointer, number: int) -> str:
+    """Rank 0: where the ranks write the shards of checkpoint ``number``: a fresh local staging
+    directory, or (object store) N's data prefix, emptied first."""
+    store = checkpointer._remote
+    if store is not None:
+        return object_checkpoints.clear(checkpointer, store, number)
+    target = _fs.scratch_path(storage.local_path(checkpointer.checkpoint_path(number)))
+    directory = target.with_name(target.name.replace(f".{number}.", f".{number}.dcp.", 1))
+    _remove_staging_leftovers(target.parent, keep=directory)
+    return str(directory)
+
+
 def save_shards(
-    trainer: pl.Trainer, checkpointer: Checkpointer, number: int, checkpoint: dict
-) -> dict[str, Record]:
+    trainer: pl.Trainer,
+    checkpointer: Checkpointer,
+    number: int,
+    checkpoint: dict,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective).
 
     Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
-    gives each tensor to one rank, balancing the bytes, so every rank writes a share.
+    gives each tensor to one rank, balancing the bytes, so every rank writes a share. On an
+    object store every rank uploads its shards into N's data prefix (``storage_options`` go to
+    fsspec).
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
-    the staged files as records for ``checkpointer.save_checkpoint`` (on other ranks: ``{}``).
-    A failure on any rank raises :class:`ShardedCheckpointError` on every rank; so does an
-    object-store ``checkpointer`` (every rank has one: the check needs no collective), as the
-    ranks write their shards straight into a shared local directory.
+    what :func:`publish` commits: the staged files as records, or the uploaded objects' manifest
+    entries (on other ranks: ``{}``). A failure on any rank raises
+    :class:`ShardedCheckpointError` on every rank.
     """
-    if not storage.is_local(checkpointer.base_directory):
-        raise ShardedCheckpointError(
-            f"{checkpointer.base_directory}: sharded checkpoints need a local (or shared) "
-            "directory; object storage takes unsharded checkpoints only"
-        )
-    staging = ""
+    target, failure = "", None
     if trainer.is_global_zero:
-        target = _fs.scratch_path(storage.local_path(checkpointer.checkpoint_path(number)))
-        directory = target.with_name(target.name.replace(f".{number}.", f".{number}.dcp.", 1))
-        _remove_staging_leftovers(target.parent, keep=directory)
-        staging = str(directory)
-    path = Path(trainer.strategy.broadcast(staging))
+        try:
+            target = _target(checkpointer, number)
+        except Exception as e:  # every rank must reach the broadcast, and learn of it
+            failure = e
+    target, error = trainer.strategy.broadcast(
+        (target, None if failure is None else f"{type(failure).__name__}: {failure}")
+    )
+    if error is not None:
+        raise ShardedCheckpointError(
+            f"preparing checkpoint {number} failed on rank 0: {error}"
+        ) from failure
+    path = storage.location(target)
     module = trainer.lightning_module
     checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
     optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
     state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
+    writer = BurnpackStorageWriter(path, storage_options=storage_options)
     try:
-        dcp.save(state, storage_writer=BurnpackStorageWriter(path))
+        dcp.save(state, storage_writer=writer)
     except CheckpointException as e:  # raised on every rank alike
         if trainer.is_global_zero:
-            shutil.rmtree(path, ignore_errors=True)
+            store = checkpointer._remote
+            if store is None:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                object_checkpoints.discard(checkpointer, store, number)
         raise ShardedCheckpointError(
             f"writing the shards of checkpoint {number} failed: {_failures(e)}"
         ) from e
     if not trainer.is_global_zero:
         return {}
+    if not isinstance(path, Path):
+        return {
+            name[: -len(".bpk")]: _FileEntry(
+                INDEX_KIND if name == index_name() else SHARD_KIND,
+                info["size"],
+                info["head_size"],
+                info["head_xxh3"],
+            )
+            for name, info in writer.files.items()
+        }
     return {p.name[: -len(".bpk")]: _StagedFile(p) for p in sorted(path.iterdir())}
+
+
+def publish(
+    checkpointer: Checkpointer, number: int, staged: Mapping[str, Any], rest: Mapping[str, Any]
+) -> Path | str | None:
+    """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
+    ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does;
+    shards that are not committed are removed."""
+    store = checkpointer._remote
+    if store is None:  # staged files, moved into the checkpoint as it is published
+        try:
+            return checkpointer.save_checkpoint(number, {**staged, **rest})
+        finally:
+            discard(staged)
+    if number % checkpointer.checkpoint_frequency:  # skipped, as save_checkpoint would
+        object_checkpoints.discard(checkpointer, store, number)
+        return None
+    return object_checkpoints.save(checkpointer, store, number, rest, uploaded=staged)
 
 
 def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
@@ -241,10 +305,17 @@ def discard(staged: Mapping[str, Record]) -> None:
 # --- loading --------------------------------------------------------------------------------------
 
 
-def _rest(path: Path) -> dict[str, Any]:
+def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
-    checkpointer, number = trainer_state._checkpointer_for(path)
-    keys = sorted(p.name[:-4] for p in path.glob("*.bpk") if not p.name.startswith(DEFAULT_PREFIX))
+    checkpointer, number = trainer_state._checkpointer_for(path, storage_options)
+    names = (
+        os.listdir(path)
+        if isinstance(path, Path)
+        else storage.object_store(path, storage_options).list("")
+    )
+    keys = sorted(
+        name[:-4] for name in names if name.endswith(".bpk") and not name.startswith(DEFAULT_PREFIX)
+    )
     data = checkpointer.load_checkpoint(number, keys)
     if data is None or trainer_state.TRAINER_KEY not in data:
         raise ShardedCheckpointError(f"{path}: checkpoint {number} is not complete")
@@ -255,8 +326,13 @@ def _rest(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def restore(trainer: pl.Trainer, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Lightning's dict for resuming ``trainer`` from the sharded checkpoint ``path``.
+def restore(
+    trainer: pl.Trainer,
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Lightning's dict for resuming ``trainer`` from the sharded checkpoint ``path`` (a local
+    directory or a URL; ``storage_options`` go to fsspec).
 
     A sharded model that is already set up (``ModelParallelStrategy`` restores after setup) gets
     its model and optimizer state loaded in place (:func:`load`); otherwise (DDP, one device) the
@@ -268,17 +344,19 @@ def restore(trainer: pl.Trainer, path: str | os.PathLike[str]) -> dict[str, Any]
         isinstance(p, DTensor) for p in module.parameters()
     )
     if in_place:
-        return load(path, module, trainer.optimizers)
-    return lightning_dict(path)
+        return load(path, module, trainer.optimizers, storage_options=storage_options)
+    return lightning_dict(path, storage_options)
 
 
-def lightning_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+def lightning_dict(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The whole checkpoint as Lightning's dict, in this process alone: the full model
     ``state_dict`` and, per optimizer, ``optimizer.state_dict()``'s positional form (parameters
     numbered in the order the saved groups list their ids)."""
-    path = Path(path)
-    checkpoint = _rest(path)
-    nested = load_nested(path)
+    location = storage.location(path)
+    checkpoint = _rest(location, storage_options)
+    nested = load_nested(location, storage_options=storage_options)
     checkpoint["state_dict"] = OrderedDict(nested[MODEL])
     checkpoint["optimizer_states"] = [
         _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
@@ -302,24 +380,30 @@ def load(
     path: str | os.PathLike[str],
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory: model and optimizer state straight into ``module``
     and ``optimizers`` (sharded or not, on any number of ranks; every rank calls this), and the
     rest of Lightning's dict (loops, callbacks, schedulers, RNG states) as the return value.
 
     Without a process group it loads in this process alone, into a plain ``nn.Module``.
+    ``path`` may be a URL (each rank fetches only the byte ranges of its shards).
     """
-    path = Path(path)
-    checkpoint = _rest(path)
+    location = storage.location(path)
+    checkpoint = _rest(location, storage_options)
     model_state = get_model_state_dict(module)
     optimizer_states = [get_optimizer_state_dict(module, o) for o in optimizers]
     state = _dcp_state(module, model_state, optimizers, optimizer_states)
     if not optimizers:
         state = {MODEL: state[MODEL], PARAM_IDS: state[PARAM_IDS]}
     try:
-        dcp.load(state, storage_reader=BurnpackStorageReader(path))
+        reader = BurnpackStorageReader(location, storage_options=storage_options)
+        dcp.load(state, storage_reader=reader)
     except CheckpointException as e:
-        raise ShardedCheckpointError(f"loading the shards of {path} failed: {_failures(e)}") from e
+        raise ShardedCheckpointError(
+            f"loading the shards of {location} failed: {_failures(e)}"
+        ) from e
     set_model_state_dict(module, state[MODEL])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):
@@ -328,7 +412,12 @@ def load(
     return checkpoint
 
 
-def module_record(path: str | os.PathLike[str], *, verify: bool = True) -> ModuleRecord:
+def module_record(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ModuleRecord:
     """The model of a sharded checkpoint as one unsharded :class:`ModuleRecord`, assembled in this
     process without a process group (what ``lightning-bpk convert`` writes; ``.apply(module)``
     loads it into a plain ``nn.Module``). Tensors equal the gathered full state dict.
@@ -336,7 +425,7 @@ def module_record(path: str | os.PathLike[str], *, verify: bool = True) -> Modul
     A DCP checkpoint written without this package's callback (no ``model.`` keys) gives every
     tensor under its flattened DCP key.
     """
-    full = load_full_state_dict(path, verify=verify)
+    full = load_full_state_dict(path, verify=verify, storage_options=storage_options)
     tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
     model = {k[len(MODEL) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL + ".")}
     if not model:

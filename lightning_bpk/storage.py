@@ -45,10 +45,12 @@ from lightning_bpk.errors import LightningBpkError
 __all__ = [
     "ATTEMPTS",
     "BASE_WAIT",
+    "COMPLETION_WAIT",
     "EXTRAS",
     "LOCAL_PROTOCOLS",
     "MAX_WAIT",
     "READ_CHUNK",
+    "READ_STREAMS",
     "UPLOAD_PART",
     "LocalStore",
     "MissingDriverError",
@@ -78,8 +80,15 @@ MAX_WAIT = 5.0
 # Part size of multipart uploads to S3 (None: s3fs's default, 50 MiB parts for files of 100 MiB
 # and more); parts go up concurrently.
 UPLOAD_PART: int | None = None
-# Ranged reads fetch this many bytes per request (several requests are in flight at once).
+# How long an upload whose multipart completion answer was lost waits for the object to appear
+# (the server may still be assembling it: moto needs ~20 s for 1 GiB, s3fs waits 15 s for an
+# answer) before uploading it again.
+COMPLETION_WAIT = 60.0
+# Ranged reads fetch at least this many bytes per request, and an object in at most READ_STREAMS
+# requests, all in flight at once, so per-request costs stay bounded (moto copies the whole
+# object for every ranged GET: 16 MiB ranges cost it 64 copies of a 1 GiB object).
 READ_CHUNK = 16 * 1024 * 1024
+READ_STREAMS = 8
 
 T = TypeVar("T")
 
@@ -358,12 +367,14 @@ class ObjectStore:
         )
 
     def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
-        """Fill ``buffer`` with the object's bytes from ``offset`` on, with ranged reads of
-        :data:`READ_CHUNK` bytes issued together (s3fs and gcsfs run them concurrently)."""
+        """Fill ``buffer`` with the object's bytes from ``offset`` on, with at most
+        :data:`READ_STREAMS` ranged reads of at least :data:`READ_CHUNK` bytes issued together
+        (s3fs and gcsfs run them concurrently)."""
         view = memoryview(buffer).cast("B")
         total = view.nbytes
-        starts = list(range(0, total, READ_CHUNK))
-        ends = [min(s + READ_CHUNK, total) for s in starts]
+        size = max(READ_CHUNK, -(-total // READ_STREAMS))
+        starts = list(range(0, total, size))
+        ends = [min(s + size, total) for s in starts]
         path = self._path(key)
 
         def fetch() -> list[bytes]:
@@ -381,24 +392,54 @@ class ObjectStore:
                 )
             view[s:e] = chunk
 
+    def download(self, key: str, local: str | os.PathLike[str]) -> None:
+        """Copy object ``key`` to a local file (for readers that need a file: the CLI's
+        ``convert`` and ``diff`` of ``.safetensors`` and ``torch.save`` files)."""
+        self._retry("download", key, lambda: self.fs.get_file(self._path(key), os.fspath(local)))
+
     # -- writing --
 
     def upload(self, local: str | os.PathLike[str], key: str) -> None:
-        """Copy a local file to ``key`` (s3fs uploads big files in parts)."""
+        """Copy a local file to ``key`` (s3fs uploads big files in parts).
+
+        A multipart upload whose completion request timed out may still be completed by the
+        server: s3fs then retries the completion, which fails while the first one is still
+        assembling the object (moto: a 500; S3: NoSuchUpload), aborts the upload, finds it gone
+        and raises ``FileNotFoundError``. The upload did not fail then, its answer was lost:
+        the object is awaited (:meth:`_landed`) instead of uploading every part again, which
+        would only time out the same way.
+        """
         options = {}
         if UPLOAD_PART is not None and self.protocol in ("s3", "s3a"):
             options["chunksize"] = UPLOAD_PART
         path = self._path(key)
+        size = os.path.getsize(local)
 
         def put() -> None:
             try:
                 self.fs.put_file(os.fspath(local), path, **options)
             except FileNotFoundError as e:
-                # s3fs after a multipart upload whose completion failed (a 500) and whose abort
-                # found nothing (NoSuchUpload): the local file and the bucket exist, so retry.
-                raise ConnectionError(f"multipart upload failed: {e}") from e
+                if self._landed(key, size):
+                    return
+                raise ConnectionError(f"multipart upload lost at completion: {e}") from e
 
         self._retry("upload to", key, put)
+
+    def _landed(self, key: str, size: int) -> bool:
+        """Whether object ``key`` appears with ``size`` bytes within :data:`COMPLETION_WAIT`
+        seconds (polled with growing waits of at most :data:`MAX_WAIT`)."""
+        deadline = time.monotonic() + COMPLETION_WAIT
+        wait = BASE_WAIT
+        while True:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(self._path(key))
+            found = self.size(key)
+            if found is not None:
+                return found == size
+            if time.monotonic() + wait > deadline:
+                return False
+            time.sleep(wait)
+            wait = min(MAX_WAIT, 2 * wait)
 
     def write(self, key: str, data: bytes) -> None:
         """Write ``key`` (one PUT: the object appears whole or not at all)."""

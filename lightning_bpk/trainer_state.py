@@ -363,20 +363,25 @@ def _listing(directory: Path | str, storage_options: Mapping[str, Any] | None) -
 def is_checkpoint_directory(
     path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> bool:
-    """True for a Checkpointer's data directory (``{base}/{prefix}.{N}``), local or a URL."""
+    """True for a Checkpointer's data directory (``{base}/{prefix}.{N}``), local or a URL. On
+    an object store ``{prefix}.{N}`` also stands for a re-save's ``{prefix}.{N}~<hex>``."""
     target = storage.location(path)
     if isinstance(target, Path):
         return target.is_dir()
     store = storage.object_store(storage.parent_of(target), storage_options)
     name = storage.name_of(target)
-    return name in (listing := store.list("")) and listing[name] is None
+    return any(
+        size is None and (key == name or key.startswith(name + "~"))
+        for key, size in store.list("").items()
+    )
 
 
 def _checkpointer_for(
     directory: Path | str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[Checkpointer, int]:
-    """The Checkpointer that wrote ``{base}/{prefix}.{N}`` and N, found from N's sentinel."""
-    prefix, _, number = storage.name_of(directory).rpartition(".")
+    """The Checkpointer that wrote ``{base}/{prefix}.{N}`` (or a re-save's
+    ``{prefix}.{N}~<hex>``) and N, found from N's sentinel."""
+    prefix, _, number = storage.name_of(directory).partition("~")[0].rpartition(".")
     if not prefix or not number.isdigit():
         raise RecordError(
             "io", f"{directory}: not a checkpoint directory (expected '<prefix>.<number>')"

@@ -8,8 +8,10 @@ The same protocol against a real S3 server (moto over HTTP through s3fs) is in
 from __future__ import annotations
 
 import os
+import re
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -26,12 +28,14 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.lease import CheckpointSupersededError, Lease
+from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
 
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):
     monkeypatch.setattr(storage, "BASE_WAIT", 0.001)
+    monkeypatch.setattr(storage, "COMPLETION_WAIT", 0.05)
 
 
 def _url() -> str:
@@ -91,6 +95,25 @@ def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, 
     assert torch.equal(loaded["model"].tensors["weight"], _data(0)["model"].tensors["weight"])
 
 
+def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
+    monkeypatch.setattr(storage, "READ_CHUNK", 1024)
+    store = storage.object_store(_url())
+    data = os.urandom(100 * 1024 + 5)
+    store.write("blob", data)
+    requests = []
+    cat_ranges = MemoryFileSystem.cat_ranges
+
+    def counted(self, paths, starts, ends, **kwargs):
+        requests.extend(zip(starts, ends, strict=True))
+        return cat_ranges(self, paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", counted)
+    buffer = bytearray(len(data) - 5)
+    store.read_into("blob", buffer, offset=5)
+    assert bytes(buffer) == data[5:]
+    assert len(requests) == storage.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
+
+
 # --- the protocol on memory:// ------------------------------------------------------------------
 
 
@@ -133,6 +156,23 @@ def test_damaged_latest_is_skipped_with_a_warning(damage):
         assert get_latest_checkpoint_number(url, verify=True) == 0
 
 
+def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
+    """What the callback's resume uses on object stores: verify while loading."""
+    url = _url()
+    checkpointer = Checkpointer(url)
+    for n in (0, 1):
+        checkpointer.save_checkpoint(n, _data(n))
+    fs, root = fsspec.core.url_to_fs(url)
+    raw = bytearray(fs.cat_file(f"{root}/ckpt.1/model.bpk"))
+    raw[-1] ^= 0xFF  # a tensor byte: only its checksum tells
+    fs.pipe_file(f"{root}/ckpt.1/model.bpk", bytes(raw))
+    store = storage.object_store(url)
+    assert get_latest_checkpoint_number(url) == 1  # the quick checks pass
+    with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
+        number, data = load_newest(store, "checkpoint", "ckpt", ("model",), at_most=1)
+    assert number == 0 and data["trainer"] == {"step": 0}
+
+
 # --- a filesystem that fails at the k-th call of each kind --------------------------------------
 
 
@@ -158,7 +198,9 @@ class FaultyFileSystem(MemoryFileSystem):
 
     def pipe_file(self, *args, **kwargs):
         self._count("pipe")
-        return super().pipe_file(*args, **kwargs)
+        result = super().pipe_file(*args, **kwargs)
+        self._count("pipe-landed")  # a write that took effect, but whose answer was lost
+        return result
 
     def rm_file(self, *args, **kwargs):
         self._count("rm")
@@ -189,25 +231,22 @@ def faulty():
     FaultyFileSystem.faults.clear()
 
 
-def _calls_of_one_save(faulty) -> dict[str, int]:
-    """How many calls of each kind saving checkpoint 2 (a re-save of nothing) makes."""
+def _save_failing_at_each_call(
+    faulty, n: int, data: dict
+) -> Iterator[tuple[tuple[str, int], str, Checkpointer, bool]]:
+    """Save checkpoint 1, then save ``data`` as ``n`` with one call failing for good: each
+    call of each kind in turn. Yields ``((kind, k), url, checkpointer, whether it raised)``."""
+    faulty.store.clear()
     checkpointer = Checkpointer("faulty://b/count", checkpoint_duration=1)
     checkpointer.save_checkpoint(1, _data(1))
     faulty.calls.clear()
-    checkpointer.save_checkpoint(2, _data(2))
-    return dict(faulty.calls)
-
-
-def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
-    """Each call of a save, in turn, fails for good: the save raises, checkpoint 1 stays
-    complete and loadable, and checkpoint 2 is never committed half-written."""
-    counts = _calls_of_one_save(faulty)
+    checkpointer.save_checkpoint(n, data)
+    counts = dict(faulty.calls)
     assert counts.get("put") and counts.get("pipe") and counts.get("ls") and counts.get("rm")
-    tried = 0
     for kind, total in counts.items():
         for k in range(1, total + 1):
             faulty.store.clear()
-            url = f"faulty://b/{kind}-{k}"
+            url = f"faulty://b/{n}-{kind}-{k}"
             checkpointer = Checkpointer(url, checkpoint_duration=1)
             checkpointer.save_checkpoint(1, _data(1))
             faulty.calls.clear()
@@ -216,18 +255,56 @@ def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CheckpointWarning)  # GC failures only warn
                 try:
-                    checkpointer.save_checkpoint(2, _data(2))
+                    checkpointer.save_checkpoint(n, data)
                 except OSError:
                     failed = True
             faulty.faults.clear()
-            latest = get_latest_checkpoint_number(url, verify=True)
-            if failed:
-                assert latest == 1, (kind, k)
-            assert latest in (1, 2), (kind, k)
-            assert checkpointer.load_checkpoint(latest)["trainer"] == {"step": latest}
-            assert verify_checkpoint(url, latest) == []
-            tried += 1
-    assert tried == sum(counts.values())
+            yield (kind, k), url, checkpointer, failed
+
+
+def test_a_persistent_failure_at_every_call_keeps_earlier_checkpoints(faulty):
+    """Each call of a save, in turn, fails for good: the save raises, checkpoint 1 stays
+    complete and loadable, and checkpoint 2 is never committed half-written."""
+    for call, url, checkpointer, failed in _save_failing_at_each_call(faulty, 2, _data(2)):
+        latest = get_latest_checkpoint_number(url, verify=True)
+        if failed:
+            assert latest == 1, call
+        assert latest in (1, 2), call
+        assert checkpointer.load_checkpoint(latest)["trainer"] == {"step": latest}
+        assert verify_checkpoint(url, latest) == []
+
+
+def test_a_failed_resave_at_every_call_keeps_the_old_copy(faulty):
+    """Re-saving checkpoint 1 (new bytes under the same number) fails at each call in turn, for
+    good (a write whose answer is lost among them): the old checkpoint 1 stays complete and
+    loadable, or, when the failure came after the commit, the new one is. The new copy goes
+    under a data name never used before, so no sentinel names bytes it was not written for."""
+    resave = {**_data(1), "trainer": {"step": 10}}
+    for call, url, checkpointer, failed in _save_failing_at_each_call(faulty, 1, resave):
+        assert get_latest_checkpoint_number(url, verify=True) == 1, call
+        step = checkpointer.load_checkpoint(1)["trainer"]["step"]
+        assert step == (1 if failed else 10), (call, failed)
+        assert verify_checkpoint(url, 1) == []
+
+
+def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_after():
+    url = _url()
+    checkpointer = Checkpointer(url, checkpoint_duration=2)
+    checkpointer.save_checkpoint(1, _data(1))
+    target = checkpointer.save_checkpoint(1, _data(10))
+    assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
+    name = storage.name_of(target)
+    assert _keys(url) == sorted(
+        [f"{name}/model.bpk", f"{name}/trainer.bpk", "sentinel_checkpoint_complete.1"]
+    )
+    assert [e.data for e in list_checkpoints(url)] == [target]
+    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
+    # a crash between the new sentinel and removing the old copy: the next GC removes it
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/ckpt.1/model.bpk", b"old bytes")
+    checkpointer.save_checkpoint(2, _data(2))
+    assert not any(k.startswith("ckpt.1/") for k in _keys(url))
+    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
 
 
 def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
@@ -242,7 +319,8 @@ def test_transient_failures_are_retried_and_the_save_succeeds(faulty):
 
 def test_an_upload_whose_multipart_completion_was_lost_is_retried(faulty):
     """s3fs raises FileNotFoundError (NoSuchUpload) when completing a multipart upload failed
-    and aborting it found nothing (seen with a 1 GiB upload to a loaded server)."""
+    and aborting it found nothing (seen with a 1 GiB upload to a loaded server); when the object
+    does not appear within COMPLETION_WAIT, it is uploaded again."""
     url = "faulty://b/lost-upload"
     checkpointer = Checkpointer(url)
     faulty.faults["put"] = (1, 1, FileNotFoundError)

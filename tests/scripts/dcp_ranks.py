@@ -12,6 +12,10 @@ timeout). Scenarios:
   model, on this world size; the gathered results must equal the references.
 - ``faults``: a failure injected in each writer/reader method on each rank fails the call on
   every rank, commits nothing, and the directory's earlier checkpoint still loads.
+- ``s3``: an FSDP2 model + Adam state saved by every rank to the object-store URL in
+  ``$DCP_URL`` (``fsdp/``; rank 0 writes the gathered reference ``s3-reference.bpk``); a failing
+  upload on rank 1 fails a second save (``failed/``) on every rank and commits nothing, and a
+  save into the committed URL is refused on every rank.
 
 Prints ``OK rank=<r>`` per rank on success; any mismatch raises (non-zero exit status).
 """
@@ -219,6 +223,26 @@ def scenario_faults(root: Path, rank: int, world: int, mesh) -> None:
     assert len(os.listdir(good)) == len(before), (before, os.listdir(good))
 
 
+def scenario_s3(root: Path, rank: int, world: int, mesh) -> None:
+    url = os.environ["DCP_URL"]
+    net, optim = fsdp(0, mesh)
+    torch.manual_seed(100)  # the same batch on every rank
+    net(torch.randn(4, 6)).pow(2).sum().backward()
+    optim.step()
+    dcp.save(app_state(net, optim), storage_writer=BurnpackStorageWriter(f"{url}/fsdp"))
+    reference = full_state(net, optim)
+    if rank == 0:
+        burnpack.write(root / "s3-reference.bpk", reference)
+    failing = faulty(BurnpackStorageWriter, "put_file", 1)
+    for writer, what in [
+        (failing(f"{url}/failed"), "an upload failing on rank 1"),
+        (BurnpackStorageWriter(f"{url}/fsdp"), "a second save into a committed URL"),
+    ]:
+        expect_failure(lambda w=writer: dcp.save(app_state(net, optim), storage_writer=w), what)
+    dist.barrier()
+    assert not is_sharded(f"{url}/failed"), "a failed save committed"
+
+
 def worker(rank: int, world: int, port: int, scenarios: str, root: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
@@ -235,7 +259,7 @@ def worker(rank: int, world: int, port: int, scenarios: str, root: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenarios", help="comma-separated: save, load, faults")
+    parser.add_argument("scenarios", help="comma-separated: save, load, faults, s3")
     parser.add_argument("--root", required=True)
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()

@@ -5,7 +5,10 @@ on gloo CPU processes, checkpointed by ``BurnpackCheckpoint`` (run by tests/test
         [--ddp]
 
 ``--fail-at-epoch E --fail-rank R``: rank R's shard write of epoch E's save fails with ENOSPC
-(injected at the write call).
+(injected at the write call); with ``--fail-put`` its upload to the object store fails instead
+(``--root s3://...``: checkpoints go to the bucket). ``--tolerate-save-error``: a failed save
+ends fit, and the script still writes ``--out`` (the state fit had trained).
+``--keep N``: ``checkpoint_duration``.
 ``--ddp`` runs plain DDP instead, with ``BurnpackCheckpoint(distributed_save=True)``: the ranks
 split the writing of the replicated state.
 
@@ -56,23 +59,31 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return flat
 
 
-def inject_full_disk(model: L.LightningModule, epoch: int, rank: int) -> None:
-    """Make ``rank``'s shard file write fail with ENOSPC during the save of ``epoch``."""
+def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -> None:
+    """Make ``rank``'s shard file write fail with ENOSPC during the save of ``epoch``, or with
+    ``put`` its upload to the object store (as when the store's retries give up)."""
+    from lightning_bpk import storage
     from lightning_bpk.dcp import BurnpackStorageWriter
 
-    write_file = BurnpackStorageWriter.write_file
+    owner, name = (storage.ObjectStore, "upload") if put else (BurnpackStorageWriter, "write_file")
+    original = getattr(owner, name)
 
-    def failing(self, target, entries, metadata):
+    def failing(self, target, *args):
         if model.trainer.current_epoch == epoch and model.trainer.global_rank == rank:
+            if put:
+                raise storage.StorageError(
+                    f"upload to {self.url_of(args[0])}: ConnectionError: injected "
+                    f"({storage.ATTEMPTS} attempts)"
+                )
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(target))
-        return write_file(self, target, entries, metadata)
+        return original(self, target, *args)
 
-    BurnpackStorageWriter.write_file = failing
+    setattr(owner, name, failing)
 
 
 def main(argv: list[str]) -> None:
 
-    from lightning_bpk import BurnpackCheckpoint, burnpack
+    from lightning_bpk import BurnpackCheckpoint, CheckpointSaveError, burnpack
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--root", required=True)
@@ -83,6 +94,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--fail-at-epoch", type=int)
     parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--fail-put", action="store_true")
+    parser.add_argument("--tolerate-save-error", action="store_true")
+    parser.add_argument("--keep", type=int, default=4)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
@@ -95,17 +109,22 @@ def main(argv: list[str]) -> None:
 
     model.on_step = on_step
     if args.fail_at_epoch is not None:
-        inject_full_disk(model, args.fail_at_epoch, args.fail_rank)
+        inject_failure(model, args.fail_at_epoch, args.fail_rank, args.fail_put)
     strategy = (
         "ddp"
         if args.ddp
         else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     )
-    callback = BurnpackCheckpoint(distributed_save=args.ddp)
+    callback = BurnpackCheckpoint(distributed_save=args.ddp, checkpoint_duration=args.keep)
     trainer = make_trainer(
         args.root, args.epochs, [callback], strategy=strategy, devices=args.devices
     )
-    trainer.fit(model)
+    try:
+        trainer.fit(model)
+    except CheckpointSaveError as e:
+        if not args.tolerate_save_error:
+            raise
+        print(f"SAVE FAILED rank={trainer.global_rank}: {e}", flush=True)
     state = full_state(model, trainer.optimizers[0])
     if args.out and trainer.is_global_zero:
         burnpack.write(args.out, state)
