@@ -128,6 +128,7 @@ SLOWEST_FILES = (
     "test_e2e_resume.py",
     "test_examples.py",
     "test_object_storage.py",
+    "test_sharded_object_storage.py",
     "test_ddp.py",
     "test_preemption.py",
     "test_cli_tools.py",
