@@ -23,8 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# One pytest worker per core, each running whole test files (tests/conftest.py orders them,
+# slowest first); TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(MAKE) test-lightning-oldest
 
 $(OLDEST)/.stamp-$(LIGHTNING_MIN): $(STAMP)

@@ -1,5 +1,6 @@
-"""What the whole suite shares: the committed fixtures, ``tests/scripts`` on the import path, and
-one way to run a subprocess.
+"""What the whole suite shares: the committed fixtures, ``tests/scripts`` on the import path, one
+way to run a subprocess, and the uninterrupted reference runs that several test files compare
+their interrupted runs against (each run once per session).
 
 Test modules import these names directly (``from conftest import MNIST_BPK, run_process``):
 pytest has already imported this file as the module ``conftest`` before it collects them.
@@ -7,7 +8,9 @@ pytest has already imported this file as the module ``conftest`` before it colle
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,3 +83,69 @@ def run_process(
     if check and result.returncode != 0:
         pytest.fail(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result
+
+
+# lightning_tiny's uninterrupted reference: every test that compares a killed, stopped or requeued
+# run of the same training against it shares this one run (the data order and the weights do not
+# depend on where checkpoints go, how often they are saved or how many DataLoader workers fetch).
+TINY_SCRIPT = SCRIPTS / "lightning_tiny.py"
+TINY_REFERENCE_EPOCHS = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted ``lightning_tiny.py --epochs 4`` run, made once per session (also across
+    pytest-xdist workers, which share the folder above their own): ``ref.bpk`` holds its final
+    weights, ``ref.ids`` its batches (``epoch batch_idx global_step ids``) and ``ref/checkpoints``
+    its end-of-epoch checkpoints."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # every worker's base folder sits in the run's one
+    root, complete = shared / "tiny-reference", shared / "tiny-reference.complete"
+    with open(shared / "tiny-reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second worker waits for the first one's run
+        if not complete.exists():
+            shutil.rmtree(root, ignore_errors=True)  # a failed attempt's leftovers
+            command = [sys.executable, TINY_SCRIPT, "--root", root / "ref"]
+            command += ["--epochs", TINY_REFERENCE_EPOCHS]
+            command += ["--ids", root / "ref.ids", "--out", root / "ref.bpk"]
+            run_process(command, timeout=120, check=True)
+            complete.touch()
+    return root
+
+
+# -- several CPU cores: pytest-xdist ------------------------------------------------------------
+# `make test` runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`. Most of the suite's time
+# is spent in training subprocesses of one process each, which leave the second core idle, and in
+# waits on the SLURM controller; two workers fill that time. Each test file is one unit of work
+# that one worker runs whole, so a file's module fixtures (the SLURM cluster, the moto server, the
+# docs build) start once and its tests keep their order. The slowest files (measured) go first,
+# so that no worker is left alone with one of them at the end. A run without ``-n`` is not
+# affected.
+SLOWEST_FILES = (
+    "test_sharded.py",
+    "test_slurm.py",
+    "test_e2e_resume.py",
+    "test_examples.py",
+    "test_object_storage.py",
+    "test_sharded_object_storage.py",
+    "test_ddp.py",
+    "test_preemption.py",
+    "test_cli_tools.py",
+    "test_checkpointer_crash.py",
+    "test_cli.py",
+    "test_dcp.py",
+    "test_interop_shards.py",
+    "test_docs.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # not an xdist worker: leave the run as it is
+        return
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
+
+    items.sort(key=rank)  # stable: every file's tests keep their order

@@ -12,11 +12,11 @@ import torch
 from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_checkpoint
 from lightning_bpk.records import ModuleRecord
 
-from conftest import SCRIPTS, Finished, run_process
+from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, Finished, run_process
 
-SCRIPT = SCRIPTS / "lightning_tiny.py"
+SCRIPT = TINY_SCRIPT
 RUN_TIMEOUT = 90  # seconds per training subprocess; a hang fails the test instead of blocking CI
-EPOCHS = 4
+EPOCHS = TINY_REFERENCE_EPOCHS  # the shared reference run's length
 BATCHES_PER_EPOCH = 6  # lightning_tiny: 48 samples, batch size 8
 
 pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT)
@@ -32,14 +32,12 @@ def params(path: Path) -> dict[str, torch.Tensor]:
     return ModuleRecord.load(path).tensors
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """One uninterrupted run shared by the tests (checkpoint triggers do not change training):
-    ``ref.bpk`` holds its final weights, ``ref.ids`` its batches, ``ref/`` its checkpoints."""
-    root = tmp_path_factory.mktemp("reference")
-    done = run(root / "ref", "--ids", str(root / "ref.ids"), "--out", str(root / "ref.bpk"))
-    assert done.returncode == 0, done.stderr
-    return root
+@pytest.fixture
+def reference(tiny_reference) -> Path:
+    """The session's uninterrupted run (conftest's ``tiny_reference``, shared with
+    test_preemption; checkpoint triggers do not change training): ``ref.bpk`` holds its final
+    weights, ``ref.ids`` its batches, ``ref/`` its checkpoints."""
+    return tiny_reference
 
 
 def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path, reference):

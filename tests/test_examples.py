@@ -61,7 +61,9 @@ def test_preemption_walkthrough_exits_cleanly_and_resumes(tmp_path: Path) -> Non
 
 
 def test_burn_mnist_interop_example_classifies_digits(tmp_path: Path) -> None:
+    # the only run of this script (test_interop.py tests its functions in-process)
     out = run_example("burn_mnist_interop.py", cwd=tmp_path)
+    assert "on 1797 scikit-learn digits" in out  # every digit of load_digits was classified
     accuracy = float(re.search(r"accuracy ([\d.]+)%", out).group(1))
     assert accuracy > 80.0, out  # chance is 10%
 

@@ -20,10 +20,10 @@ from lightning_bpk.callback import BurnpackCheckpoint, _ignore_while_stopping
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import ModuleRecord, StateRecord
 
-from conftest import SCRIPTS, run_process
+from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, run_process
 from lightning_tiny import TinyModel, make_trainer
 
-SCRIPT = SCRIPTS / "lightning_tiny.py"
+SCRIPT = TINY_SCRIPT
 RUN_TIMEOUT = 90
 BATCHES_PER_EPOCH = 6
 
@@ -39,15 +39,13 @@ def _ids_from(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if int(line.split()[2]) >= step]
 
 
-def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(tmp_path):
-    # num_workers=2: the data order must not depend on what the workers had prefetched
-    common = ["--epochs", "4", "--workers", "2"]
-    outputs = ["--ids", str(tmp_path / "ref.ids"), "--out", str(tmp_path / "ref.bpk")]
-    reference = run_process(
-        [sys.executable, SCRIPT, "--root", tmp_path / "ref", *common, *outputs],
-        timeout=RUN_TIMEOUT,
-    )
-    assert reference.returncode == 0, reference.stderr
+def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(
+    tmp_path, tiny_reference
+):
+    # num_workers=2: the data order must not depend on what the workers had prefetched. The
+    # reference is the session's uninterrupted run (conftest), which fetches in the main process:
+    # workers change where a batch is fetched, never which samples it holds.
+    common = ["--epochs", str(TINY_REFERENCE_EPOCHS), "--workers", "2"]
     command = [sys.executable, SCRIPT, "--root", tmp_path, *common]
     command += ["--ids", str(tmp_path / "run.ids")]
     term_step = 2 * BATCHES_PER_EPOCH + 2  # the module sends it after batch 2 of epoch 2
@@ -74,8 +72,8 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(
     assert trainer_state.PREEMPTED_KEY not in _trainer_value(tmp_path, 2)  # replaced at epoch end
     # the resumed run saw exactly the reference's batches from the save point on, and nothing else
     resumed_ids = (tmp_path / "run.ids").read_text().splitlines()[term_step + 1 :]
-    assert resumed_ids == _ids_from(tmp_path / "ref.ids", term_step + 1)
-    expected = ModuleRecord.load(tmp_path / "ref.bpk").tensors
+    assert resumed_ids == _ids_from(tiny_reference / "ref.ids", term_step + 1)
+    expected = ModuleRecord.load(tiny_reference / "ref.bpk").tensors
     got = ModuleRecord.load(tmp_path / "resumed.bpk").tensors
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 

@@ -5,7 +5,8 @@ The module fixture starts ``munged``, ``slurmctld`` and ``slurmd`` as root with 
 them afterwards. Jobs run ``exec srun python tests/scripts/slurm_job.py`` as the docs advise;
 the tests deliver the requeue signal and check that the job is requeued exactly once, that the
 second run resumes from the preemption checkpoint and ends bit-identical to an uninterrupted
-run, and that no process is left behind.
+run (the session's ``tiny_reference``: slurm_job.py trains lightning_tiny's model exactly as
+lightning_tiny.py does), and that no process is left behind.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.records import ModuleRecord
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, TINY_REFERENCE_EPOCHS
 from lightning_tiny import TinyModel, make_trainer
 
 SCRIPT = SCRIPTS / "slurm_job.py"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
-EPOCHS = 3
+EPOCHS = TINY_REFERENCE_EPOCHS  # the length of the shared uninterrupted reference run
 PAUSE_EPOCH = 1
 WAIT = 120.0  # seconds for any one job transition; a lost signal fails instead of hanging
 
@@ -231,15 +232,6 @@ def job_script(root: Path, *args: str, sbatch: tuple[str, ...] = (), tasks: int 
     return "\n".join(lines) + "\n"
 
 
-def reference(root: Path, *args: str) -> subprocess.Popen:
-    """The same training without SLURM and without interruption (started in the background)."""
-    command = [sys.executable, str(SCRIPT), "--root", str(root), "--epochs", str(EPOCHS), *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    root.mkdir()
-    with open(root / "out.txt", "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
 def assert_no_process_left(root: Path) -> None:
     mine = str(root).encode()
     left = []
@@ -261,9 +253,8 @@ def params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_usr1_to_the_batch_shell_saves_requeues_once_and_the_rerun_ends_bit_identical(
-    tmp_path, cluster
+    tmp_path, cluster, tiny_reference
 ):
-    expected = reference(tmp_path / "ref", "--out", str(tmp_path / "ref.bpk"))
     root = tmp_path / "run"
     root.mkdir()
     out = str(tmp_path / "final.bpk")
@@ -291,8 +282,8 @@ def test_usr1_to_the_batch_shell_saves_requeues_once_and_the_rerun_ends_bit_iden
     assert f"FINISHED rank=0 epoch={EPOCHS} step={EPOCHS * 6} restored={PAUSE_EPOCH}" in second
     assert "requeued SLURM job" not in second  # the finished run did not requeue again
 
-    assert expected.wait(WAIT) == 0, (tmp_path / "ref" / "out.txt").read_text()
-    want, got = params(tmp_path / "ref.bpk"), params(Path(out))
+    # the same training without SLURM and without interruption
+    want, got = params(tiny_reference / "ref.bpk"), params(Path(out))
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert_no_process_left(tmp_path)
