@@ -120,17 +120,23 @@ class RemoteCheckpoint:
         self.prefix = prefix
         self.sentinel_key = f"{sentinel_stem(identifier)}.{n}"
         self.sentinel = store.url_of(self.sentinel_key)
+        self._manifest: tuple[ck._Manifest | None] | None = None  # once read and parsed
 
     def read_manifest(self) -> ck._Manifest | None:
-        """Parse the sentinel. Raises FileNotFoundError (absent) or ValueError (damaged)."""
-        size = self.store.size(self.sentinel_key)
-        if size is None:
-            raise FileNotFoundError(self.sentinel)
-        if size > ck.MAX_SENTINEL_SIZE:
-            raise ValueError(f"sentinel is larger than {ck.MAX_SENTINEL_SIZE} bytes")
-        manifest = ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration)
-        ck._check_data_name(manifest, self.prefix, self.iteration)
-        return manifest
+        """Parse the sentinel. Raises FileNotFoundError (absent) or ValueError (damaged).
+
+        A manifest read once is kept: the checks and the load of one resume choice (which call
+        this in turn) see the same manifest and fetch it once."""
+        if self._manifest is None:
+            size = self.store.size(self.sentinel_key)
+            if size is None:
+                raise FileNotFoundError(self.sentinel)
+            if size > ck.MAX_SENTINEL_SIZE:
+                raise ValueError(f"sentinel is larger than {ck.MAX_SENTINEL_SIZE} bytes")
+            manifest = ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration)
+            ck._check_data_name(manifest, self.prefix, self.iteration)
+            self._manifest = (manifest,)
+        return self._manifest[0]
 
     def data_name(self, manifest: ck._Manifest | None) -> str:
         return ck._data_name(manifest, self.prefix, self.iteration)

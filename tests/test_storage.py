@@ -174,6 +174,24 @@ def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
     assert number == 0 and data["trainer"] == {"step": 0}
 
 
+def test_resume_reads_each_sentinel_once(monkeypatch):
+    """The checks and the load of one choice share the manifest they read."""
+    url = _url()
+    Checkpointer(url).save_checkpoint(0, _data(0))
+    store = storage.object_store(url)
+    reads: list[str] = []
+    read = storage.ObjectStore.read
+
+    def counted(self, key):
+        reads.append(key)
+        return read(self, key)
+
+    monkeypatch.setattr(storage.ObjectStore, "read", counted)
+    number, data = load_newest(store, "checkpoint", "ckpt", ("model",), at_most=0)
+    assert number == 0 and data["trainer"] == {"step": 0}
+    assert reads == ["sentinel_checkpoint_complete.0"]
+
+
 # --- a filesystem that fails at the k-th call of each kind --------------------------------------
 
 
