@@ -549,6 +549,17 @@ def _read_manifest_or_problem(checkpoint: Any) -> tuple[_Manifest | None, list[s
         return None, [f"{checkpoint.sentinel}: {e}"]
 
 
+def _read_manifest_to_load(checkpoint: Any) -> _Manifest | None:
+    """``checkpoint.read_manifest()`` (local or remote) for a load: ``FileNotFoundError`` when
+    there is no sentinel (nothing to load), a :class:`RecordError` naming a damaged one."""
+    try:
+        return checkpoint.read_manifest()
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise RecordError("io", f"{checkpoint.sentinel}: {e}") from e
+
+
 def _unlisted_keys(
     sentinel: object, manifest: _Manifest, required_keys: Sequence[str]
 ) -> list[str]:
@@ -861,11 +872,9 @@ class Checkpointer:
         if self._remote is not None:
             return checkpoint.load(keys)
         try:
-            manifest = checkpoint.read_manifest()
+            manifest = _read_manifest_to_load(checkpoint)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
-            raise RecordError("io", f"{checkpoint.sentinel}: {e}") from e
         data = checkpoint.data_path(manifest)
         if not data.exists():
             return None

@@ -195,11 +195,9 @@ class RemoteCheckpoint:
     def load(self, keys: Iterable[str] | None) -> dict[str, Any] | None:
         """:meth:`Checkpointer.load_checkpoint` on a store."""
         try:
-            manifest = self.read_manifest()
+            manifest = ck._read_manifest_to_load(self)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
-            raise RecordError("io", f"{self.sentinel}: {e}") from e
         name = self.data_name(manifest)
         present = self.store.list(name)
         if not present:
