@@ -47,6 +47,44 @@ class Finished:
     pid: int
 
 
+def start_process(
+    command: Sequence[object],
+    *,
+    cwd: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    stderr: int | None = subprocess.PIPE,
+) -> subprocess.Popen:
+    """Start ``command`` in a session of its own (so :func:`finish_process` can kill its whole
+    process group), its output captured as text."""
+    return subprocess.Popen(
+        [str(part) for part in command],
+        cwd=cwd,
+        env=None if env is None else dict(env),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish_process(
+    process: subprocess.Popen, *, timeout: float = 120, check: bool = False
+) -> Finished:
+    """Wait for a process :func:`start_process` started; a timeout kills its process group and
+    fails the test with the tail of stderr, ``check=True`` fails it on a non-zero exit status."""
+    args = [str(part) for part in process.args]
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{args} still running after {timeout}s, killed:\n{(err or '')[-3000:]}")
+    result = Finished(args, process.returncode, out, err or "", process.pid)
+    if check and result.returncode != 0:
+        pytest.fail(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
+    return result
+
+
 def run_process(
     command: Sequence[object],
     *,
@@ -63,26 +101,8 @@ def run_process(
     instead of hanging the suite. ``stderr`` may be a file descriptor (a pty, say);
     ``check=True`` fails the test on a non-zero exit status.
     """
-    args = [str(part) for part in command]
-    process = subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=None if env is None else dict(env),
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"{args} still running after {timeout}s, killed:\n{(err or '')[-3000:]}")
-    result = Finished(args, process.returncode, out, err or "", process.pid)
-    if check and result.returncode != 0:
-        pytest.fail(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
-    return result
+    process = start_process(command, cwd=cwd, env=env, stderr=stderr)
+    return finish_process(process, timeout=timeout, check=check)
 
 
 # lightning_tiny's uninterrupted reference: every test that compares a killed, stopped or requeued

@@ -38,7 +38,7 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.cli import main as cli_main
 from lightning_bpk.records import ModuleRecord
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, TINY_REFERENCE_EPOCHS, finish_process, start_process
 from lightning_tiny import BATCH_SIZE, SAMPLES, TinyModel, make_trainer
 
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
@@ -333,42 +333,26 @@ def test_model_checkpoint_with_the_io_plugin_writes_objects(bucket, tmp_path):
 
 
 def _start(root: str, *args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--root", root, "--epochs", "4", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """lightning_tiny training ``--epochs 4`` into ``root`` (the shared reference's length)."""
+    command = [sys.executable, SCRIPT, "--root", root, "--epochs", TINY_REFERENCE_EPOCHS, *args]
+    return start_process(command, cwd=cwd)
 
 
-def _finish(process: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> tuple[int, str, str]:
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"run timed out:\n{err[-3000:]}")
-    return process.returncode, out, err
-
-
-def test_sigkill_mid_epoch_into_s3_then_resume_is_bit_identical(bucket, tmp_path):
+def test_sigkill_mid_epoch_into_s3_then_resume_is_bit_identical(bucket, tmp_path, tiny_reference):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     url = f"s3://{bucket}/run"
     kill_step = 2 * BATCHES_PER_EPOCH + 3  # in the middle of epoch 2
-    reference = _start(str(tmp_path / "ref"), "--out", str(tmp_path / "ref.bpk"), cwd=cwd)
     killed = _start(url, "--kill-at-step", str(kill_step), cwd=cwd)
-    assert _finish(killed)[0] == -signal.SIGKILL
-    assert _finish(reference)[0] == 0
+    assert finish_process(killed, timeout=RUN_TIMEOUT).returncode == -signal.SIGKILL
     assert get_latest_checkpoint_number(f"{url}/checkpoints", verify=True) == 1
 
-    code, out, err = _finish(_start(url, "--out", str(tmp_path / "resumed.bpk"), cwd=cwd))
-    assert code == 0, err
-    assert "continuing training at epoch 2 (global step 12) after checkpoint 1" in err
-    assert "epoch=4 step=24 restored=1" in out
-    expected = ModuleRecord.load(tmp_path / "ref.bpk").tensors
+    resumed = _start(url, "--out", str(tmp_path / "resumed.bpk"), cwd=cwd)
+    result = finish_process(resumed, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert "continuing training at epoch 2 (global step 12) after checkpoint 1" in result.stderr
+    assert "epoch=4 step=24 restored=1" in result.stdout
+    expected = ModuleRecord.load(tiny_reference / "ref.bpk").tensors
     got = ModuleRecord.load(tmp_path / "resumed.bpk").tensors
     assert all(torch.equal(got[k], expected[k]) for k in expected)  # bitwise
     assert [e.number for e in list_checkpoints(f"{url}/checkpoints")] == [3, 2, 1, 0]
@@ -389,10 +373,10 @@ def test_a_zombie_writer_is_fenced_by_the_newer_run(bucket, tmp_path, where):
         time.sleep(0.2)
     replacement = Checkpointer(base)
     replacement.take_over()
-    code, _, err = _finish(zombie)
-    assert code != 0
-    assert f"superseded by a newer run (pid {os.getpid()}" in err
-    assert "deletes nothing" in err
+    result = finish_process(zombie, timeout=RUN_TIMEOUT)
+    assert result.returncode != 0
+    assert f"superseded by a newer run (pid {os.getpid()}" in result.stderr
+    assert "deletes nothing" in result.stderr
     left = get_latest_checkpoint_number(base, verify=True)
     assert left >= 1  # the zombie's checkpoints are still there
     replacement.save_checkpoint(left + 1, {"trainer": {"by": "replacement"}})
