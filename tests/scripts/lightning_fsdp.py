@@ -36,7 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
-from lightning_tiny import SEED, TinyModel, make_trainer  # a sibling: the script's own directory
+from lightning_tiny import (
+    SEED,
+    TinyModel,
+    make_trainer,
+    report_finished,
+)  # a sibling: the script's own directory
 
 
 class ShardedTiny(TinyModel):
@@ -128,11 +133,7 @@ def main(argv: list[str]) -> None:
     state = full_state(model, trainer.optimizers[0])
     if args.out and trainer.is_global_zero:
         burnpack.write(args.out, state)
-    print(
-        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
-        f"step={trainer.global_step} restored={callback.restored_number}",
-        flush=True,
-    )
+    report_finished(trainer, callback)
 
 
 if __name__ == "__main__":

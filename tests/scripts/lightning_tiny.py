@@ -24,6 +24,7 @@ import resource
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -116,6 +117,16 @@ def make_trainer(root: str, epochs: int, callbacks: list, **kwargs: object) -> L
     return L.Trainer(callbacks=callbacks, **options)
 
 
+def report_finished(trainer: L.Trainer, callback: Any) -> None:
+    """The line the tests read at the end of a run: this rank's final epoch and step, and the
+    checkpoint it resumed from (``callback.restored_number``, None for none)."""
+    print(
+        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
+        f"step={trainer.global_step} restored={callback.restored_number}",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from lightning_bpk import BurnpackCheckpoint, ModuleRecord
 
@@ -173,11 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
-    print(
-        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
-        f"step={trainer.global_step} restored={callback.restored_number}",
-        flush=True,
-    )
+    report_finished(trainer, callback)
 
 
 if __name__ == "__main__":

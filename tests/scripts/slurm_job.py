@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_tiny import SEED, TinyModel, make_trainer
+from lightning_tiny import SEED, TinyModel, make_trainer, report_finished
 
 PAUSE_LIMIT = 120.0  # seconds; a signal that never comes lets training finish (and the test fail)
 
@@ -75,11 +75,7 @@ def main(argv: list[str]) -> None:
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
-    print(
-        f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
-        f"step={trainer.global_step} restored={callback.restored_number}",
-        flush=True,
-    )
+    report_finished(trainer, callback)
 
 
 if __name__ == "__main__":
