@@ -11,6 +11,14 @@ builds or parses one of these names takes it from here. No dependencies: every l
 ('checkpoint', 12)
 >>> parse_sentinel_name("sentinel_checkpoint_complete.012") is None  # one spelling per number
 True
+>>> member_name_problem("__0_0.bpk") is None, member_name_problem("../../etc/passwd")
+(True, "'../../etc/passwd' is not a plain name inside its checkpoint (component '..')")
+
+Names read from a file (a manifest's file list, a sharded index's rank files) are hostile until
+checked: :func:`member_name_problem` is the one rule every reader applies before it opens one.
+On disk, a checkpoint is made of real files and directories: a symlink inside a checkpoint (or
+a ``ckpt.N`` that is one) is refused by every reader, never followed, so what is verified is
+what is loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ __all__ = [
     "SCHEDULER_KEY",
     "TRAINER_FILE",
     "TRAINER_KEY",
+    "member_name_problem",
     "parse_sentinel_name",
     "sentinel_name",
     "sentinel_stem",
@@ -73,3 +82,23 @@ def parse_sentinel_name(name: str) -> tuple[str, int] | None:
     """``(identifier, number)`` of a sentinel file name; ``None`` for any other name."""
     match = _SENTINEL.fullmatch(name)
     return None if match is None else (match.group(1), int(match.group(2)))
+
+
+def member_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot name a file inside a checkpoint, or ``None`` when it can.
+
+    A member name is a relative POSIX path: one or more ``/``-separated components, none of them
+    empty, ``.`` or ``..``, with no backslash or NUL anywhere. So it resolves inside its
+    checkpoint's directory or prefix on every backend: joined to a local directory it cannot
+    climb out or become absolute, and joined to an object-store prefix it names a key below it.
+    """
+    if not isinstance(name, str) or not name:
+        return f"{name!r} is not a file name"
+    if "\\" in name or "\x00" in name:
+        return f"{name!r} is not a plain name inside its checkpoint (a backslash or NUL)"
+    if name.startswith("/"):
+        return f"{name!r} is not a plain name inside its checkpoint (an absolute path)"
+    for component in name.split("/"):
+        if component in ("", ".", ".."):
+            return f"{name!r} is not a plain name inside its checkpoint (component {component!r})"
+    return None

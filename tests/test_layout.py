@@ -47,3 +47,31 @@ def test_every_default_comes_from_the_layout(tmp_path: Path) -> None:
     assert trainer_state.MODEL_KEY + layout.RECORD_SUFFIX == formats.CHECKPOINT_MODEL_FILE
     args = cli.build_parser().parse_args(["ls", str(tmp_path)])
     assert (args.prefix, args.identifier) == (layout.DEFAULT_PREFIX, layout.DEFAULT_IDENTIFIER)
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("__0_0.bpk", None),
+        ("sub/dir/file.bpk", None),
+        ("../../../x/evil.bpk", "component '..'"),
+        ("a/../b", "component '..'"),
+        ("/etc/passwd", "an absolute path"),
+        ("a//b", "component ''"),
+        ("./a", "component '.'"),
+        ("a/", "component ''"),
+        ("a\\..\\b", "a backslash or NUL"),
+        ("a\x00b", "a backslash or NUL"),
+        ("", "is not a file name"),
+        (7, "is not a file name"),
+        (None, "is not a file name"),
+    ],
+)
+def test_member_name_problem_refuses_every_name_that_leaves_its_checkpoint(
+    name: object, why: str | None
+) -> None:
+    problem = layout.member_name_problem(name)
+    if why is None:
+        assert problem is None
+    else:
+        assert problem is not None and why in problem and repr(name) in problem
