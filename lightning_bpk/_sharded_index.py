@@ -21,7 +21,8 @@ raises :class:`~lightning_bpk.dcp.ShardedCheckpointError` naming the index (or r
 the entry.
 
 Also the rule for local files (:mod:`lightning_bpk.layout`): a checkpoint is real files in a
-real directory; :func:`real_file` refuses a symlink (or anything but a regular file).
+real directory. :func:`real_file` refuses a symlink anywhere on the way to a member (or a
+member that is not a regular file), :func:`real_directory` a checkpoint directory that is one.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ __all__ = [
 
 FORMAT = "lightning_bpk/dcp"
 VERSION = 1
-MAX_DEPTH = 32  # an index nests 6 levels; planner paths add one per level of the state dict
+MAX_DEPTH = 32  # an index nests 7 levels (to a chunk's offsets): room to spare, never a stack
 MAX_ENTRIES = 1_000_000  # files + tensors + chunks + objects + planner keys of one index
 MAX_PATH = 64  # steps of one planner path: state dicts nest far less deeply
 _DIGEST_CHARS = 16  # xxh3-64 as hex
@@ -372,12 +373,19 @@ def check_rank_file(placed: Mapping[str, _Placed], pack: burnpack.Pack) -> None:
             )
 
 
-def real_file(path: Path) -> os.stat_result:
-    """``path``'s status, if it is a regular file itself (not a symlink): a checkpoint's files are
-    read only from inside it (:mod:`lightning_bpk.layout`). ``FileNotFoundError`` if absent."""
-    status = os.lstat(path)
-    if stat.S_ISLNK(status.st_mode):
-        raise ShardedCheckpointError(f"{path}: a symlink; a checkpoint's files are never followed")
+def real_file(directory: Path, name: str) -> os.stat_result:
+    """The status of member ``name`` (a checked member name) of the checkpoint ``directory``, if
+    it is a regular file reached through real directories: no component is a symlink, so a
+    checkpoint's files are read only from inside it (:mod:`lightning_bpk.layout`).
+    ``FileNotFoundError`` if it is absent."""
+    path = directory
+    for component in name.split("/"):
+        path = path / component
+        status = os.lstat(path)
+        if stat.S_ISLNK(status.st_mode):
+            raise ShardedCheckpointError(
+                f"{path}: a symlink; a checkpoint's files are never followed"
+            )
     if not stat.S_ISREG(status.st_mode):
         raise ShardedCheckpointError(f"{path}: not a regular file")
     return status

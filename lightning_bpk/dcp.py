@@ -438,7 +438,7 @@ class Index:
         for name, expected in self.files.items():
             path = self.directory / name
             try:
-                size = _sharded_index.real_file(path).st_size
+                size = _sharded_index.real_file(self.directory, name).st_size
             except FileNotFoundError:
                 problems.append(f"{path}: listed in the index but missing")
                 continue
@@ -502,7 +502,7 @@ def read_index(
         if store is None:
             assert isinstance(path, Path) and isinstance(location, Path)
             _sharded_index.real_directory(location)
-            _sharded_index.real_file(path)
+            _sharded_index.real_file(location, index_name(prefix))
             with burnpack.read(path) as pack:
                 raw = pack.metadata.get(INDEX_KEY)
         else:
@@ -640,7 +640,7 @@ class _Packs:
             try:
                 if self.index.store is None:
                     assert isinstance(self.index.directory, Path)
-                    _sharded_index.real_file(self.index.directory / file)
+                    _sharded_index.real_file(self.index.directory, file)
                     pack = burnpack.read(self.index.directory / file)
                 else:
                     pack = self._open_object(self.index.store, file, expected)

@@ -295,7 +295,16 @@ def test_a_symlinked_checkpoint_or_rank_file_is_refused(tmp_path, opened):
         load_full_state_dict(real)
     problems = read_index(real).check_files(verify_tensors=True)
     assert len(problems) == 1 and f"{rank_file}: a symlink" in problems[0]
-    assert not [p for p in opened if p == str(tmp_path / rank_file)]
+
+    # a plain member name through a symlinked directory inside the checkpoint
+    (real / rank_file).unlink()
+    (real / "sub").symlink_to(tmp_path, target_is_directory=True)
+    doc = _document(real)
+    _rename_rank_file(doc, f"sub/{rank_file}")
+    _write_index(real, json.dumps(doc))
+    with pytest.raises(ShardedCheckpointError, match=r"real/sub: a symlink"):
+        load_full_state_dict(real)
+    assert not [p for p in opened if p == str(tmp_path / rank_file)], opened
 
 
 def test_nesting_is_bounded_before_it_is_parsed(tmp_path):
