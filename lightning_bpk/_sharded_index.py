@@ -224,16 +224,27 @@ def _tensor(fqn: str, value: object, placer: _Placer) -> None:
 
 
 def _planner_data(value: object, keys: int) -> None:
-    """DCP's default planner data: flattened key -> the path of keys and list indices to it."""
+    """DCP's default planner data: flattened key -> the path of keys and list indices to it.
+    The paths must form one tree (what :func:`lightning_bpk.dcp.load_nested` rebuilds): no path
+    runs through another's value, and the steps below one node are all keys or all indices."""
     if not isinstance(value, dict):
         return  # another planner's: handed to it as it is (its depth is bounded)
+    kinds: dict[tuple, type] = {}  # an inner node (a path prefix) -> the type of its steps
+    leaves: dict[tuple, str] = {}  # a value's full path -> its key
     for key, path in value.items():
         what = f"planner_data '{key}'"
         if not isinstance(path, list) or not 0 < len(path) <= MAX_PATH:
             raise _Problem(f"{what} is not a path of 1 to {MAX_PATH} steps")
-        for step in path:
+        for i, step in enumerate(path):
             if not isinstance(step, str):
                 _int(step, f"{what}: list index", 0, keys)  # a list holds at most every key
+            prefix = tuple(path[:i])
+            if prefix in leaves or kinds.setdefault(prefix, type(step)) is not type(step):
+                raise _Problem(f"{what}: its path {path} conflicts with another key's")
+        full = tuple(path)
+        if full in kinds or full in leaves:
+            raise _Problem(f"{what}: its path {path} conflicts with another key's")
+        leaves[full] = key
 
 
 def _count(doc: Mapping[str, Any]) -> int:

@@ -147,6 +147,13 @@ def _set(path: tuple, value: Any) -> Edit:
     return edit
 
 
+def _planner(planner_data: dict[str, list]) -> Edit:
+    def edit(doc: dict[str, Any], canary: str) -> None:
+        doc["planner_data"] = planner_data
+
+    return edit
+
+
 def _duplicate(doc: dict[str, Any], canary: str) -> None:
     doc["tensors"]["w"]["chunks"][1] = dict(_chunk(doc, 0))
 
@@ -183,6 +190,11 @@ CASES: dict[str, tuple[Edit, str, str]] = {  # edit, file named, entry named
         r"'a' is F32 \[2, 4\]; the index's tensor 'w' chunk 0 says F64 \[2, 4\]",
     ),
     "deep nesting": (_deep, INDEX, r"JSON nested 50001 levels deep"),
+    "conflicting planner paths": (
+        _planner({"w": ["w"], "opt.lr": ["w", "lr"]}),
+        INDEX,
+        r"planner_data 'opt\.lr': its path \['w', 'lr'\] conflicts",
+    ),
 }
 RANK_LEVEL = {"dtype disagrees with the rank file"}  # found when the rank file is opened
 
