@@ -343,3 +343,11 @@ def test_ls_checks_the_index_of_each_sharded_checkpoint(tmp_path, capsys):
     assert cli.main(["ls", str(tmp_path)]) == cli.EXIT_FOUND
     assert re_search(rf"ckpt\.0/{INDEX}: tensor 'w' chunk 1: offsets", capsys.readouterr().out)
     assert cli.main(["verify", str(tmp_path)]) == cli.EXIT_FOUND
+
+
+def test_an_index_object_is_sized_before_it_is_fetched(monkeypatch):
+    url = f"memory://hostile-{uuid.uuid4().hex[:8]}/ckpt"
+    write_checkpoint(url)
+    monkeypatch.setattr(burnpack, "MAX_METADATA_SIZE", 16)  # the index is larger than this now
+    with pytest.raises(ShardedCheckpointError, match=rf"{INDEX}: [0-9]+ bytes, too big for an"):
+        read_index(url)
