@@ -38,9 +38,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import bounded
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -68,6 +68,7 @@ DOC = REPO / "docs" / "interop.md"
 BEGIN, END = "<!-- remap-bench:begin -->", "<!-- remap-bench:end -->"
 SHARD_BEGIN, SHARD_END = "<!-- shard-bench:begin -->", "<!-- shard-bench:end -->"
 RANKS = 2
+SHARD_TIMEOUT = 900  # seconds for every round of the sharded loads: far longer is a hang
 MIXTRAL = KeyRemapper(
     [
         WeightRenaming(".block_sparse_moe.", ".mlp."),
@@ -105,7 +106,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--no-doc", action="store_true", help="print only, leave the docs alone")
     parser.add_argument("--only-shards", action="store_true", help="only the sharded loads")
+    parser.add_argument("--shard-rank", nargs=5, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.shard_rank:  # one rank of the sharded loads (started by shards)
+        rank, port, layers, width, reps = args.shard_rank
+        _shard_worker(rank, port, args.root, layers, width, reps)
+        return
     reps = args.reps or (3 if args.quick else 5)
     if not args.only_shards:
         remapped(args, reps)
@@ -279,6 +286,7 @@ def _shard_worker(rank: int, port: int, root: str, layers: int, width: int, reps
             if rnd:
                 random.Random(rnd).shuffle(order)
             for label in order:
+                bounded.row(f"{label}, round {rnd}")
                 with torch.no_grad():
                     for t in net.state_dict().values():
                         t.to_local().zero_()
@@ -312,12 +320,11 @@ def shards(args: argparse.Namespace, reps: int) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(
-            _shard_worker,
-            args=(port, tmp, layers, width, reps),
-            nprocs=RANKS,
-            start_method="spawn",  # the parent's torch thread pool does not survive a fork
-        )
+        ranks = [
+            [__file__, "--shard-rank", *map(str, (r, port, layers, width, reps)), "--root", tmp]
+            for r in range(RANKS)
+        ]  # fresh interpreters: the parent's torch thread pool does not survive a fork
+        bounded.run_group(ranks, what="sharded loads (load_into_shards)", timeout=SHARD_TIMEOUT)
         results = json.loads(Path(tmp, "results.json").read_text())
     lines = [
         f"{layers} x `Linear({width}, {width})` under FSDP2 (`Shard(0)`) on {RANKS} gloo CPU "

@@ -42,7 +42,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import bounded
 import chart
 import e2e
 import numpy
@@ -79,6 +79,7 @@ QUICK_STATES = ("64 MiB (16 tensors)", "5,000 x 4 KiB")
 RAW_READ_CHUNK = MiB  # the raw readinto limit reads in steps of this size (see load_raw)
 OPEN_REPS = 30  # opening a pack takes microseconds to milliseconds: many repetitions
 PEAK_SLACK = 16 * MiB  # target: peak extra RSS while saving <= largest tensor + this
+PEAK_RSS_TIMEOUT = 600  # two saves of at most 1 GiB: far longer is a hang (bounded.py)
 # Targets of issue 6 (ratios of medians measured in the same run).
 VS_SAFETENSORS = 1.0
 SAVE_VS_RAW = 1.5
@@ -345,13 +346,12 @@ def peak_rss(state: str, directory: Path) -> dict[str, int]:
     for m in SAVES:
         sub = directory / "rss"
         sub.mkdir(exist_ok=True)
-        out = subprocess.run(
-            [sys.executable, __file__, "--peak-rss-child", state, m.label, str(sub)],
-            check=True,
-            capture_output=True,
-            text=True,
+        (out,) = bounded.run_group(
+            [[__file__, "--peak-rss-child", state, m.label, str(sub)]],
+            what=f"peak RSS of {m.label}, {state}",
+            timeout=PEAK_RSS_TIMEOUT,
             cwd=REPO,
-        ).stdout
+        )
         peaks[m.label] = json.loads(out.strip().splitlines()[-1])["extra_bytes"]
         shutil.rmtree(sub)
     return peaks

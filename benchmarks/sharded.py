@@ -9,6 +9,9 @@ saved values; then ``reps`` rounds in a shuffled order, median and range. Per-ra
 RSS is measured in the last round (``/proc/self/clear_refs`` resets the high-water mark before
 each call; the largest of the two ranks is shown).
 
+The ranks are fresh interpreters (this script with ``--rank``), never forks of the caller, and
+run under a deadline (:mod:`bounded`): a rank that fails or hangs kills both and names its row.
+
 Run by ``benchmarks/run.py`` (``make bench``) or alone::
 
     .venv/bin/python benchmarks/sharded.py [--quick] [--reps 3] [--dir DIR]
@@ -26,20 +29,23 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
+import bounded
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 TENSORS = 16
 WORLD = 2
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)  # a rank waiting on a dead peer gives up
 
 SAVES = {
     "burnpack (BurnpackStorageWriter)": lambda d: BurnpackStorageWriter(d),
@@ -78,7 +84,11 @@ def _run(call, measure_rss: bool) -> tuple[float, int]:
 def worker(rank: int, port: int, root: str, total: int, reps: int, out: str) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=COLLECTIVE_TIMEOUT,
     )
     mesh = init_device_mesh("cpu", (WORLD,))
     rows = total // TENSORS // 4 // 256
@@ -94,6 +104,7 @@ def worker(rank: int, port: int, root: str, total: int, reps: int, out: str) -> 
         saves = list(SAVES)
         order.shuffle(saves)
         for label in saves:
+            bounded.row(f"{label} save, round {rnd}")
             directory = Path(root) / label.split()[0]
             shutil.rmtree(directory, ignore_errors=True) if rank == 0 else None
             dist.barrier()
@@ -107,6 +118,7 @@ def worker(rank: int, port: int, root: str, total: int, reps: int, out: str) -> 
         loads = list(LOADS)
         order.shuffle(loads)
         for label in loads:
+            bounded.row(f"{label} load, round {rnd}")
             for v in state.values():
                 v.to_local().zero_()
             directory = Path(root) / DIRECTORY[label].split()[0]
@@ -184,9 +196,12 @@ def measure(directory: Path, *, quick: bool, reps: int) -> ShardedResult:
     out = directory / "sharded.json"
     root = directory / "sharded"
     root.mkdir(exist_ok=True)
-    mp.start_processes(
-        worker, args=(port, str(root), total, reps, str(out)), nprocs=WORLD, start_method="fork"
-    )
+    common = ["--port", str(port), "--total", str(total), "--reps", str(reps)]
+    common += ["--root", str(root), "--out", str(out)]
+    ranks = [[__file__, "--rank", str(r), *common] for r in range(WORLD)]
+    # minutes per GiB and round on a loaded 2-core VM would be a hang, not a measurement
+    timeout = 300 + 120 * (reps + 1) * total / GiB
+    bounded.run_group(ranks, what=f"sharded, {total / MiB:.0f} MiB on 2 ranks", timeout=timeout)
     data = json.loads(out.read_text())
     shutil.rmtree(root, ignore_errors=True)
     return ShardedResult(total, data["times"], data["peaks"], data["largest_shard"])
@@ -197,7 +212,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None)
+    for flag in ("--rank", "--port", "--total"):  # one rank (started by measure)
+        parser.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank is not None:
+        worker(args.rank, args.port, args.root, args.total, args.reps, args.out)
+        return
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="lightning-bpk-sharded-") as tmp:
         result = measure(Path(tmp), quick=args.quick, reps=args.reps)
     print("\n".join(result.markdown()))

@@ -337,6 +337,8 @@ def _checkpoint_rows(
             if verify and complete
             else []
         )
+        if verify and complete and not problems and entry.data is not None:
+            problems = _index_problems(entry.data)
         rows.append(
             {
                 "number": n,
@@ -349,6 +351,20 @@ def _checkpoint_rows(
             }
         )
     return rows
+
+
+def _index_problems(data: Path | str) -> list[str]:
+    """What is wrong with the index of a sharded checkpoint's data (nothing for another one):
+    the manifest's checks cover the index's bytes, this what they say (names, geometry)."""
+    if not is_sharded(data):
+        return []
+    from lightning_bpk import dcp  # seconds to import: only for a sharded checkpoint
+
+    try:
+        dcp.read_index(data)
+    except ShardedCheckpointError as e:
+        return [str(e)]
+    return []
 
 
 def _yes_no(value: bool | None) -> str:
@@ -451,9 +467,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
         from lightning_bpk import dcp
 
-        index = dcp.read_index(target)
-        problems = index.check_files(verify_tensors=True)
-        count = sum(len(t["chunks"]) for t in index.tensors.values())
+        try:
+            index = dcp.read_index(target)
+        except ShardedCheckpointError as e:  # unreadable or hostile: the checkpoint is damaged
+            problems, count = [str(e)], 0
+        else:
+            problems = index.check_files(verify_tensors=True)
+            count = sum(len(t["chunks"]) for t in index.tensors.values())
         results: list[dict[str, Any]] = [
             {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
         ]
@@ -507,13 +527,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     """Convert ``src`` to ``dst``; either may be a URL (an object store's output is written to
     a temporary file first, then uploaded)."""
     remote_dst = not storage.is_local(args.dst)
-    with (
-        _local_copies(args.src, only=MODEL_FILE) as (src,),
-        tempfile.TemporaryDirectory() as scratch,
-    ):
-        progress = _progress(f"convert {storage.name_of(storage.location(args.src))}")
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory())
         dst = Path(scratch) / storage.name_of(args.dst) if remote_dst else Path(args.dst)
-        written: Path | str = convert(src, dst, progress=progress)
+        written: Path | str
+        if not storage.is_local(args.src) and is_sharded(args.src):
+            # a sharded checkpoint's data: read in place (ranged reads), never downloaded whole
+            from lightning_bpk.interop import save_module_record
+            from lightning_bpk.sharded import module_record
+
+            written = save_module_record(module_record(args.src), dst)
+        else:
+            (src,) = stack.enter_context(_local_copies(args.src, only=MODEL_FILE))
+            progress = _progress(f"convert {storage.name_of(storage.location(args.src))}")
+            written = convert(src, dst, progress=progress)
         size = Path(written).stat().st_size
         if remote_dst:
             target = storage.location(args.dst)

@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import io
 import itertools
-import json
 import mmap
 import os
 import re
@@ -63,7 +62,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +89,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItem, WriteI
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk import _fs, _sharded_index, burnpack, storage
 from lightning_bpk._sharded_names import (
     DEFAULT_PREFIX,
     ShardedCheckpointError,
@@ -114,8 +113,8 @@ __all__ = [
     "read_index",
 ]
 
-INDEX_FORMAT = "lightning_bpk/dcp"
-INDEX_VERSION = 1
+INDEX_FORMAT = _sharded_index.FORMAT
+INDEX_VERSION = _sharded_index.VERSION
 INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
 SAVE_ID_KEY = "lightning_bpk/dcp_save"  # every rank file names the save it belongs to
 SHARD_KIND = "dcp_shard"
@@ -151,17 +150,6 @@ def _stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list
 
 
 # --- writing ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Location:
-    """Where one chunk was written (a WriteResult's ``storage_data``)."""
-
-    file: str
-    name: str
-    file_size: int
-    head_xxh3: str
-    head_size: int = 0
 
 
 def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
@@ -278,7 +266,9 @@ class BurnpackStorageWriter(StorageWriter):
                 file, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id}
             )
             for item in plan.items:
-                location = _Location(file, _chunk_name(item.index), size, head, head_size)
+                location = _sharded_index.Location(
+                    file, _chunk_name(item.index), size, head, head_size
+                )
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -323,7 +313,7 @@ class BurnpackStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locations = {r.index: r.storage_data for rank in results for r in rank}
-        document, files = _encode_index(metadata, locations, self.save_id)
+        document, files = _sharded_index.encode(metadata, locations, self.save_id)
         index = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document})
         head_size = burnpack.loads(index).data_start
         self.files = {
@@ -396,64 +386,6 @@ class BurnpackStorageWriter(StorageWriter):
 # --- the index ------------------------------------------------------------------------------------
 
 
-def _encode_index(
-    metadata: Metadata, locations: Mapping[MetadataIndex, Any], save_id: str
-) -> tuple[str, dict[str, dict[str, Any]]]:
-    """The index document (JSON) and its table of files (name -> size, head size and digest)."""
-    files: dict[str, dict[str, Any]] = {}
-    tensors: dict[str, Any] = {}
-    objects: dict[str, Any] = {}
-
-    def where(index: MetadataIndex) -> tuple[str, str]:
-        location = locations.get(index)
-        if not isinstance(location, _Location):
-            raise ShardedCheckpointError(f"no rank reported writing '{index.fqn}' {index.offset}")
-        files[location.file] = {
-            "size": location.file_size,
-            "head_size": location.head_size,
-            "head_xxh3": location.head_xxh3,
-        }
-        return location.name, location.file
-
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            name, file = where(MetadataIndex(fqn))
-            objects[fqn] = {"file": file, "name": name}
-            continue
-        chunks = []
-        for chunk in md.chunks:
-            name, file = where(MetadataIndex(fqn, chunk.offsets))
-            chunks.append(
-                {
-                    "offsets": list(chunk.offsets),
-                    "sizes": list(chunk.sizes),
-                    "file": file,
-                    "name": name,
-                }
-            )
-        tensors[fqn] = {
-            "dtype": burnpack.burn_dtype(md.properties.dtype),
-            "shape": list(md.size),
-            "requires_grad": bool(md.properties.requires_grad),
-            "chunks": chunks,
-        }
-    planner_data = metadata.planner_data
-    try:
-        json.dumps(planner_data)
-    except (TypeError, ValueError) as e:
-        raise ShardedCheckpointError(f"the planner's data is not plain data: {e}") from e
-    document = {
-        "format": INDEX_FORMAT,
-        "version": INDEX_VERSION,
-        "save_id": save_id,
-        "files": files,
-        "tensors": tensors,
-        "objects": objects,
-        "planner_data": planner_data,
-    }
-    return json.dumps(document, separators=(",", ":")), files
-
-
 @dataclass(frozen=True)
 class Index:
     """A parsed sharded-checkpoint index: which chunk of which tensor lies in which file."""
@@ -465,6 +397,8 @@ class Index:
     objects: dict[str, dict[str, Any]]  # fqn -> {"file", "name"}
     planner_data: Any
     store: storage.ObjectStore | None = None  # the store of a URL directory
+    # per rank file, what the index places there (checked when the file is opened)
+    placed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
 
     def where(self, file: str) -> str:
         """The path or URL of one of the checkpoint's files, for messages."""
@@ -504,9 +438,12 @@ class Index:
         for name, expected in self.files.items():
             path = self.directory / name
             try:
-                size = path.stat().st_size
+                size = _sharded_index.real_file(self.directory, name).st_size
             except FileNotFoundError:
                 problems.append(f"{path}: listed in the index but missing")
+                continue
+            except ShardedCheckpointError as e:
+                problems.append(str(e))
                 continue
             if size != expected["size"]:
                 problems.append(f"{path}: {size} bytes, the index records {expected['size']}")
@@ -515,10 +452,11 @@ class Index:
                 if _head(path)[2] != expected["head_xxh3"]:
                     problems.append(f"{path}: header/metadata differ from the index (damaged)")
                     continue
-                if verify_tensors:
-                    with burnpack.read(path) as pack:
+                with burnpack.read(path) as pack:
+                    _sharded_index.check_rank_file(self.placed.get(name, {}), pack)
+                    if verify_tensors:
                         pack.verify()
-            except burnpack.BurnpackError as e:
+            except (burnpack.BurnpackError, ShardedCheckpointError) as e:
                 problems.append(str(e))
         return problems
 
@@ -562,41 +500,41 @@ def read_index(
         path = store.url_of(index_name(prefix))
     try:
         if store is None:
+            assert isinstance(path, Path) and isinstance(location, Path)
+            _sharded_index.real_directory(location)
+            _sharded_index.real_file(location, index_name(prefix))
             with burnpack.read(path) as pack:
                 raw = pack.metadata.get(INDEX_KEY)
         else:
-            raw = burnpack.loads(store.read(index_name(prefix))).metadata.get(INDEX_KEY)
+            raw = burnpack.loads(_read_index_object(store, index_name(prefix))).metadata.get(
+                INDEX_KEY
+            )
     except FileNotFoundError as e:
         raise ShardedCheckpointError(f"{path}: no sharded checkpoint index there") from e
     except (burnpack.BurnpackError, OSError) as e:
         raise ShardedCheckpointError(f"{path}: not a sharded checkpoint index ({e})") from e
-    try:
-        doc = json.loads(raw) if raw is not None else None
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
-        raise ShardedCheckpointError(f"{path}: not a {INDEX_FORMAT} index")
-    if doc.get("version") != INDEX_VERSION:
-        raise ShardedCheckpointError(
-            f"{path}: index version {doc.get('version')!r} is not supported ({INDEX_VERSION})"
-        )
-    try:
-        index = Index(
-            location,
-            str(doc["save_id"]),
-            dict(doc["files"]),
-            dict(doc["tensors"]),
-            dict(doc["objects"]),
-            doc.get("planner_data"),
-            store,
-        )
-        for fqn, t in index.tensors.items():
-            for c in t["chunks"]:
-                if c["file"] not in index.files or len(c["offsets"]) != len(t["shape"]):
-                    raise ValueError(fqn)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ShardedCheckpointError(f"{path}: malformed index ({e})") from e
-    return index
+    doc = _sharded_index.parse(raw, str(path))
+    return Index(
+        location,
+        doc.save_id,
+        doc.files,
+        doc.tensors,
+        doc.objects,
+        doc.planner_data,
+        store,
+        doc.placed,
+    )
+
+
+def _read_index_object(store: storage.ObjectStore, name: str) -> bytes:
+    """The bytes of an index object, its size checked before they are fetched: an index is a
+    header and metadata only."""
+    size = store.size(name)
+    if size is None:
+        raise FileNotFoundError(store.url_of(name))
+    if size > burnpack.HEADER_SIZE + burnpack.MAX_METADATA_SIZE + burnpack.TENSOR_ALIGNMENT:
+        raise ShardedCheckpointError(f"{store.url_of(name)}: {size} bytes, too big for an index")
+    return store.read(name)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -694,20 +632,30 @@ class _Packs:
     def pack(self, file: str) -> burnpack.Pack:
         if file not in self.packs:
             expected = self.index.files.get(file)
+            if expected is None:
+                raise ShardedCheckpointError(
+                    f"{self.index.where(file)}: not one of the files of the index "
+                    f"{self.index.where(index_name())}"
+                )
             try:
                 if self.index.store is None:
                     assert isinstance(self.index.directory, Path)
+                    _sharded_index.real_file(self.index.directory, file)
                     pack = burnpack.read(self.index.directory / file)
                 else:
                     pack = self._open_object(self.index.store, file, expected)
-            except burnpack.BurnpackError as e:
+            except (burnpack.BurnpackError, FileNotFoundError) as e:
                 raise ShardedCheckpointError(f"cannot read rank file: {e}") from e
-            if expected is None or pack.metadata.get(SAVE_ID_KEY) != self.index.save_id:
+            try:
+                if pack.metadata.get(SAVE_ID_KEY) != self.index.save_id:
+                    raise ShardedCheckpointError(
+                        f"{self.index.where(file)}: belongs to another save than the index "
+                        f"{self.index.where(index_name())}"
+                    )
+                _sharded_index.check_rank_file(self.index.placed.get(file, {}), pack)
+            except ShardedCheckpointError:
                 pack.close()
-                raise ShardedCheckpointError(
-                    f"{self.index.where(file)}: belongs to another save than the index "
-                    f"{self.index.where(index_name())}"
-                )
+                raise
             self.packs[file] = pack
         return self.packs[file]
 
@@ -911,20 +859,13 @@ def load_full_state_dict(
         raise ShardedCheckpointError("; ".join(problems))
     out: dict[str, Any] = {}
     with _opened(index, verify) as packs:
-        for fqn, t in index.tensors.items():
+        for fqn, t in index.tensors.items():  # read_index checked that the chunks tile it
             full = torch.empty(t["shape"], dtype=burnpack.torch_dtype(t["dtype"]))
-            covered = 0
             for c in t["chunks"]:
                 region = full
                 for dim, (start, length) in enumerate(zip(c["offsets"], c["sizes"], strict=True)):
                     region = region.narrow(dim, start, length)
                 region.copy_(packs.tensor(c["file"], c["name"]))
-                covered += region.numel()
-            if covered != full.numel():
-                raise ShardedCheckpointError(
-                    f"{index.where(index_name(prefix))}: the chunks of '{fqn}' cover {covered} "
-                    f"of {full.numel()} elements"
-                )
             out[fqn] = full
         for fqn, o in index.objects.items():
             out[fqn] = _object(packs, o["file"], o["name"], fqn)

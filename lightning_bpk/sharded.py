@@ -57,7 +57,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import _fs, burnpack, object_checkpoints, storage, trainer_state
+from lightning_bpk import (
+    _fs,
+    _sharded_index,
+    burnpack,
+    object_checkpoints,
+    storage,
+    trainer_state,
+)
 from lightning_bpk.checkpointer import Checkpointer, _FileEntry
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
@@ -312,6 +319,8 @@ def discard(staged: Mapping[str, Record]) -> None:
 
 def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
+    if isinstance(path, Path):
+        _sharded_index.real_directory(path)  # refused before anything in it is read
     checkpointer, number = trainer_state._checkpointer_for(path, storage_options)
     names = (
         os.listdir(path)

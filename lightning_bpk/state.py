@@ -75,6 +75,9 @@ STRUCTURE_VERSION = 1
 ROOT_NAME = "__root__"
 # Deeper structures are refused: they only arise from hostile or runaway data.
 MAX_DEPTH = 64
+# The structure tree's JSON nests 3 levels per dict level (node, its items, an item), so a tree
+# of MAX_DEPTH levels is 3 * MAX_DEPTH + 2 deep; anything deeper is refused before it is parsed.
+_TREE_JSON_DEPTH = 3 * MAX_DEPTH + 2
 
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
@@ -382,9 +385,9 @@ def decode(source: burnpack.Pack | Content, *, verify: bool = True) -> Any:
     if raw is None:
         raise StateError(f"no '{STRUCTURE_KEY}' metadata entry: this pack holds no encoded state")
     try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise StateError(f"'{STRUCTURE_KEY}' is not valid JSON: {str(e)[:80]}") from None
+        header = burnpack.decode_json(raw, what=f"'{STRUCTURE_KEY}'", max_depth=_TREE_JSON_DEPTH)
+    except burnpack.MetadataError as e:
+        raise StateError(str(e)) from None
     if not isinstance(header, dict) or "tree" not in header:
         raise StateError(f"'{STRUCTURE_KEY}' lacks a structure tree")
     if header.get("version") != STRUCTURE_VERSION:

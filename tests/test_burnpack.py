@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import hashlib
+import json
 import math
 import os
 import random
@@ -1718,3 +1719,17 @@ def test_write_add_suffix_false_writes_exactly_the_path(tmp_path):
     assert path == tmp_path / "manual"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manual"]
     assert burnpack.read(path).tensor("w").tolist() == [1.0, 1.0]
+
+
+def test_json_in_a_metadata_value_is_bounded_before_it_is_parsed():
+    value = {"a": ["[[[{", {"b": [1, '\\"]]']}]}  # brackets in strings, escaped quotes
+    assert burnpack.decode_json(json.dumps(value), what="x", max_depth=4) == value
+    with pytest.raises(burnpack.MetadataError, match=r"^x: JSON nested 5 levels deep \(at most 4"):
+        burnpack.decode_json(json.dumps([value]), what="x", max_depth=4)
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads alone: RecursionError
+    with pytest.raises(burnpack.MetadataError, match=r"^the index: JSON nested 100000 levels"):
+        burnpack.decode_json(deep, what="the index")
+    with pytest.raises(burnpack.MetadataError, match=r"^x: not valid JSON"):
+        burnpack.decode_json('["unterminated', what="x")
+    with pytest.raises(burnpack.MetadataError, match=r"^x: a bytes, not JSON text"):
+        burnpack.decode_json(b"[]", what="x")

@@ -247,3 +247,39 @@ def test_a_superseded_run_stops_before_any_rank_writes_a_shard():
         sharded.save_shards(trainer, zombie, 0, checkpoint)
     assert "state_dict" in checkpoint  # nothing was written
     assert sorted(storage.object_store(url).list("")) == [".lightning_bpk.owner.2"]
+
+
+# --- a hostile index in a bucket, over HTTP -----------------------------------------------------
+
+
+def test_a_hostile_index_in_a_bucket_opens_nothing_local_nor_outside_its_prefix(
+    bucket, tmp_path, capsys
+):
+    """The index names the rank file by an absolute local path (a valid copy of it lies there)
+    and, in a second checkpoint, by ``../``: convert from s3:// once read that local file and
+    wrote its data out. Now every reader refuses, naming the index and the name."""
+    import test_sharded_index as hostile
+
+    url = f"s3://{bucket}/run/ckpt"
+    doc = hostile.write_checkpoint(url)
+    (rank_file,) = doc["files"]
+    canary = tmp_path / "outside" / "evil.bpk"
+    canary.parent.mkdir()
+    canary.write_bytes(storage.object_store(url).read(rank_file))
+    hostile._rename_rank_file(doc, str(canary))
+    hostile._write_index(url, hostile.json.dumps(doc))
+    converted = tmp_path / "converted.bpk"
+    named = r"s3://.*sharded\.index\.bpk: file '/.*evil\.bpk' is not a plain name"
+    with hostile.recording() as opened:
+        assert cli.main(["convert", url, str(converted)]) == cli.EXIT_BAD_FILE
+        assert re.search(named, capsys.readouterr().err) and not converted.exists()
+        with pytest.raises(sharded.ShardedCheckpointError, match=named):
+            load_full_state_dict(url)
+        hostile._rename_rank_file(doc, f"../{rank_file}")  # the run's prefix, beside ckpt/
+        storage.object_store(f"s3://{bucket}/run").write(
+            rank_file, storage.object_store(url).read(rank_file)
+        )
+        hostile._write_index(url, hostile.json.dumps(doc))
+        with pytest.raises(CheckpointException, match=rf"'\.\./{rank_file}' is not a plain name"):
+            dcp.load({"w": torch.zeros(4, 4)}, storage_reader=BurnpackStorageReader(url))
+    assert not [p for p in opened if str(canary.parent) in p], opened

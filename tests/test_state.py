@@ -350,3 +350,17 @@ def test_hostile_structure_inside_a_real_pack() -> None:
     )
     with pytest.raises(StateError, match="tensor 'w' is missing"):
         decode(burnpack.loads(data))
+
+
+def test_a_structure_nested_past_the_limit_is_refused_before_it_is_parsed():
+    content = encode([1])
+    tree = "null"
+    for _ in range(450):  # 900 JSON levels: json.loads parses it, walking it needs the stack
+        tree = '["L",[' + tree + "]]"
+    content.metadata[STRUCTURE_KEY] = json.dumps({"version": 1, "tree": None}).replace("null", tree)
+    with pytest.raises(StateError, match=r"JSON nested 901 levels deep \(at most 194\)"):
+        decode(content)
+    nested: object = 1
+    for _ in range(state.MAX_DEPTH):
+        nested = {"k": nested}
+    assert decode(encode(nested)) == nested  # the deepest state encode accepts still decodes

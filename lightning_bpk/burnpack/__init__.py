@@ -37,6 +37,7 @@ from lightning_bpk.burnpack.base import (
     MAGIC_BYTES,
     MAX_CBOR_DEPTH,
     MAX_FILE_SIZE,
+    MAX_JSON_DEPTH,
     MAX_METADATA_SIZE,
     MAX_RANK,
     MAX_TENSOR_COUNT,
@@ -56,6 +57,7 @@ from lightning_bpk.burnpack.base import (
     ValidationError,
     VersionError,
     burn_dtype,
+    decode_json,
     torch_dtype,
 )
 from lightning_bpk.burnpack.reader import (
@@ -86,6 +88,7 @@ __all__ = [
     "MAGIC_BYTES",
     "MAX_CBOR_DEPTH",
     "MAX_FILE_SIZE",
+    "MAX_JSON_DEPTH",
     "MAX_METADATA_SIZE",
     "MAX_RANK",
     "MAX_TENSOR_COUNT",
@@ -111,6 +114,7 @@ __all__ = [
     "VersionError",
     "burn_dtype",
     "data_section_start",
+    "decode_json",
     "dumps",
     "loads",
     "read",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy
 import torch
@@ -19,6 +22,7 @@ __all__ = [
     "MAGIC_BYTES",
     "MAX_CBOR_DEPTH",
     "MAX_FILE_SIZE",
+    "MAX_JSON_DEPTH",
     "MAX_METADATA_SIZE",
     "MAX_RANK",
     "MAX_TENSOR_COUNT",
@@ -38,6 +42,7 @@ __all__ = [
     "ValidationError",
     "VersionError",
     "burn_dtype",
+    "decode_json",
     "torch_dtype",
 ]
 
@@ -53,6 +58,7 @@ MAX_METADATA_SIZE = 100 * 1024 * 1024  # checked before allocating: a header can
 MAX_TENSOR_COUNT = 100_000  # bounds the work of parsing a hostile index
 MAX_TENSOR_SIZE = 10 * 1024**3  # one tensor at most 10 GiB, as Burn on 64-bit targets
 MAX_CBOR_DEPTH = 128  # nesting limit of the metadata decoder (stack safety)
+MAX_JSON_DEPTH = 128  # default nesting limit of JSON held in a metadata value (stack safety)
 MAX_FILE_SIZE = 100 * 1024**3  # larger files are refused before anything is mapped
 MAX_RANK = 64  # no real tensor has more dimensions; bounds shape parsing
 
@@ -309,3 +315,46 @@ def _short(value: object) -> str:
     """``repr(value)`` cut to a readable length for error messages."""
     text = repr(value)
     return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."
+
+
+# --- JSON held in a metadata value ----------------------------------------------------------------
+
+# A JSON string (possessive: linear time on any input) and everything that is not a bracket.
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]++")
+_BRACKET_STEPS = str.maketrans({"[": "\x01", "{": "\x01", "]": "\xff", "}": "\xff"})  # +1, -1
+
+
+def _json_depth(text: str) -> int:
+    """How deeply the arrays and objects of JSON ``text`` nest (brackets inside strings do not
+    count), in linear time and without recursion."""
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text)).translate(_BRACKET_STEPS)
+    if not brackets:
+        return 0
+    return int(numpy.frombuffer(brackets.encode("latin-1"), numpy.int8).cumsum().max())
+
+
+def decode_json(text: object, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The value of a metadata entry holding JSON (upper layers keep their structure there).
+
+    Nesting is measured before parsing, so a hostile value can never exhaust the stack of the
+    parser or of the code that walks the result: deeper than ``max_depth``, not a string, or not
+    JSON raises :class:`MetadataError` naming ``what``. Its size is already bounded by
+    :data:`MAX_METADATA_SIZE`.
+
+    >>> decode_json('{"a": [1, "]]"]}', what="x")
+    {'a': [1, ']]']}
+    >>> decode_json("[" * 200 + "]" * 200, what="the index")
+    Traceback (most recent call last):
+    ...
+    lightning_bpk.burnpack.base.MetadataError: the index: JSON nested 200 levels deep (at most 128)
+    """
+    if not isinstance(text, str):
+        raise MetadataError(f"{what}: a {type(text).__name__}, not JSON text")
+    depth = _json_depth(text)
+    if depth > max_depth:
+        raise MetadataError(f"{what}: JSON nested {depth} levels deep (at most {max_depth})")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise MetadataError(f"{what}: not valid JSON ({_short(str(e))})") from None
