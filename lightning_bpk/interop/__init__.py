@@ -2,17 +2,24 @@
 
 - :mod:`~lightning_bpk.interop.adapters`: :class:`BurnToPyTorchAdapter`,
   :class:`PyTorchToBurnAdapter` for ``ModuleRecord.apply``/``from_module``;
-- :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
-  :class:`Split`, :class:`Unstack`, :class:`Transpose` rules, inverted on save;
+- :mod:`~lightning_bpk.interop.rules`: what every rule shares (:class:`Rule`,
+  :class:`RemapError`, the items rules move and the tracing the loaders follow);
 - :mod:`~lightning_bpk.interop.conversions`: transformers' vocabulary as rules,
   :class:`WeightRenaming` and :class:`WeightConverter` with the ops :class:`Chunk`,
-  :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`, ``Transpose``,
-  :class:`PermuteForRope`, :class:`Interleave`;
+  :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`,
+  :class:`Transpose` (with a pattern, a rule of its own), :class:`PermuteForRope`,
+  :class:`Interleave`;
+- :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
+  :class:`Split`, :class:`Unstack` rules, inverted on save;
 - :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
 - :mod:`~lightning_bpk.interop.shards`: :func:`load_into_shards`, a full file straight into an
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
+
+The modules import only downward: ``rules`` <- ``conversions`` <- ``remap``; ``formats`` <-
+``_sources`` (files and checkpoint sets) <- ``_plan`` (what both loaders share) <- ``loading``,
+``shards``. Nothing imports a private name of another interop module.
 """
 
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
@@ -24,6 +31,7 @@ from lightning_bpk.interop.conversions import (
     MergeModulelist,
     PermuteForRope,
     SplitModulelist,
+    Transpose,
     WeightConverter,
     WeightRenaming,
 )
@@ -40,17 +48,15 @@ from lightning_bpk.interop.formats import (
 from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.remap import (
     KeyRemapper,
-    RemapError,
     RemapResult,
     Rename,
-    Rule,
     Split,
-    Transpose,
     Unstack,
     apply_remapped,
     derive_inverse,
     record_remapped,
 )
+from lightning_bpk.interop.rules import RemapError, Rule
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
 __all__ = [

@@ -48,18 +48,18 @@ tensor's first part keeps the id and the other parts get ids derived from it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from lightning_bpk.interop.remap import (
+from lightning_bpk.interop.rules import (
     Item,
     Items,
     RemapError,
     Rule,
-    _derived_param_id,
-    _replace_all,
+    derived_param_id,
+    replace_items,
     trace_step,
 )
 
@@ -255,12 +255,38 @@ def _single_target(op: ConversionOps, input_dict, source_patterns, target_patter
     return target_patterns[0]
 
 
-class Transpose(ConversionOps):
-    """Swap ``dim0`` and ``dim1``; its own reverse (with the dims swapped)."""
+class Transpose(ConversionOps, Rule):
+    """Swap dims ``dim0`` and ``dim1``, as a rule or as an op (one class, two roles).
 
-    def __init__(self, dim0: int = 0, dim1: int = 1) -> None:
-        self.dim0 = dim0
-        self.dim1 = dim1
+    - ``Transpose(pattern, dim0=0, dim1=1)``, a rule: swap the dims of every tensor whose name
+      fully matches ``pattern``, on load and again on save (the names do not change);
+    - ``Transpose(dim0=0, dim1=1)``, transformers' op of that name, for a
+      :class:`WeightConverter`'s operations; its reverse swaps the dims back.
+
+    >>> Transpose(r".+\\.w", 0, 1).forward({"a.w": (torch.zeros(2, 3), None)})[0]["a.w"][0].shape
+    torch.Size([3, 2])
+    """
+
+    traced = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pattern = kwargs.pop("pattern", None)
+        if args and isinstance(args[0], str):
+            pattern, args = args[0], args[1:]
+        dims = dict(zip(("dim0", "dim1"), args, strict=False)) | kwargs
+        unknown = set(dims) - {"dim0", "dim1"}
+        if unknown or len(args) > 2 or not isinstance(pattern, str | None):
+            raise TypeError(f"Transpose([pattern,] dim0, dim1): unexpected {sorted(unknown)}")
+        self.pattern: str | None = pattern
+        self.dim0 = int(dims.get("dim0", 0))
+        self.dim1 = int(dims.get("dim1", 1))
+
+    def __repr__(self) -> str:
+        if self.pattern is None:
+            return f"Transpose(dim0={self.dim0}, dim1={self.dim1})"
+        return f"Transpose({self.pattern!r}, {self.dim0}, {self.dim1})"
+
+    __str__ = __repr__
 
     def convert(
         self,
@@ -275,7 +301,24 @@ class Transpose(ConversionOps):
 
     @property
     def reverse_op(self) -> ConversionOps:
-        return Transpose(self.dim1, self.dim0)
+        return Transpose(dim0=self.dim1, dim1=self.dim0)
+
+    def forward(self, items: Items) -> tuple[Items, int]:
+        pattern = self.pattern
+        if pattern is None:
+            raise RemapError(f"{self}: without a pattern it is an op, for a WeightConverter")
+        out: Items = {}
+        touched = 0
+        for name, (tensor, pid) in items.items():
+            if re.fullmatch(pattern, name):
+                if tensor.dim() <= max(self.dim0, self.dim1, -1 - min(self.dim0, self.dim1)):
+                    raise RemapError(f"{self}: {name!r} has shape {list(tensor.shape)}")
+                tensor = tensor.transpose(self.dim0, self.dim1).contiguous()
+                touched += 1
+            out[name] = (tensor, pid)
+        return out, touched
+
+    backward = forward
 
 
 class Interleave(ConversionOps):
@@ -451,7 +494,7 @@ class WeightRenaming(WeightTransform):
     ('l.0.mlp.gate', '.block_sparse_moe.')
     """
 
-    _phase = "rename"
+    phase = "rename"
 
     def reverse_transform(self) -> WeightRenaming:
         return WeightRenaming(self._original[1], self._original[0])
@@ -496,7 +539,7 @@ class WeightConverter(WeightTransform):
     {'mlp.gate_up.weight': ([[0.0, 0.0], [1.0, 1.0]], 7)}
     """
 
-    _phase = "convert"
+    phase = "convert"
 
     def __init__(
         self,
@@ -533,6 +576,7 @@ class WeightConverter(WeightTransform):
         exclude: frozenset[str],
         check: WeightConverter | None = None,
         origin: Mapping[str, str] | None = None,
+        where: Callable[[str], str] | None = None,
     ) -> tuple[Items, int]:
         """Convert every group of matching names not in ``exclude``; ``check`` (the forward
         converter, when saving) must map each output back to the name it came from. Problems
@@ -549,7 +593,7 @@ class WeightConverter(WeightTransform):
         converted: list[tuple[list[str], Items]] = []
         for renamed, by_pattern in groups.items():
             names = self._check_group(renamed, by_pattern, problems, origin)
-            if names is None:
+            if names is None or not _same_shapes(names, items, problems, origin, where):
                 continue
             try:
                 out = self._convert_group(renamed, names, items)
@@ -568,7 +612,7 @@ class WeightConverter(WeightTransform):
         if problems:
             raise RemapError(f"{self}: " + "; ".join(problems))
         if converted:
-            items = _replace_all(items, converted, str(self))
+            items = replace_items(items, converted, str(self))
         return items, len(converted)
 
     def _check_group(
@@ -620,8 +664,34 @@ class WeightConverter(WeightTransform):
         out: dict[str, Item] = {}
         for k, (name, value) in enumerate(tensors.items()):
             full_name = prefix + name + suffix
-            out[full_name] = (_first(value), pid if k == 0 else _derived_param_id(pid, k))
+            out[full_name] = (_first(value), pid if k == 0 else derived_param_id(pid, k))
         return out
+
+
+def _same_shapes(
+    names: dict[str, list[str]],
+    items: Items,
+    problems: list[str],
+    origin: Mapping[str, str],
+    where: Callable[[str], str] | None,
+) -> bool:
+    """Whether every tensor of each source pattern has the first one's shape (a list of
+    experts stacks only then); else a problem naming the file, the tensor and both shapes."""
+    ok = True
+    for names_of in names.values():
+        first = names_of[0]
+        want = list(items[first][0].shape)
+        for name in names_of[1:]:
+            got = list(items[name][0].shape)
+            if got != want:
+                file_name = origin.get(name, name)
+                file = where(file_name) if where is not None else ""
+                problems.append(
+                    f"{file + ': ' if file else ''}tensor {file_name!r} has shape {got}, but "
+                    f"{origin.get(first, first)!r} of the same list has {want}"
+                )
+                ok = False
+    return ok
 
 
 def _star(star: re.Pattern, name: str) -> str:

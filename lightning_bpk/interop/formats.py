@@ -50,13 +50,16 @@ from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 __all__ = [
     "BPK_SUFFIXES",
     "CHECKPOINT_MODEL_FILE",
+    "NO_PICKLE_ADVICE",
     "SAFETENSORS_INFO_KEY",
     "SAFETENSORS_SUFFIXES",
+    "ST_BOOL",
     "TORCH_SUFFIXES",
     "Content",
     "Progress",
     "convert",
     "export_checkpoint",
+    "file_kind",
     "load_module_record",
     "read_bpk",
     "read_content",
@@ -76,7 +79,7 @@ TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-onl
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
-_ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
+ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
 
@@ -97,10 +100,10 @@ class Content:
 
 def _st_dtype(dtype: torch.dtype) -> str:
     """Safetensors' name of a torch dtype; raises ``burnpack.ValidationError`` if it has none."""
-    return _ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
+    return ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     suffix = path.suffix.lower()
     for kind, suffixes in (
         ("bpk", BPK_SUFFIXES),
@@ -273,6 +276,14 @@ def write_safetensors(
 
 # --- torch.save files ----------------------------------------------------------------------------
 
+NO_PICKLE_ADVICE = (
+    "lightning_bpk unpickles nothing but tensors and plain data (anything else could run code "
+    "from the file), so there is no weights_only=False fallback; where the file is trusted, save "
+    "just its tensors (torch.save(model.state_dict(), ...)) or convert them to .safetensors, and "
+    "import that"
+)
+"""Why a pickle that needs more than tensors and plain data is refused, and what to do instead."""
+
 # Lines of torch's weights-only refusal that advise loading anyway (weights_only=False) or point
 # elsewhere, rather than saying what the file holds.
 _TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Check the documentation")
@@ -306,11 +317,7 @@ def read_torch(path: str | os.PathLike[str]) -> Content:
         raise RecordError(
             "io",
             f"{path}: refused to unpickle: torch.load(weights_only=True) stopped at "
-            f"{_refusal_reason(e)!r}. lightning_bpk unpickles nothing but tensors and plain data "
-            "(anything else could run code from the file), so there is no weights_only=False "
-            "fallback; where the file is trusted, save just its tensors "
-            "(torch.save(model.state_dict(), ...)) or convert them to .safetensors, and import "
-            "that",
+            f"{_refusal_reason(e)!r}. {NO_PICKLE_ADVICE}",
         ) from None
     except Exception as e:  # torch raises RuntimeError, EOFError, OSError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -344,7 +351,7 @@ def read_content(path: str | os.PathLike[str]) -> Content:
         from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
 
         return _record_content(module_record(path))
-    return _READERS[_kind(path)](path)
+    return _READERS[file_kind(path)](path)
 
 
 def write_content(
@@ -352,7 +359,7 @@ def write_content(
 ) -> Path:
     """Write ``.bpk`` or ``.safetensors`` (by suffix); torch files are never written."""
     path = Path(path)
-    kind = _kind(path)
+    kind = file_kind(path)
     if kind not in _WRITERS:
         raise RecordError(
             "io", f"{path}: {path.suffix} is an import format only; write .bpk or .safetensors"
@@ -378,7 +385,7 @@ def convert(
 def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
     """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader)."""
     path = Path(path)
-    if _kind(path) == "bpk":
+    if file_kind(path) == "bpk":
         return ModuleRecord.load(path)
     content = read_content(path)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
@@ -396,7 +403,7 @@ def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
 def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Path:
     """Save a :class:`ModuleRecord` as ``.bpk`` or ``.safetensors`` (by suffix)."""
     path = Path(path)
-    if _kind(path) == "bpk":
+    if file_kind(path) == "bpk":
         return record.save(path)
     return write_content(path, _record_content(record))
 
@@ -422,6 +429,6 @@ def export_checkpoint(
     ``model.bpk`` is exported) or a ``.bpk`` file; ``dst`` must end in ``.safetensors``.
     """
     dst = Path(dst)
-    if _kind(dst) != "safetensors":
+    if file_kind(dst) != "safetensors":
         raise RecordError("io", f"{dst}: export writes .safetensors")
     return convert(checkpoint, dst, progress)

@@ -42,9 +42,8 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,31 +51,23 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_bpk import burnpack
+from lightning_bpk import burnpack, storage
 from lightning_bpk.interop import conversions as ops
-from lightning_bpk.interop.formats import _kind
-from lightning_bpk.interop.loading import (
+from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
-    _assign,
-    _destinations,
-    _items,
-    _open,
-    _plan,
-    _Planned,
-    _run,
-    _Shadow,
-    _Source,
+    Planned,
+    Shadow,
+    assign,
+    destinations,
+    group_items,
+    plan,
+    run_tasks,
+    tie,
+    tied_weights,
 )
-from lightning_bpk.interop.remap import (
-    Items,
-    KeyRemapper,
-    RemapError,
-    Rename,
-    Split,
-    Step,
-    Transpose,
-    Unstack,
-)
+from lightning_bpk.interop._sources import Location, Source, Span, open_source, ranged_reader
+from lightning_bpk.interop.remap import KeyRemapper, Rename, Split, Transpose, Unstack
+from lightning_bpk.interop.rules import Items, RemapError, Step
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import _PARAM_ID_ATTR
 
@@ -144,44 +135,46 @@ def byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[i
         )
 
 
-class _RangedFile:
-    """Positional reads of boxes of a file's tensors, counting the bytes read (thread-safe)."""
+class _RangedFiles:
+    """Positional reads of boxes of tensors across a set's files, each file opened once, on
+    first use, counting the bytes read (thread-safe)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self) -> None:
         self.bytes_read = 0
+        self._open: dict[str, tuple] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        os.close(self.fd)
+        for _, close in self._open.values():
+            close()
+        self._open.clear()
+
+    def _reader(self, file: Location) -> Callable[[memoryview, int], None]:
+        with self._lock:
+            if str(file) not in self._open:
+                self._open[str(file)] = ranged_reader(file)
+            return self._open[str(file)][0]
 
     def read(
         self,
-        start: int,
+        span: Span,
         shape: Sequence[int],
-        dtype: torch.dtype,
         box: Box,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The ``box`` of the tensor of ``shape`` and ``dtype`` stored at ``start``, read into
-        ``out`` (contiguous, of the box's shape) or a new tensor."""
+        """The ``box`` of the tensor of ``shape`` stored at ``span``, read into ``out``
+        (contiguous, of the box's shape) or a new tensor."""
         if len(box) != len(shape) or any(
             not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)
         ):
-            raise ValueError(f"{self.path}: box {list(box)} outside a tensor of {list(shape)}")
+            raise ValueError(f"{span.file}: box {list(box)} outside a tensor of {list(shape)}")
         if out is None:
-            out = torch.empty([stop - begin for begin, stop in box], dtype=dtype)
+            out = torch.empty([stop - begin for begin, stop in box], dtype=span.stored)
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
+        read_into = self._reader(span.file)
         at = 0
         for offset, length in byte_runs(shape, out.element_size(), box):
-            view = flat[at : at + length]
-            done = 0
-            while done < length:
-                n = os.preadv(self.fd, [view[done:]], start + offset + done)
-                if n == 0:
-                    raise RecordError("io", f"{self.path}: ends inside a tensor's bytes")
-                done += n
+            read_into(flat[at : at + length], span.start + offset)
             at += length
         with self._lock:
             self.bytes_read += at
@@ -376,13 +369,15 @@ def load_into_shards(
     allow_unused: bool = False,
     validate: bool = True,
     dtype_policy: str = "from_record",
+    ties: Mapping[str, str] | None = None,
 ) -> ShardedLoad:
-    """Load a full ``.bpk`` or ``.safetensors`` file into ``module``, whose tensors may be
-    ``DTensor`` shards, through ``remapper``; each rank reads only its own shards' bytes (see
-    the module docs). Call it on every rank; it needs no collective. Same checks and options as
-    :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout changes as
-    rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts the file's).
-    ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
+    """Load a full ``.bpk`` or ``.safetensors`` file, or a checkpoint set of them (an index or
+    a directory, local or at a URL), into ``module``, whose tensors may be ``DTensor`` shards,
+    through ``remapper``; each rank reads only its own shards' byte ranges, across the set's
+    files (see the module docs). Call it on every rank; it needs no collective. Same checks and
+    options as :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout
+    changes as rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts
+    the file's). ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
 
     Example, on each rank of an FSDP2 model::
 
@@ -391,93 +386,130 @@ def load_into_shards(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
-    path = Path(path)
-    if _kind(path) == "torch":
-        raise RecordError(
-            "io",
-            f"{path}: a torch.save file cannot be read in byte ranges; convert it to "
-            ".safetensors or .bpk first (lightning_bpk.interop.convert)",
-        )
     remapper = remapper if remapper is not None else KeyRemapper([])
-    with _open(path) as source:
-        spans = source.spans or {}  # every .bpk and .safetensors file has them
-        plan = _plan(source, remapper)
-        problems: list[str] = []
-        try:
-            plan.record.apply(
-                _Shadow(module),
-                allow_partial=allow_partial,
-                allow_unused=allow_unused,
-                validate=validate,
-                dtype_policy=dtype_policy,
+    ties = tied_weights(module) if ties is None else dict(ties)
+    with open_source(path) as source:
+        if source.spans is None:
+            raise RecordError(
+                "io",
+                f"{path}: a torch.save file cannot be read in byte ranges; convert it to "
+                ".safetensors or .bpk first (lightning_bpk.interop.convert)",
             )
-        except RecordError as e:
-            if e.kind != "validation":
-                raise
-            problems += e.problems
-        targets = {
-            name: target
-            for name, target in _destinations(module, plan.result.tensors, None).items()
-            if tuple(target.shape) == tuple(plan.result.tensors[name][0].shape)
+        options = {
+            "allow_partial": allow_partial,
+            "allow_unused": allow_unused,
+            "validate": validate,
+            "dtype_policy": dtype_policy,
         }
-        boxes, renames = _boxes(
-            source, plan.steps, targets, plan.result.tensors, dtype_policy, problems
+        planned, targets, boxes, renames = _checked_plan(
+            path, source, module, remapper, ties, options
         )
-        if not problems:
-            _check_selections(plan, source, remapper, boxes, renames, targets, problems)
-        if problems:
-            raise RecordError("validation", [f"{path}: {p}" for p in problems])
-        file = _RangedFile(path)
+        files = _RangedFiles()
         try:
-            done = ShardedLoad(plan.result.unmatched)
+            done = ShardedLoad(planned.result.unmatched)
             if verify and source.verify is not None:  # first: a damaged file changes nothing
-                _run(source.verify, sorted(boxes), workers)
-                done.bytes_read += sum(spans[n][1] - spans[n][0] for n in boxes)
-            cast = dtype_policy == "cast_to_module"
-            into = _read_into(plan, source, spans, targets)
-
-            def read(name: str) -> torch.Tensor:
-                shape, dtype = source.specs[name]
-                start, _, stored = spans[name]
-                box = boxes.get(name, tuple((0, n) for n in shape))
-                tensor = file.read(start, shape, stored, box, into.get(name))
-                if dtype == torch.bool and stored != torch.bool:
-                    return tensor != 0  # a Burn Bool(U8)/Bool(U32)
-                return tensor
-
-            def task(group: list[str]) -> None:
-                needed = [n for n in group if source.aliases.get(n, n) in boxes]
-                if not needed:
-                    return  # feeds nothing this module loads
-                items = {renames.get(n, n): v for n, v in _items(source, needed, read).items()}
-                for name, (tensor, pid) in remapper.load(items).tensors.items():
-                    target = targets.get(name)
-                    if target is None:
-                        continue
-                    local = _local(target)
-                    if local.shape != tensor.shape:  # the plan rules this out
-                        raise RuntimeError(
-                            f"{path}: '{name}': read {list(tensor.shape)} for a local shard "
-                            f"of {list(local.shape)}"
-                        )
-                    if tensor is local:  # read in place: only the param id is left
-                        if pid is not None:
-                            setattr(target, _PARAM_ID_ATTR, pid)
-                    elif isinstance(target, DTensor):
-                        with torch.no_grad():
-                            local.copy_(tensor)
-                        if pid is not None:
-                            setattr(target, _PARAM_ID_ATTR, pid)
-                    else:
-                        _assign(target, tensor, pid, cast)
-
-            _run(task, plan.groups, workers)
+                run_tasks(source.verify, sorted(boxes), workers)
+                done.bytes_read += sum(source.spans[n].end - source.spans[n].start for n in boxes)
+            load = _Loader(path, source, planned, remapper, targets, boxes, renames, files)
+            load.cast = dtype_policy == "cast_to_module"
+            run_tasks(load.group, planned.groups, workers)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
+        except storage.StorageError as e:
+            raise RecordError("io", str(e)) from e
         finally:
-            file.close()
-        done.bytes_read += file.bytes_read
+            files.close()
+        done.bytes_read += files.bytes_read
     return done
+
+
+def _checked_plan(
+    path: str | os.PathLike[str],
+    source: Source,
+    module: nn.Module,
+    remapper: KeyRemapper,
+    ties: Mapping[str, str],
+    options: dict,
+) -> tuple[Planned, dict[str, torch.Tensor], dict[str, Box], dict[str, str]]:
+    """The plan, the tensors it loads into, each file tensor's box and the names of selected
+    list elements; every problem (apply's checks, the boxes, the selections) raised together,
+    before anything is read."""
+    planned = plan(source, remapper, ties)
+    problems: list[str] = []
+    try:
+        planned.record.apply(Shadow(module), **options)
+    except RecordError as e:
+        if e.kind != "validation":
+            raise
+        problems += e.problems
+    targets = {
+        name: target
+        for name, target in destinations(module, planned.result.tensors, None).items()
+        if tuple(target.shape) == tuple(planned.result.tensors[name][0].shape)
+    }
+    boxes, renames = _boxes(source, planned, targets, options["dtype_policy"], problems)
+    if not problems:
+        _check_selections(planned, source, remapper, boxes, renames, targets, problems)
+    if problems:
+        raise RecordError("validation", [f"{path}: {p}" for p in problems])
+    return planned, targets, boxes, renames
+
+
+@dataclass
+class _Loader:
+    """Reads a group's boxes and writes the converted tensors into their targets."""
+
+    path: str | os.PathLike[str]
+    source: Source
+    planned: Planned
+    remapper: KeyRemapper
+    targets: dict[str, torch.Tensor]
+    boxes: dict[str, Box]
+    renames: dict[str, str]
+    files: _RangedFiles
+    cast: bool = False
+    into: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.into = _read_into(self.planned, self.source, self.targets)
+
+    def read(self, name: str) -> torch.Tensor:
+        shape, dtype = self.source.specs[name]
+        assert self.source.spans is not None  # checked by load_into_shards
+        span = self.source.spans[name]
+        box = self.boxes.get(name, tuple((0, n) for n in shape))
+        tensor = self.files.read(span, shape, box, self.into.get(name))
+        if dtype == torch.bool and span.stored != torch.bool:
+            return tensor != 0  # a Burn Bool(U8)/Bool(U32)
+        return tensor
+
+    def group(self, group: list[str]) -> None:
+        needed = [n for n in group if self.source.aliases.get(n, n) in self.boxes]
+        if not needed:
+            return  # feeds nothing this module loads
+        items = group_items(self.source, needed, self.read)
+        items = {self.renames.get(n, n): v for n, v in items.items()}
+        loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
+        for name, (tensor, pid) in loaded.items():
+            target = self.targets.get(name)
+            if target is not None:
+                self.write(name, target, tensor, pid)
+
+    def write(self, name: str, target: torch.Tensor, tensor: torch.Tensor, pid: int | None) -> None:
+        local = _local(target)
+        if local.shape != tensor.shape:  # the plan rules this out
+            raise RuntimeError(
+                f"{self.path}: '{name}': read {list(tensor.shape)} for a local shard "
+                f"of {list(local.shape)}"
+            )
+        if tensor is local or isinstance(target, DTensor):  # in place: only the id is left
+            if tensor is not local:
+                with torch.no_grad():
+                    local.copy_(tensor)
+            if pid is not None:
+                setattr(target, _PARAM_ID_ATTR, pid)
+        else:
+            assign(target, tensor, pid, self.cast)
 
 
 def _local(target: torch.Tensor) -> torch.Tensor:
@@ -489,17 +521,15 @@ def _local(target: torch.Tensor) -> torch.Tensor:
 
 
 def _read_into(
-    plan: _Planned,
-    source: _Source,
-    spans: dict[str, tuple[int, int, torch.dtype]],
-    targets: dict[str, torch.Tensor],
+    planned: Planned, source: Source, targets: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """File name -> the module tensor to read it into, in place: where the rules only rename it
     and the target is contiguous, of the stored dtype, on the CPU (no second copy)."""
-    unchanged = {id(t): n for n, (t, _) in plan.meta.items()}
+    unchanged = {id(t): n for n, (t, _) in planned.meta.items()}
+    spans = source.spans or {}
     into: dict[str, torch.Tensor] = {}
     for name, target in targets.items():
-        file_name = unchanged.get(id(plan.result.tensors[name][0]))
+        file_name = unchanged.get(id(planned.result.tensors[name][0]))
         if file_name is None:
             continue
         stored = source.aliases.get(file_name, file_name)
@@ -507,17 +537,16 @@ def _read_into(
         if (
             local.is_contiguous()
             and local.device.type == "cpu"
-            and local.dtype == spans[stored][2] == source.specs[stored][1]
+            and local.dtype == spans[stored].stored == source.specs[stored][1]
         ):
             into.setdefault(stored, local)
     return into
 
 
 def _boxes(
-    source: _Source,
-    steps: list[Step],
+    source: Source,
+    planned: Planned,
     targets: dict[str, torch.Tensor],
-    planned: dict,
     dtype_policy: str,
     problems: list[str],
 ) -> tuple[dict[str, Box], dict[str, str]]:
@@ -526,7 +555,9 @@ def _boxes(
     where a target's shard cannot be read as a box through the rules."""
     names = list(source.specs) + list(source.aliases)
     ndims = {n: len(source.specs[source.aliases.get(n, n)][0]) for n in names}
-    dims = _follow(steps, names, ndims)
+    dims = _follow(planned.steps, names, ndims)
+    for tied, tied_to in planned.tied.items():  # filled from its tie: the same file tensors
+        dims[tied] = dims[tied_to]
     needs: dict[str, dict[str, Box]] = {}  # stored name -> target -> the box it needs
     renames: dict[str, str] = {}
     for name, target in targets.items():
@@ -546,7 +577,7 @@ def _boxes(
             if target.device_mesh.device_type == "meta" or _local(target).is_meta:
                 problems.append(f"{where}: on the meta device (allocate it first: to_empty)")
                 continue
-            dtype = planned[name][0].dtype
+            dtype = planned.result.tensors[name][0].dtype
             if dtype != target.dtype and dtype_policy != "cast_to_module":
                 problems.append(
                     f"{where}: the file's {dtype} cannot replace a sharded {target.dtype} "
@@ -595,8 +626,8 @@ def _boxes(
 
 
 def _check_selections(
-    plan: _Planned,
-    source: _Source,
+    planned: Planned,
+    source: Source,
     remapper: KeyRemapper,
     boxes: dict[str, Box],
     renames: dict[str, str],
@@ -605,7 +636,7 @@ def _check_selections(
 ) -> None:
     """Run the rules on meta tensors of what each group stacking only some of its lists will
     read: they must give exactly the targets' shards."""
-    for group in plan.groups:
+    for group in planned.groups:
         if not any(n in renames for n in group):
             continue
         meta: Items = {}

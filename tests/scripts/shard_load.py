@@ -27,6 +27,7 @@ Prints ``OK rank=<r> ...`` per rank on success; any mismatch raises (non-zero ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -252,7 +253,9 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
             ["converted.safetensors", "Concatenate(dim=1)", "'down.weight'", "Shard(dim=1)"],
         )
         dist.barrier()
-        print(f"OK rank={rank} " + " ".join(report), flush=True)
+        # one write of the whole line (under PIPE_BUF: atomic), so ranks' lines never interleave
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"OK rank={rank} {' '.join(report)}\n".encode())
     finally:
         dist.destroy_process_group()
 
