@@ -11,7 +11,12 @@
   :class:`Interleave`;
 - :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
   :class:`Split`, :class:`Unstack` rules, inverted on save;
-- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
+- :mod:`~lightning_bpk.interop.hub`: :func:`rules_for` a model type or instance (transformers'
+  registry when installed, this package's table otherwise), :func:`save_pretrained` back to
+  the checkpoint's layout, :func:`tied_weights`;
+- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool, from
+  a file or a checkpoint set (a ``model.safetensors.index.json`` or ``model.bpk.index.json``
+  and its shards, or their directory; local or at a URL);
 - :mod:`~lightning_bpk.interop.shards`: :func:`load_into_shards`, a full file straight into an
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
@@ -19,9 +24,10 @@
 
 The modules import only downward: ``rules`` <- ``conversions`` <- ``remap``; ``formats`` <-
 ``_sources`` (files and checkpoint sets) <- ``_plan`` (what both loaders share) <- ``loading``,
-``shards``. Nothing imports a private name of another interop module.
+``shards``; ``hub`` on top. Nothing imports a private name of another interop module.
 """
 
+from lightning_bpk.interop._plan import tied_weights
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
 from lightning_bpk.interop.conversions import (
     Chunk,
@@ -30,6 +36,7 @@ from lightning_bpk.interop.conversions import (
     Interleave,
     MergeModulelist,
     PermuteForRope,
+    PrefixChange,
     SplitModulelist,
     Transpose,
     WeightConverter,
@@ -45,6 +52,7 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
+from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
 from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.remap import (
     KeyRemapper,
@@ -60,7 +68,9 @@ from lightning_bpk.interop.rules import RemapError, Rule
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
 __all__ = [
+    "COVERED",
     "SAFETENSORS_INFO_KEY",
+    "BaseModelPrefix",
     "BurnToPyTorchAdapter",
     "Chunk",
     "Concatenate",
@@ -70,6 +80,7 @@ __all__ = [
     "KeyRemapper",
     "MergeModulelist",
     "PermuteForRope",
+    "PrefixChange",
     "PyTorchToBurnAdapter",
     "RemapError",
     "RemapResult",
@@ -91,6 +102,9 @@ __all__ = [
     "load_remapped",
     "read_content",
     "record_remapped",
+    "rules_for",
     "save_module_record",
+    "save_pretrained",
+    "tied_weights",
     "write_content",
 ]

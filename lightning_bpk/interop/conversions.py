@@ -454,6 +454,8 @@ class WeightTransform(Rule):
                 pattern = pattern if pattern.startswith("^") else "^" + pattern
             sources[i] = pattern
         self.source_patterns, self.target_patterns = sources, targets
+        self.scope_prefix: str | None = None
+        self.base_model_prefix: str | None = None
         branches = []
         for i, pattern in sorted(enumerate(sources), key=lambda item: -len(item[1])):
             body = pattern.replace("*.", r".*\.")
@@ -466,7 +468,9 @@ class WeightTransform(Rule):
             raise RemapError(f"{self._name()}: bad pattern: {e}") from e
 
     def _name(self) -> str:
-        return f"{type(self).__name__}({self._original[0]!r} -> {self._original[1]!r})"
+        scope = getattr(self, "scope_prefix", None)
+        where = f" under {scope!r}" if scope else ""
+        return f"{type(self).__name__}({self._original[0]!r} -> {self._original[1]!r}{where})"
 
     def __str__(self) -> str:
         return self._name()
@@ -474,16 +478,41 @@ class WeightTransform(Rule):
     def __repr__(self) -> str:
         return self._name()
 
+    def scoped(self, scope_prefix: str | None, base_model_prefix: str | None) -> WeightTransform:
+        """This transform limited to names under a sub-model (transformers' ``scope_prefix``:
+        ``model.vision_tower`` for a sub-model's own mapping, matched with or without the
+        model's ``base_model_prefix`` in front). Returns ``self``."""
+        self.scope_prefix, self.base_model_prefix = scope_prefix, base_model_prefix
+        return self
+
+    def _scoped_match(self, key: str) -> tuple[str | None, str, re.Match[str]] | None:
+        """transformers' ``_scoped_match``: ``(prefix consumed, rest, match)`` or ``None``."""
+        prefix = None
+        if self.scope_prefix is not None:
+            scope = f"{self.scope_prefix}." if self.scope_prefix else ""
+            base = f"{self.base_model_prefix}." if self.base_model_prefix else ""
+            if key.startswith(base + scope):
+                prefix = base + scope
+            elif key.startswith(scope):
+                prefix = scope
+            else:
+                return None
+            key = key.removeprefix(prefix)
+        m = self._compiled.search(key)
+        return None if m is None else (prefix, key, m)
+
     def rename_source_key(self, key: str) -> tuple[str, str | None]:
         """``(new name, the source pattern that matched)``, or ``(key, None)`` without a match."""
-        m = self._compiled.search(key)
-        if m is None:
+        matched = self._scoped_match(key)
+        if matched is None:
             return key, None
+        prefix, rest, m = matched
         group = next(g for g, v in m.groupdict().items() if v is not None)
         replacement = self.target_patterns[0]
         if r"\1" in replacement:
             replacement = replacement.replace(r"\1", m.group(self._compiled.groupindex[group] + 1))
-        return key.replace(m.group(0), replacement, 1), self.source_patterns[int(group[1:])]
+        renamed = rest.replace(m.group(0), replacement, 1)
+        return (prefix or "") + renamed, self.source_patterns[int(group[1:])]
 
 
 class WeightRenaming(WeightTransform):
@@ -497,7 +526,8 @@ class WeightRenaming(WeightTransform):
     phase = "rename"
 
     def reverse_transform(self) -> WeightRenaming:
-        return WeightRenaming(self._original[1], self._original[0])
+        reverse = WeightRenaming(self._original[1], self._original[0])
+        return reverse.scoped(self.scope_prefix, self.base_model_prefix)  # type: ignore[return-value]
 
     def _map(self, items: Items, rule: WeightTransform, check: WeightTransform | None):
         out: Items = {}
@@ -525,6 +555,39 @@ class WeightRenaming(WeightTransform):
 
     def backward(self, items: Items) -> tuple[Items, int]:
         return self._map(items, self.reverse_transform(), self)
+
+
+class PrefixChange(WeightRenaming):
+    """Add or remove a whole leading part of every name (transformers' ``PrefixChange``):
+    ``PrefixChange(prefix_to_remove="vision_model")`` turns ``vision_model.x`` into ``x``, and
+    ``prefix_to_add`` does the opposite where the prefix is not there yet, after the optional
+    ``model_prefix``; its reverse swaps the two.
+
+    >>> PrefixChange(prefix_to_remove="vision_model").rename_source_key("vision_model.enc.w")[0]
+    'enc.w'
+    """
+
+    def __init__(
+        self,
+        prefix_to_add: str | None = None,
+        prefix_to_remove: str | None = None,
+        model_prefix: str | None = None,
+    ) -> None:
+        if (prefix_to_add is None) == (prefix_to_remove is None):
+            raise RemapError("PrefixChange: give exactly one of prefix_to_add, prefix_to_remove")
+        self.prefix_to_add, self.prefix_to_remove = prefix_to_add, prefix_to_remove
+        self.model_prefix = model_prefix or ""
+        prefix = rf"{self.model_prefix}\." if self.model_prefix else ""
+        if prefix_to_add is not None:
+            super().__init__(
+                rf"^{prefix}(?:(?!{prefix_to_add}\.))(.+)", rf"{prefix}{prefix_to_add}\.\1"
+            )
+        else:
+            super().__init__(rf"^{prefix}{prefix_to_remove}\.(.+)", rf"{prefix}\1")
+
+    def reverse_transform(self) -> WeightRenaming:
+        reverse = PrefixChange(self.prefix_to_remove, self.prefix_to_add, self.model_prefix)
+        return reverse.scoped(self.scope_prefix, self.base_model_prefix)  # type: ignore[return-value]
 
 
 class WeightConverter(WeightTransform):
@@ -562,7 +625,8 @@ class WeightConverter(WeightTransform):
 
     def reverse_transform(self) -> WeightConverter:
         ops = [op.reverse_op for op in reversed(self.operations)]
-        return WeightConverter(self._original[1], self._original[0], ops)
+        reverse = WeightConverter(self._original[1], self._original[0], ops)
+        return reverse.scoped(self.scope_prefix, self.base_model_prefix)  # type: ignore[return-value]
 
     def forward(self, items: Items) -> tuple[Items, int]:
         return self.convert_items(items, frozenset())
@@ -706,6 +770,7 @@ __all__ = [
     "Interleave",
     "MergeModulelist",
     "PermuteForRope",
+    "PrefixChange",
     "SplitModulelist",
     "Transpose",
     "WeightConverter",
