@@ -19,12 +19,15 @@
   and its shards, or their directory; local or at a URL);
 - :mod:`~lightning_bpk.interop.shards`: :func:`load_into_shards`, a full file straight into an
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
+- :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
+  sharded set with its index, :func:`is_set`, :func:`describe_set`;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 
 The modules import only downward: ``rules`` <- ``conversions`` <- ``remap``; ``formats`` <-
 ``_sources`` (files and checkpoint sets) <- ``_plan`` (what both loaders share) <- ``loading``,
-``shards``; ``hub`` on top. Nothing imports a private name of another interop module.
+``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private name
+of another.
 """
 
 from lightning_bpk.interop._plan import tied_weights
@@ -65,6 +68,7 @@ from lightning_bpk.interop.remap import (
     record_remapped,
 )
 from lightning_bpk.interop.rules import RemapError, Rule
+from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
 __all__ = [
@@ -96,10 +100,13 @@ __all__ = [
     "apply_remapped",
     "convert",
     "derive_inverse",
+    "describe_set",
     "export_checkpoint",
+    "is_set",
     "load_into_shards",
     "load_module_record",
     "load_remapped",
+    "read_any",
     "read_content",
     "record_remapped",
     "rules_for",
@@ -107,4 +114,5 @@ __all__ = [
     "save_pretrained",
     "tied_weights",
     "write_content",
+    "write_set",
 ]

@@ -76,6 +76,7 @@ _MAX_INDEX_BYTES = 64 * 1024 * 1024  # a hub index of 100k tensors is ~10 MiB
 _MAX_ST_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 
 Location = Path | str  # a local path, or a URL
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), in data order
 
 
 @dataclass(frozen=True)
@@ -332,8 +333,10 @@ def _open_remote(url: str) -> Iterator[Source]:
     size = store.size(key)
     if size is None:
         raise RecordError("io", f"{url}: no such object")
-    header, start = _safetensors_header(lambda a, b: store.read(key, a, b), size, url)
-    specs, offsets = header
+    (specs, offsets, raw), start = _safetensors_header(
+        lambda a, b: store.read(key, a, b), size, url
+    )
+    specs, param_ids, aliases, metadata = _st_info(raw, specs, url)
 
     def read_safe(name: str) -> torch.Tensor:
         shape, dtype = specs[name]
@@ -345,9 +348,9 @@ def _open_remote(url: str) -> Iterator[Source]:
 
     yield Source(
         specs,
-        {},
-        {},
-        {},
+        param_ids,
+        aliases,
+        metadata,
         read_safe,
         spans={n: Span(url, start + b, start + e, specs[n][1]) for n, (b, e) in offsets.items()},
     )
@@ -359,8 +362,9 @@ def _st_dtype(name: str) -> torch.dtype:
 
 def _safetensors_header(
     read_at: Callable[[int, int], bytes], size: int, where: Location
-) -> tuple[tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, tuple[int, int]]], int]:
-    """Parse and check a safetensors header: ``((specs, offsets), data start)``. Checked before
+) -> tuple[tuple[Specs, dict[str, tuple[int, int]], dict[str, str]], int]:
+    """Parse and check a safetensors header: ``((specs, offsets, metadata), data start)``.
+    Checked before
     use: the header length, JSON, every dtype, shape and offset pair, each tensor's byte count
     against its shape, every range inside the data and no two overlapping."""
     if size < 8:
@@ -374,9 +378,11 @@ def _safetensors_header(
         raise RecordError("validation", f"{where}: not a safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise RecordError("validation", f"{where}: the header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise RecordError("validation", f"{where}: '__metadata__' is not a map of strings")
     data = size - 8 - length
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    specs: Specs = {}
     offsets: dict[str, tuple[int, int]] = {}
     for name, entry in header.items():
         try:
@@ -403,7 +409,7 @@ def _safetensors_header(
     if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
         raise RecordError("validation", f"{where}: tensors' byte ranges overlap")
     order = sorted(offsets, key=lambda n: offsets[n])
-    return ({n: specs[n] for n in order}, offsets), 8 + length
+    return ({n: specs[n] for n in order}, offsets, metadata), 8 + length
 
 
 @contextmanager
@@ -444,6 +450,30 @@ def _bpk_span(pack: burnpack.Pack, name: str, where: str) -> Span:
     return Span(Path(where), pack.data_start + start, pack.data_start + end, stored)
 
 
+def _st_info(
+    metadata: dict[str, str], specs: Specs, where: Location
+) -> tuple[Specs, dict[str, int], dict[str, str], dict[str, str]]:
+    """What a safetensors file's metadata adds: ``(specs in the written order, param ids,
+    aliases, other metadata)``, from :data:`SAFETENSORS_INFO_KEY` when a burnpack wrote it."""
+    metadata = dict(metadata)
+    try:
+        info = json.loads(metadata.pop(SAFETENSORS_INFO_KEY, "{}"))
+        order = info.get("order")
+        if order and sorted(order) == sorted(specs):
+            specs = {n: specs[n] for n in order}
+        param_ids = {n: int(v) for n, v in info.get("param_ids", {}).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise RecordError("validation", f"{where}: bad {SAFETENSORS_INFO_KEY} entry: {e}") from e
+    metadata.pop(RECORD_KIND_KEY, None)
+    aliases = {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)}
+    return (
+        specs,
+        param_ids,
+        aliases,
+        {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
+    )
+
+
 @contextmanager
 def _open_safetensors(path: Path) -> Iterator[Source]:
     """The safetensors package validates the file (header, offsets, sizes); the tensors are then
@@ -476,16 +506,13 @@ def _open_safetensors(path: Path) -> Iterator[Source]:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buffer[start + begin : start + end], dtype=dtype).reshape(shape)
 
-    info = json.loads(metadata.pop(SAFETENSORS_INFO_KEY, "{}"))
-    if info.get("order") and sorted(info["order"]) == sorted(specs):
-        specs = {n: specs[n] for n in info["order"]}
-    metadata.pop(RECORD_KIND_KEY, None)
+    specs, param_ids, aliases, metadata = _st_info(metadata, specs, path)
     try:
         yield Source(
             specs,
-            {n: int(v) for n, v in info.get("param_ids", {}).items()},
-            {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
-            {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
+            param_ids,
+            aliases,
+            metadata,
             read,
             spans={
                 n: Span(path, start + offsets[n][0], start + offsets[n][1], specs[n][1])
@@ -536,7 +563,7 @@ def _open_set(found: CheckpointSet) -> Iterator[Source]:
         for shard in found.shards:
             source = shards[shard]
             listed = {t for t, s in found.weight_map.items() if s == shard}
-            held = set(source.specs) | set(source.aliases)
+            held = set(source.specs)
             for name in sorted(listed - held):
                 problems.append(f"{found.index}: {name!r} is not in its shard {shard!r}")
             for name in sorted(held - listed):
@@ -552,6 +579,11 @@ def _open_set(found: CheckpointSet) -> Iterator[Source]:
                     spans[name] = source.spans[name]
             param_ids.update(source.param_ids)
             aliases.update(source.aliases)
+        problems += [
+            f"{found.index}: alias {alias!r} names {target!r}, which no shard holds"
+            for alias, target in aliases.items()
+            if target not in specs
+        ]
         if problems:
             raise RecordError("validation", problems)
         bpk = found.kind == "bpk"
