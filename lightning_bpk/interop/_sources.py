@@ -486,7 +486,7 @@ def _open_safetensors(path: Path) -> Iterator[Source]:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sliced = f.get_slice(name)
                 specs[name] = (tuple(sliced.get_shape()), _st_dtype(sliced.get_dtype()))
-        with open(path, "rb") as file:
+        with open(path, "rb", buffering=0) as file:  # reads exactly the header
             (size,) = struct.unpack("<Q", file.read(8))
             offsets = {
                 n: v["data_offsets"]
