@@ -9,7 +9,7 @@ does, with the same checks and result, in three steps:
    ``Chunk`` or ``PermuteForRope`` cannot handle) is reported at once before any byte is read;
    then :meth:`ModuleRecord.apply` checks the planned names, shapes and dtypes against a meta
    stand-in of the module and reports missing, unused and mismatched tensors together. The
-   steps' name links (see :func:`~lightning_bpk.interop.remap.tracing`) split the file's tensors
+   steps' name links (see :func:`~lightning_bpk.interop.rules.tracing`) split the file's tensors
    into independent groups: the tensors converted together (all experts' ``w1``/``w3`` of one
    layer), or a single tensor that is only renamed.
 2. **Verify**: a ``.bpk`` file's checksums are all checked (on the pool) before anything is
@@ -21,7 +21,7 @@ does, with the same checks and result, in three steps:
    (``apply_remapped`` holds every converted tensor until it applies them).
 
 ``workers=1`` runs the tasks in order on the calling thread. A rule without ``traced`` (a
-user's own :class:`~lightning_bpk.interop.remap.Rule` subclass) makes the whole file one group.
+user's own :class:`~lightning_bpk.interop.rules.Rule` subclass) makes the whole file one group.
 """
 
 from __future__ import annotations
