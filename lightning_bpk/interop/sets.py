@@ -30,8 +30,11 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
-from lightning_bpk import _fs, storage
+import torch
+
+from lightning_bpk import _fs, burnpack, storage
 from lightning_bpk.interop._sources import (
     BPK_INDEX,
     SAFETENSORS_INDEX,
@@ -40,11 +43,26 @@ from lightning_bpk.interop._sources import (
     open_source,
     set_kind,
 )
-from lightning_bpk.interop.formats import Content, Progress, read_content, write_content
+from lightning_bpk.interop.formats import (
+    ST_BOOL,
+    Content,
+    Progress,
+    read_content,
+    write_content,
+)
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
-__all__ = ["describe_set", "is_set", "read_any", "write_set"]
+__all__ = [
+    "convert_source",
+    "describe_set",
+    "describe_source",
+    "is_set",
+    "parse_size",
+    "read_any",
+    "verify_source",
+    "write_set",
+]
 
 
 def is_set(path: str | os.PathLike[str]) -> bool:
@@ -133,3 +151,125 @@ def write_set(
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return target / name
+
+
+# --- what the command line shows ----------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
+
+
+def describe_source(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``inspect`` shows for a set or a ``.safetensors`` file, as JSON-ready data: its
+    files (a set's index and shards), every tensor's dtype, shape, bytes, file and param id,
+    and the metadata. Nothing but headers is read."""
+    kind = set_kind(path)
+    found = find_set(path) if kind is not None else None
+    with open_source(path) as source:
+        sizes = {name: _nbytes(shape, dtype) for name, (shape, dtype) in source.specs.items()}
+        tensors = [
+            {
+                "name": name,
+                "dtype": _dtype_name(dtype),
+                "shape": list(shape),
+                "bytes": sizes[name],
+                "file": source.where(name) or str(path),
+                "param_id": source.param_ids.get(name),
+            }
+            for name, (shape, dtype) in source.specs.items()
+        ]
+        info: dict[str, Any] = {
+            "source": str(path),
+            "format": "set" if isinstance(found, CheckpointSet) else "file",
+            "tensors": tensors,
+            "aliases": dict(source.aliases),
+            "metadata": dict(source.metadata),
+        }
+    if isinstance(found, CheckpointSet):
+        info["index"] = str(found.index)
+        info["shards"] = [
+            {
+                "name": shard,
+                "tensors": sum(1 for s in found.weight_map.values() if s == shard),
+                "bytes": sum(n for t, n in sizes.items() if found.weight_map.get(t) == shard),
+            }
+            for shard in found.shards
+        ]
+    return info
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * dtype.itemsize
+
+
+def verify_source(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``verify`` reports for a set or a ``.safetensors`` file: every check of opening it
+    (index, shard names, headers, index against shards), then every ``.bpk`` shard's
+    checksums; ``{"file", "ok", "problems", "tensors", "checksums"}``."""
+    result: dict[str, Any] = {"file": str(path), "ok": True, "problems": [], "checksums": 0}
+    try:
+        with open_source(path) as source:
+            result["tensors"] = len(source.specs)
+            if source.verify is not None:
+                for name in source.specs:
+                    try:
+                        source.verify(name)
+                        result["checksums"] += 1
+                    except burnpack.ChecksumError:
+                        where = source.where(name) or str(path)
+                        result["problems"].append(f"{where}: tensor '{name}' fails its checksum")
+    except RecordError as e:
+        if e.kind == "io":
+            raise
+        result["problems"] += list(e.problems)
+    result["ok"] = not result["problems"]
+    return result
+
+
+def convert_source(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_size: int | None = None,
+    suffix: str = ".safetensors",
+    progress: Progress | None = None,
+) -> Path:
+    """``src`` (a file or a set, local or at a URL) written as one file ``dst`` (by suffix), or,
+    with ``max_shard_size``, as a set in the new directory ``dst``; returns what was written
+    (a set's index)."""
+    content = read_any(src)
+    if max_shard_size is not None:
+        return write_set(
+            content, dst, max_shard_size=max_shard_size, suffix=suffix, progress=progress
+        )
+    return write_content(dst, content, progress)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A size as transformers' ``max_shard_size`` spells it: ``5GB``, ``500MB``, ``2GiB``, or
+    bytes.
+
+    >>> parse_size("5GB"), parse_size("1KiB"), parse_size("100")
+    (5000000000, 1024, 100)
+    """
+    value = text.strip().upper()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if value.endswith(unit):
+            number = value[: -len(unit)].strip()
+            break
+    else:
+        unit, number = "B", value
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (5GB, 500MB, 2GiB, or bytes)") from None
+    if size < 1:
+        raise ValueError(f"{text!r}: a shard size must be at least 1 byte")
+    return size
