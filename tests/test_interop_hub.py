@@ -261,3 +261,61 @@ def test_an_unknown_transform_is_refused_by_name():
 
     with pytest.raises(RemapError, match="Strange"):
         hub_module._ours(Strange("a", "b"), "strange", None)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral-tied", "qwen2_moe"])
+def test_fsdp2_shards_of_a_model_load_from_its_sharded_set(saved, model_type):
+    """Each rank of 2 (torch's fake process group: the loader needs no collective) fully_shards
+    the model and loads the set through rules_for: its shards equal transformers' slices, and it
+    reads about half the bytes."""
+    from test_interop_shards import rank_of
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lightning_bpk.interop import load_into_shards
+
+    config, cls, root = saved[model_type]
+    full = cls.from_pretrained(root / "sharded").state_dict()
+    total = sum(t.numel() * t.element_size() for t in _checkpoint(root / "sharded").values())
+    for rank in range(2):
+        with rank_of((2,), rank) as mesh:
+            model = cls(config)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            done = load_into_shards(root / "sharded", model, rules_for(model))
+            for name, value in model.state_dict().items():
+                shape, offset = compute_local_shape_and_global_offset(
+                    value.shape, value.device_mesh, value.placements
+                )
+                want = full[name][
+                    tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                ]
+                assert torch.equal(value.to_local(), want), (rank, name)
+            assert done.bytes_read < 0.7 * total
+
+
+def test_a_base_model_checkpoint_loads_into_the_head_model(saved, tmp_path):
+    """A MixtralModel checkpoint (no ``model.`` prefix, no lm_head) into a tied
+    MixtralForCausalLM: the prefix added as from_pretrained adds it, the lm_head from its tie,
+    also into FSDP2 shards (the prefix is a renaming the shard loader reads through)."""
+    from test_interop_shards import rank_of
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_bpk.interop import load_into_shards
+
+    config, cls, _ = saved["mixtral-tied"]
+    torch.manual_seed(2)
+    cls(config).model.save_pretrained(tmp_path / "base", max_shard_size=SHARD)
+    theirs = cls.from_pretrained(tmp_path / "base").state_dict()
+    ours = cls(config)
+    rules = rules_for(ours)
+    assert "BaseModelPrefix('model')" not in load_remapped(tmp_path / "base", ours, rules)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+    with rank_of((2,), 1) as mesh:
+        sharded = cls(config)
+        fully_shard(sharded, mesh=mesh)
+        load_into_shards(tmp_path / "base", sharded, rules_for(sharded))
+        norm = sharded.state_dict()["model.norm.weight"].to_local()
+        assert torch.equal(norm, theirs["model.norm.weight"][8:])

@@ -524,6 +524,7 @@ class WeightRenaming(WeightTransform):
     """
 
     phase = "rename"
+    renames_only = True
 
     def reverse_transform(self) -> WeightRenaming:
         reverse = WeightRenaming(self._original[1], self._original[0])

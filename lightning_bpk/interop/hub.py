@@ -125,6 +125,7 @@ class BaseModelPrefix(Rule):
     model's names. Saving keeps the model's names (as ``save_pretrained`` does)."""
 
     traced = True
+    renames_only = True
 
     def __init__(self, prefix: str, names: Iterable[str]) -> None:
         self.prefix = prefix

@@ -281,6 +281,7 @@ class Rename(Rule):
     replacement: str
     inverse: tuple[str, str] | None = None
     traced = True
+    renames_only = True
 
     def __post_init__(self) -> None:
         re.compile(self.pattern)

@@ -156,6 +156,7 @@ class Rule:
     """
 
     traced = False  # reports every name it changes through trace_step
+    renames_only = False  # changes names, never a tensor (the shard loader reads through it)
     phase: str | None = None  # "rename"/"convert": transformers' vocabulary, run as a block
 
     def forward(self, items: Items) -> tuple[Items, int]:

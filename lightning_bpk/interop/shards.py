@@ -66,7 +66,7 @@ from lightning_bpk.interop._plan import (
     tied_weights,
 )
 from lightning_bpk.interop._sources import Location, Source, Span, open_source, ranged_reader
-from lightning_bpk.interop.remap import KeyRemapper, Rename, Split, Transpose, Unstack
+from lightning_bpk.interop.remap import KeyRemapper, Split, Transpose, Unstack
 from lightning_bpk.interop.rules import Items, RemapError, Step
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import _PARAM_ID_ATTR
@@ -265,7 +265,7 @@ def _rule_moves(step: Step, ndim: int) -> tuple[list[int | None], set[int], int 
     the dim a MergeModulelist stacked its list along (a selection of the list commutes with a
     cut there: each rank stacks only its elements)."""
     rule = step.rule
-    if isinstance(rule, Rename | ops.WeightRenaming):
+    if rule.renames_only:
         return list(range(ndim)), set(), None
     if isinstance(rule, Transpose):
         return (*_swap(ndim, rule.dim0, rule.dim1), None)
