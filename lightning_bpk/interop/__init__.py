@@ -4,11 +4,12 @@
   :class:`PyTorchToBurnAdapter` for ``ModuleRecord.apply``/``from_module``;
 - :mod:`~lightning_bpk.interop.rules`: what every rule shares (:class:`Rule`,
   :class:`RemapError`, the items rules move and the tracing the loaders follow);
-- :mod:`~lightning_bpk.interop.conversions`: transformers' vocabulary as rules,
-  :class:`WeightRenaming` and :class:`WeightConverter` with the ops :class:`Chunk`,
+- :mod:`~lightning_bpk.interop.ops`: transformers' reversible ops :class:`Chunk`,
   :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`,
   :class:`Transpose` (with a pattern, a rule of its own), :class:`PermuteForRope`,
   :class:`Interleave`;
+- :mod:`~lightning_bpk.interop.conversions`: transformers' vocabulary as rules,
+  :class:`WeightRenaming`, :class:`PrefixChange` and :class:`WeightConverter` (with the ops);
 - :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
   :class:`Split`, :class:`Unstack` rules, inverted on save;
 - :mod:`~lightning_bpk.interop.hub`: :func:`rules_for` a model type or instance (transformers'
@@ -24,10 +25,11 @@
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 
-The modules import only downward: ``rules`` <- ``conversions`` <- ``remap``; ``formats`` <-
-``_sources`` (files and checkpoint sets) <- ``_plan`` (what both loaders share) <- ``loading``,
-``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private name
-of another.
+The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
+``_patterns``, both <- ``remap``; ``formats`` <- ``_index`` (finding and checking a set) <-
+``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
+``_dims`` <- ``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a
+private name of another.
 """
 
 from lightning_bpk.interop._plan import tied_weights

@@ -7,18 +7,11 @@ tensors are the union of its shards', each read from the shard the index names, 
 opened once, on first use. Rules then apply across shards as across one file (a converter whose
 sources lie in different shards sees them together).
 
-A set is a directory holding an index, or the index file itself:
-
-- ``model.safetensors.index.json`` (transformers' ``save_pretrained``), or
-- ``model.bpk.index.json``, the same JSON for ``.bpk`` shards: ``{"metadata": {...},
-  "weight_map": {tensor: shard file}}``.
-
-A directory without an index but with one ``model.safetensors`` (or ``model.bpk``) stands for
-that file. A ``pytorch_model.bin`` set is refused (pickle). Everything in an index is hostile
-until checked: it must be a JSON object with a ``weight_map`` of names to shard names, every
-shard name must stay inside the set's directory
-(:func:`lightning_bpk.layout.member_name_problem`) and have a shard suffix, and every shard
-must hold exactly the tensors the index places in it. Shard headers are checked before any size
+A set is a directory holding an index, or the index file itself: ``model.safetensors.index.json``
+(transformers' ``save_pretrained``) or ``model.bpk.index.json``, the same JSON for ``.bpk``
+shards (``{"metadata": {...}, "weight_map": {tensor: shard file}}``); ``_index`` finds and
+checks it. Opening a set checks that every shard holds exactly the tensors the index places in
+it, and that every alias names a tensor of the set. Shard headers are checked before any size
 or offset in them is used (the ``safetensors`` package or the burnpack reader locally, the
 checks of :func:`_safetensors_header` at a URL).
 """
@@ -36,46 +29,27 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import safetensors
 import torch
 
 from lightning_bpk import burnpack, storage
 from lightning_bpk.burnpack.base import MAX_RANK, _parsed_dtype_info
-from lightning_bpk.interop.formats import (
-    NO_PICKLE_ADVICE,
-    SAFETENSORS_INFO_KEY,
-    ST_BOOL,
-    file_kind,
-    read_content,
+from lightning_bpk.interop._index import (
+    INDEX_SUFFIX,
+    CheckpointSet,
+    Location,
+    file_kind_or_none,
+    find_set,
 )
-from lightning_bpk.layout import member_name_problem
+from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_kind, read_content
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
-__all__ = [
-    "BPK_INDEX",
-    "SAFETENSORS_INDEX",
-    "TORCH_INDEX",
-    "CheckpointSet",
-    "Source",
-    "Span",
-    "find_set",
-    "open_source",
-    "ranged_reader",
-    "set_kind",
-]
+__all__ = ["Source", "Span", "Specs", "open_source", "ranged_reader"]
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-BPK_INDEX = "model.bpk.index.json"
-TORCH_INDEX = "pytorch_model.bin.index.json"
-INDEX_SUFFIX = ".index.json"
-_SHARD_KINDS = {".safetensors": "safetensors", ".bpk": "bpk"}
-_MAX_INDEX_BYTES = 64 * 1024 * 1024  # a hub index of 100k tensors is ~10 MiB
 _MAX_ST_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 
-Location = Path | str  # a local path, or a URL
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), in data order
 
 
@@ -108,154 +82,6 @@ class Source:
         stored = self.aliases.get(name, name)
         file = self.files.get(stored)
         return "" if file is None else str(file)
-
-
-@dataclass(frozen=True)
-class CheckpointSet:
-    """An index and its shards, checked: ``weight_map`` maps each tensor to its shard's name
-    (relative to ``base``), ``shards`` lists the shards in index order."""
-
-    index: Location
-    base: Location
-    kind: str  # "safetensors" or "bpk"
-    weight_map: dict[str, str]
-    shards: list[str]
-    metadata: dict[str, Any]
-
-
-# --- finding a set -------------------------------------------------------------------------------
-
-
-def _store_of(url: str) -> storage.LocalStore | storage.ObjectStore:
-    return storage.open_store(storage.parent_of(url))
-
-
-def _exists(loc: Location) -> bool:
-    if isinstance(loc, Path):
-        return loc.is_file()
-    return storage.object_store(storage.parent_of(loc)).size(storage.name_of(loc)) is not None
-
-
-def _read_small(loc: Location, limit: int) -> bytes:
-    if isinstance(loc, Path):
-        try:
-            with open(loc, "rb") as f:
-                data = f.read(limit + 1)
-        except OSError as e:
-            raise RecordError("io", f"{loc}: cannot read: {e.strerror or e}") from e
-    else:
-        store = storage.object_store(storage.parent_of(loc))
-        size = store.size(storage.name_of(loc))
-        if size is None:
-            raise RecordError("io", f"{loc}: no such object")
-        data = store.read(storage.name_of(loc), 0, min(size, limit + 1))
-    if len(data) > limit:
-        raise RecordError("validation", f"{loc}: larger than {limit} bytes, not an index")
-    return data
-
-
-def set_kind(path: str | os.PathLike[str]) -> str | None:
-    """``"set"`` when ``path`` names a checkpoint set (an index file, or a directory holding
-    one), ``"file"`` for a directory standing for its one model file, else ``None``."""
-    loc = storage.location(path)
-    name = storage.name_of(loc)
-    if name.endswith(INDEX_SUFFIX):
-        return "set"
-    if isinstance(loc, Path) and not loc.is_dir():
-        return None
-    if not isinstance(loc, Path) and file_kind_or_none(name) is not None:
-        return None
-    for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-        if _exists(storage.join(loc, index)):
-            return "set"
-    return "file" if _single_file(loc) is not None else None
-
-
-def file_kind_or_none(name: str) -> str | None:
-    try:
-        return file_kind(Path(name))
-    except RecordError:
-        return None
-
-
-def _single_file(loc: Location) -> Location | None:
-    for name in ("model.safetensors", "model.bpk"):
-        candidate = storage.join(loc, name)
-        if _exists(candidate):
-            return candidate
-    return None
-
-
-def _refuse_pickle(index: Location) -> RecordError:
-    return RecordError(
-        "io",
-        f"{index}: a pytorch_model.bin set is torch.save (pickle) shards; {NO_PICKLE_ADVICE}",
-    )
-
-
-def find_set(path: str | os.PathLike[str]) -> CheckpointSet | Location:
-    """The checked :class:`CheckpointSet` that ``path`` names, or, for a directory without an
-    index, the location of its one model file (``RecordError`` if it has none)."""
-    loc = storage.location(path)
-    if not storage.name_of(loc).endswith(INDEX_SUFFIX):
-        for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-            if _exists(storage.join(loc, index)):
-                loc = storage.join(loc, index)
-                break
-        else:
-            single = _single_file(loc)
-            if single is None:
-                raise RecordError(
-                    "io",
-                    f"{loc}: no {SAFETENSORS_INDEX}, {BPK_INDEX}, model.safetensors or model.bpk",
-                )
-            return single
-    if storage.name_of(loc).startswith("pytorch_model") or storage.name_of(loc).endswith(
-        ".bin" + INDEX_SUFFIX
-    ):
-        raise _refuse_pickle(loc)
-    return _parse_index(loc, _read_small(loc, _MAX_INDEX_BYTES))
-
-
-def _parse_index(index: Location, raw: bytes) -> CheckpointSet:
-    """The checked set of an index's bytes (see the module docs for what is checked)."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError("validation", f"{index}: not a JSON index: {e}") from e
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise RecordError("validation", f"{index}: no 'weight_map' object of tensor -> shard")
-    metadata = data.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise RecordError("validation", f"{index}: 'metadata' is not an object")
-    problems: list[str] = []
-    kinds: set[str] = set()
-    for tensor, shard in weight_map.items():
-        problem = member_name_problem(shard)
-        if problem is not None:
-            problems.append(f"{index}: tensor {tensor!r}: shard {problem}")
-            continue
-        suffix = os.path.splitext(shard)[1].lower()
-        if suffix == ".bin":
-            raise _refuse_pickle(index)
-        if suffix not in _SHARD_KINDS:
-            problems.append(f"{index}: tensor {tensor!r}: shard {shard!r} is not .safetensors/.bpk")
-            continue
-        kinds.add(_SHARD_KINDS[suffix])
-    if len(kinds) > 1:
-        problems.append(f"{index}: shards of different formats ({sorted(kinds)})")
-    if problems:
-        raise RecordError("validation", problems)
-    base = storage.parent_of(index)
-    return CheckpointSet(
-        index,
-        base,
-        kinds.pop(),
-        dict(weight_map),
-        list(dict.fromkeys(weight_map.values())),
-        metadata,
-    )
 
 
 # --- opening -------------------------------------------------------------------------------------

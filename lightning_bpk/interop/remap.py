@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import functools
 import re
-import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +66,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_bpk.interop._patterns import (
+    INDEX_FIELD,
+    Group,
+    SimplePattern,
+    derive_inverse,
+    parse_simple,
+    template_regex,
+)
 from lightning_bpk.interop.conversions import Transpose, WeightConverter
 from lightning_bpk.interop.rules import (
     Item,
@@ -97,170 +104,8 @@ __all__ = [
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
 
+
 # Characters a simple pattern may escape as literal text (``\.``, ``\-``, ...).
-_LITERAL_ESCAPES = frozenset(string.punctuation + " ")
-_META = frozenset(".^$*+?{}[]|()\\")
-INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
-
-
-# --- simple-pattern analysis -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Group:
-    number: int  # 1-based, as in the pattern
-    regex: str  # the group's body
-
-
-@dataclass(frozen=True)
-class _Ref:
-    number: int  # a back-reference in a replacement template
-
-
-@dataclass(frozen=True)
-class _SimplePattern:
-    start: bool  # anchored with ^
-    pieces: tuple[str | _Group, ...]
-    end: bool  # anchored with $
-
-
-def _group_end(pattern: str, i: int) -> int:
-    """Index of the ``)`` closing the group opened at ``pattern[i]``."""
-    depth, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    raise RemapError(f"pattern {pattern!r}: unbalanced parenthesis")
-
-
-def _parse_simple(pattern: str) -> _SimplePattern:
-    """Split a simple pattern into literal text and capture groups; RemapError otherwise."""
-    i, n = 0, len(pattern)
-    start = pattern.startswith("^")
-    i += start
-    end = pattern.endswith("$") and not pattern.endswith("\\$") and n > i
-    n -= end
-    pieces: list[str | _Group] = []
-    literal: list[str] = []
-    number = 0
-
-    def flush() -> None:
-        if literal:
-            pieces.append("".join(literal))
-            literal.clear()
-
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            if i + 1 >= n or pattern[i + 1] not in _LITERAL_ESCAPES:
-                raise RemapError(
-                    f"pattern {pattern!r} is not simple (escape {pattern[i : i + 2]!r})"
-                )
-            literal.append(pattern[i + 1])
-            i += 2
-        elif c == "(":
-            close = _group_end(pattern, i)
-            body = pattern[i + 1 : close]
-            if body.startswith("?") or re.compile(body).groups:
-                raise RemapError(f"pattern {pattern!r} is not simple (group {body!r})")
-            flush()
-            number += 1
-            pieces.append(_Group(number, body))
-            i = close + 1
-        elif c in _META:
-            raise RemapError(f"pattern {pattern!r} is not simple ({c!r} outside a group)")
-        else:
-            literal.append(c)
-            i += 1
-    flush()
-    return _SimplePattern(start, tuple(pieces), end)
-
-
-_REF = re.compile(r"\\(?:g<(\d+)>|(\d+))|\\(.)|([^\\]+)", re.S)
-
-
-def _parse_template(template: str) -> list[str | _Ref]:
-    """Split a replacement template into literal text and group references."""
-    out: list[str | _Ref] = []
-    for m in _REF.finditer(template):
-        number = m.group(1) or m.group(2)
-        if number:
-            out.append(_Ref(int(number)))
-        else:
-            text = m.group(4) if m.group(4) is not None else m.group(3)
-            if out and isinstance(out[-1], str):
-                out[-1] += text
-            else:
-                out.append(text)
-    return out
-
-
-def _template_regex(template: str, groups: Mapping[int, str], where: str) -> str:
-    """A regex matching what ``template`` expands to: each ``\\N`` becomes group N's regex as a
-    named group ``gN`` (repeats become back-references); ``{i}`` becomes the group ``i``."""
-    parts: list[str] = []
-    seen: set[int] = set()
-    for piece in _parse_template(template):
-        if isinstance(piece, _Ref):
-            if piece.number not in groups:
-                raise RemapError(
-                    f"{where}: template {template!r} refers to missing group {piece.number}"
-                )
-            name = f"g{piece.number}"
-            parts.append(
-                f"(?P={name})" if piece.number in seen else f"(?P<{name}>{groups[piece.number]})"
-            )
-            seen.add(piece.number)
-        else:
-            for k, chunk in enumerate(piece.split(INDEX_FIELD)):
-                if k:
-                    parts.append(r"(?P<i>\d+)")
-                parts.append(re.escape(chunk))
-    return "".join(parts)
-
-
-def derive_inverse(pattern: str, replacement: str) -> tuple[str, str]:
-    """The inverse ``(pattern, replacement)`` of a simple rename rule (see the module docs).
-
-    >>> derive_inverse(r"(.+)\\.gamma", r"\\1.weight")
-    ('(.+)\\\\.weight', '\\\\g<1>.gamma')
-    >>> derive_inverse(r"^model\\.", "")
-    ('^', 'model.')
-    """
-    where = f"rename {pattern!r} -> {replacement!r}"
-    simple = _parse_simple(pattern)
-    groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
-    refs = [p.number for p in _parse_template(replacement) if isinstance(p, _Ref)]
-    if sorted(refs) != sorted(groups):
-        raise RemapError(f"{where}: every group must appear exactly once in the replacement")
-    order = {number: k + 1 for k, number in enumerate(refs)}  # group N -> its number inverted
-    body = "".join(
-        f"({groups[p.number]})" if isinstance(p, _Ref) else re.escape(p)
-        for p in _parse_template(replacement)
-    )
-    if not body and not (simple.start or simple.end):
-        raise RemapError(f"{where}: the inverse would match everywhere; give inverse=")
-    inv_pattern = ("^" if simple.start else "") + body + ("$" if simple.end else "")
-    inv_replacement = "".join(
-        f"\\g<{order[p.number]}>" if isinstance(p, _Group) else p.replace("\\", "\\\\")
-        for p in simple.pieces
-    )
-    return inv_pattern, inv_replacement
-
-
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
     """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
     return replace_items(items, [(list(old), new)], where)
@@ -338,7 +183,7 @@ class Split(Rule):
     targets: Sequence[str]
     dim: int = 0
     sizes: Sequence[int] | None = None
-    _simple: _SimplePattern = field(init=False, repr=False, compare=False)
+    _simple: SimplePattern = field(init=False, repr=False, compare=False)
     _first: re.Pattern = field(init=False, repr=False, compare=False)
     traced = True
 
@@ -348,10 +193,10 @@ class Split(Rule):
             raise RemapError(f"{self}: needs at least one target")
         if self.sizes is not None and len(self.sizes) != len(self.targets):
             raise RemapError(f"{self}: {len(self.sizes)} sizes for {len(self.targets)} targets")
-        simple = _parse_simple(self.pattern)
-        groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
+        simple = parse_simple(self.pattern)
+        groups = {p.number: p.regex for p in simple.pieces if isinstance(p, Group)}
         object.__setattr__(self, "_simple", simple)
-        regex = _template_regex(self.targets[0], groups, str(self))
+        regex = template_regex(self.targets[0], groups, str(self))
         object.__setattr__(self, "_first", re.compile(regex))
 
     def __str__(self) -> str:
@@ -360,7 +205,7 @@ class Split(Rule):
     def _source_name(self, m: re.Match) -> str:
         """Rebuild the fused name from a match of the first target's regex."""
         return "".join(
-            m.group(f"g{p.number}") if isinstance(p, _Group) else p for p in self._simple.pieces
+            m.group(f"g{p.number}") if isinstance(p, Group) else p for p in self._simple.pieces
         )
 
     def _names(self, m: re.Match, count: int) -> list[str]:

@@ -1,7 +1,7 @@
 """Checkpoint sets as whole contents: read every tensor of a file or a set, and write a content
 as a sharded set with its index.
 
-A set (see :mod:`lightning_bpk.interop._sources` for what is read and checked) is a
+A set (``_index`` and ``_sources`` say what is read and checked) is a
 ``model.safetensors.index.json`` or ``model.bpk.index.json`` with its shards, or the directory
 holding them. :func:`write_set` writes the layout ``save_pretrained`` writes:
 ``model-00001-of-00003.safetensors`` ... plus the index, ``{"metadata": {"total_size": ...},
@@ -35,14 +35,14 @@ from typing import Any
 import torch
 
 from lightning_bpk import _fs, burnpack, storage
-from lightning_bpk.interop._sources import (
+from lightning_bpk.interop._index import (
     BPK_INDEX,
     SAFETENSORS_INDEX,
     CheckpointSet,
     find_set,
-    open_source,
     set_kind,
 )
+from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.formats import (
     ST_BOOL,
     Content,
