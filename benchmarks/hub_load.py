@@ -11,7 +11,7 @@ Each method runs once as a warm-up that checks every tensor against the other's,
 gives the median and the range and replaces the one between the ``hub-bench`` markers of
 ``docs/interop.md``. The target is at least 1.5x faster than ``from_pretrained``::
 
-    .venv/bin/python benchmarks/hub_load.py            # 5 layers x 8 experts, ~250 MiB, 5 rounds
+    .venv/bin/python benchmarks/hub_load.py            # 5 layers x 8 experts, 253 MiB, 5 rounds
     .venv/bin/python benchmarks/hub_load.py --quick    # 2 layers, 3 rounds
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from remap_load import config  # the same Mixtral shape as the remapped-load rows
 
 from lightning_bpk.interop import load_remapped, rules_for
 
@@ -37,20 +38,6 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "interop.md"
 BEGIN, END = "<!-- hub-bench:begin -->", "<!-- hub-bench:end -->"
 TARGET = 1.5
-
-
-def config(layers: int) -> transformers.MixtralConfig:
-    return transformers.MixtralConfig(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
 
 
 def _timed(run: Callable[[], object]) -> float:
