@@ -27,9 +27,9 @@ from lightning_bpk.interop import (
     WeightRenaming,
     apply_remapped,
     conversions,
-    remap,
     load_module_record,
     record_remapped,
+    remap,
 )
 from lightning_bpk.records.module import ModuleRecord, param_ids
 

@@ -219,3 +219,16 @@ def test_write_set_never_touches_an_existing_directory(tmp_path, sets):
     with pytest.raises(RecordError):
         write_set(broken, tmp_path / "new", max_shard_size=4)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_shape_mismatch_with_the_module_names_the_shards(sets):
+    index = sets[".safetensors"]
+    found = describe_set(index)
+    net = Net()
+    net.layer.experts.gate_up_proj = nn.Parameter(torch.zeros(3, 8, 5))
+    with pytest.raises(RecordError) as e:
+        load_remapped(index, net, FUSE)
+    message = str(e.value)
+    assert "'layer.experts.gate_up_proj': shape mismatch, expected [3, 8, 5]" in message
+    shard = index.parent / found.weight_map["layer.experts.2.w3.weight"]
+    assert f"'layer.experts.2.w3.weight' in {shard}" in message

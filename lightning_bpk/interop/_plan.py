@@ -12,6 +12,7 @@ without changing it; :func:`destinations` finds the module tensor each planned n
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,15 +21,18 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from lightning_bpk.interop._dims import Dims, follow
 from lightning_bpk.interop._sources import Source
 from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.interop.rules import Item, Items, Links, Step, observing, tracing
+from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import _PARAM_ID_ATTR, Adapter, ModuleRecord, _owner
 
 __all__ = [
     "DEFAULT_WORKERS",
     "Planned",
     "Shadow",
+    "apply_problems",
     "assign",
     "destinations",
     "group_items",
@@ -242,3 +246,38 @@ def run_tasks(task: Callable[[T], object], groups: list[T], workers: int) -> Non
         finally:
             for future in futures:
                 future.cancel()
+
+
+_QUOTED = re.compile(r"'([^']+)'")
+
+
+def apply_problems(
+    planned: Planned, source: Source, module: nn.Module, **options: object
+) -> list[str]:
+    """Every problem :meth:`ModuleRecord.apply` finds with the planned tensors against
+    ``module`` (nothing is changed), each naming the file tensors its module tensor comes from
+    and, for a set, their shards: ``'w': shape mismatch, expected [4] but record has [3] (from
+    'model.w' in model-00002-of-00003.safetensors)``."""
+    try:
+        planned.record.apply(Shadow(module), **options)  # type: ignore[arg-type]
+    except RecordError as e:
+        if e.kind != "validation":
+            raise
+        names = list(planned.meta)
+        dims = follow(planned.steps, names, {n: planned.meta[n][0].dim() for n in names})
+        return [_with_origin(p, planned, source, dims) for p in e.problems]
+    return []
+
+
+def _with_origin(problem: str, planned: Planned, source: Source, dims: Mapping[str, Dims]) -> str:
+    """``problem`` with the file tensors (and shards) of the module tensor it names first."""
+    found = _QUOTED.search(problem)
+    origin = None if found is None else dims.get(planned.tied.get(found[1], found[1]))
+    if found is None or origin is None:
+        return problem
+    parts = []
+    for file_name in origin.origin:
+        where = source.where(file_name)
+        if file_name != found[1] or where:
+            parts.append(f"{file_name!r}" + (f" in {where}" if where else ""))
+    return f"{problem} (from {', '.join(parts)})" if parts else problem

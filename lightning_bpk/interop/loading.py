@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from lightning_bpk import burnpack
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
-    Shadow,
+    apply_problems,
     assign,
     destinations,
     group_items,
@@ -80,14 +80,18 @@ def load_remapped(
     ties = tied_weights(module) if ties is None else dict(ties)
     with open_source(path) as source:
         planned = plan(source, remapper, ties)
-        planned.record.apply(  # every check of apply, and no change
-            Shadow(module),
+        problems = apply_problems(  # every check of apply, and no change
+            planned,
+            source,
+            module,
             allow_partial=allow_partial,
             allow_unused=allow_unused,
             validate=validate,
             dtype_policy=dtype_policy,
             adapter=adapter,
         )
+        if problems:
+            raise RecordError("validation", [f"{path}: {p}" for p in problems])
         into = destinations(module, planned.result.tensors, adapter)
         shards = [n for n, t in into.items() if isinstance(t, DTensor)]
         if shards:

@@ -56,7 +56,7 @@ from lightning_bpk.interop._index import Location
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
     Planned,
-    Shadow,
+    apply_problems,
     assign,
     destinations,
     group_items,
@@ -265,13 +265,7 @@ def _checked_plan(
     list elements; every problem (apply's checks, the boxes, the selections) raised together,
     before anything is read."""
     planned = plan(source, remapper, ties)
-    problems: list[str] = []
-    try:
-        planned.record.apply(Shadow(module), **options)
-    except RecordError as e:
-        if e.kind != "validation":
-            raise
-        problems += e.problems
+    problems = apply_problems(planned, source, module, **options)
     targets = {
         name: target
         for name, target in destinations(module, planned.result.tensors, None).items()
