@@ -232,3 +232,15 @@ def test_a_shape_mismatch_with_the_module_names_the_shards(sets):
     assert "'layer.experts.gate_up_proj': shape mismatch, expected [3, 8, 5]" in message
     shard = index.parent / found.weight_map["layer.experts.2.w3.weight"]
     assert f"'layer.experts.2.w3.weight' in {shard}" in message
+
+
+def test_the_record_loader_and_convert_read_sets_too(sets, tmp_path):
+    from lightning_bpk.interop import apply_remapped, convert, load_module_record
+
+    for index in sets.values():
+        net = Net()
+        assert apply_remapped(load_module_record(index.parent), net, FUSE) == []
+        _check(net)
+    out = convert(sets[".bpk"], tmp_path / "one.safetensors")
+    loaded = safetensors.torch.load_file(out)
+    assert all(torch.equal(loaded[n], t) for n, t in EXPERTS.items())

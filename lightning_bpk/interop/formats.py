@@ -65,6 +65,7 @@ __all__ = [
     "read_content",
     "read_safetensors",
     "read_torch",
+    "register_set_reader",
     "save_module_record",
     "write_bpk",
     "write_content",
@@ -343,10 +344,34 @@ _READERS = {"bpk": read_bpk, "safetensors": read_safetensors, "torch": read_torc
 _WRITERS = {"bpk": write_bpk, "safetensors": write_safetensors}
 
 
+SetReader = Callable[[Path], "Content | None"]
+_set_readers: list[SetReader] = []
+
+
+def register_set_reader(reader: SetReader) -> None:
+    """Let :func:`read_content` (and so :func:`convert`, :func:`load_module_record`) read a
+    checkpoint set: ``reader(path)`` returns its content, or ``None`` when ``path`` is not one.
+    :mod:`lightning_bpk.interop.sets`, which sits above this module, registers itself."""
+    if reader not in _set_readers:
+        _set_readers.append(reader)
+
+
+def _read_set(path: Path) -> Content | None:
+    for reader in _set_readers:
+        content = reader(path)
+        if content is not None:
+            return content
+    return None
+
+
 def read_content(path: str | os.PathLike[str]) -> Content:
-    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), or the model of a
+    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), a checkpoint set
+    (an index or its directory: see :mod:`lightning_bpk.interop.sets`), or the model of a
     sharded checkpoint directory, assembled from every rank's shards."""
     path = Path(path)
+    content = _read_set(path)
+    if content is not None:
+        return content
     if path.is_dir() and is_sharded(path):
         from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
 
@@ -375,6 +400,9 @@ def convert(
     one for its model assembled from every rank's shards (no process group). Returns the
     written path."""
     src = Path(src)
+    content = _read_set(src)
+    if content is not None:
+        return write_content(dst, content, progress)
     if src.is_dir() and not is_sharded(src):
         src = src / CHECKPOINT_MODEL_FILE
         if not src.is_file():
@@ -383,9 +411,10 @@ def convert(
 
 
 def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
-    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader)."""
+    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader) or
+    checkpoint set."""
     path = Path(path)
-    if file_kind(path) == "bpk":
+    if path.suffix.lower() == ".bpk" and not path.is_dir():
         return ModuleRecord.load(path)
     content = read_content(path)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)

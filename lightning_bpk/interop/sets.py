@@ -48,6 +48,7 @@ from lightning_bpk.interop.formats import (
     Content,
     Progress,
     read_content,
+    register_set_reader,
     write_content,
 )
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
@@ -88,6 +89,13 @@ def read_any(path: str | os.PathLike[str]) -> Content:
         metadata = {RECORD_KIND_KEY: ModuleRecord.kind, **source.metadata}
         metadata.update({ALIAS_PREFIX + a: t for a, t in source.aliases.items()})
         return Content(tensors, param_ids=dict(source.param_ids), metadata=metadata)
+
+
+def _set_content(path: Path) -> Content | None:
+    return read_any(path) if set_kind(path) == "set" else None
+
+
+register_set_reader(_set_content)  # read_content, convert and load_module_record read sets
 
 
 def _shards(content: Content, max_shard_size: int) -> list[list[str]]:
