@@ -47,7 +47,7 @@ class SimplePattern:
     end: bool  # anchored with $
 
 
-def group_end(pattern: str, i: int) -> int:
+def _group_end(pattern: str, i: int) -> int:
     """Index of the ``)`` closing the group opened at ``pattern[i]``."""
     depth, in_class = 0, False
     while i < len(pattern):
@@ -95,7 +95,7 @@ def parse_simple(pattern: str) -> SimplePattern:
             literal.append(pattern[i + 1])
             i += 2
         elif c == "(":
-            close = group_end(pattern, i)
+            close = _group_end(pattern, i)
             body = pattern[i + 1 : close]
             if body.startswith("?") or re.compile(body).groups:
                 raise RemapError(f"pattern {pattern!r} is not simple (group {body!r})")

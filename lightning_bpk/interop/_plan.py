@@ -36,6 +36,7 @@ __all__ = [
     "assign",
     "destinations",
     "group_items",
+    "groups_of",
     "plan",
     "run_tasks",
     "tie",

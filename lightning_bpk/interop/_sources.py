@@ -115,7 +115,7 @@ def _open_file(loc: Location) -> Iterator[Source]:
         return
     kind = file_kind(loc)
     if kind == "bpk":
-        with _open_bpk(burnpack_pack(loc), str(loc)) as source:
+        with _open_bpk(_burnpack_pack(loc), str(loc)) as source:
             yield source
     elif kind == "safetensors":
         with _open_safetensors(loc) as source:
@@ -132,7 +132,7 @@ def _open_file(loc: Location) -> Iterator[Source]:
         )
 
 
-def burnpack_pack(loc: Path) -> burnpack.Pack:
+def _burnpack_pack(loc: Path) -> burnpack.Pack:
     try:
         return burnpack.read(loc)
     except burnpack.BurnpackError as e:
