@@ -160,6 +160,15 @@ def test_loads_as_from_pretrained_and_saves_back_its_checkpoint(
     assert sorted(back) == sorted(checkpoint)
     for name, tensor in checkpoint.items():
         assert torch.equal(back[name], tensor), name
+    if layout == "sharded":  # saved back as a set, which transformers loads as its own
+        index = save_pretrained(ours, tmp_path / "set", rules, unmatched, max_shard_size=2048)
+        assert (
+            index.name == "model.safetensors.index.json" and len(list(index.parent.glob("*"))) > 2
+        )
+        (tmp_path / "set" / "config.json").write_bytes((source / "config.json").read_bytes())
+        again = cls.from_pretrained(tmp_path / "set").state_dict()
+        for name, tensor in theirs.state_dict().items():
+            assert torch.equal(again[name], tensor), name
 
 
 def test_a_converters_sources_lie_in_several_shards(saved):

@@ -190,9 +190,8 @@ def _safetensors_header(
     read_at: Callable[[int, int], bytes], size: int, where: Location
 ) -> tuple[tuple[Specs, dict[str, tuple[int, int]], dict[str, str]], int]:
     """Parse and check a safetensors header: ``((specs, offsets, metadata), data start)``.
-    Checked before
-    use: the header length, JSON, every dtype, shape and offset pair, each tensor's byte count
-    against its shape, every range inside the data and no two overlapping."""
+    Checked before use: the header length, JSON, every dtype, shape and offset pair, each
+    tensor's byte count against its shape, every range inside the data and no two overlapping."""
     if size < 8:
         raise RecordError("validation", f"{where}: {size} bytes, not a safetensors file")
     (length,) = struct.unpack("<Q", read_at(0, 8))

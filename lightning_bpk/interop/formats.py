@@ -65,6 +65,7 @@ __all__ = [
     "read_content",
     "read_safetensors",
     "read_torch",
+    "record_content",
     "register_set_reader",
     "save_module_record",
     "write_bpk",
@@ -375,7 +376,7 @@ def read_content(path: str | os.PathLike[str]) -> Content:
     if path.is_dir() and is_sharded(path):
         from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
 
-        return _record_content(module_record(path))
+        return record_content(module_record(path))
     return _READERS[file_kind(path)](path)
 
 
@@ -434,10 +435,11 @@ def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Pa
     path = Path(path)
     if file_kind(path) == "bpk":
         return record.save(path)
-    return write_content(path, _record_content(record))
+    return write_content(path, record_content(record))
 
 
-def _record_content(record: ModuleRecord) -> Content:
+def record_content(record: ModuleRecord) -> Content:
+    """A :class:`ModuleRecord` as a :class:`Content` (its tensors, ids and metadata)."""
     tensors, _, metadata = record.content()
     return Content(
         {n: e.data for n, e in tensors.items()},

@@ -37,13 +37,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from lightning_bpk.interop import conversions as ops
+from lightning_bpk.interop import conversions, ops
 from lightning_bpk.interop._plan import tied_weights
-from lightning_bpk.interop.formats import save_module_record
+from lightning_bpk.interop.formats import record_content, save_module_record
 from lightning_bpk.interop.remap import KeyRemapper, record_remapped
 from lightning_bpk.interop.rules import Items, RemapError, Rule, trace_step
+from lightning_bpk.interop.sets import write_set
 
 __all__ = ["COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"]
 
@@ -51,12 +53,12 @@ __all__ = ["COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_w
 def _moe(gate: str, up: str, down: str, prefix: str = "mlp.experts") -> list[Rule]:
     """The fused-experts converters of the MoE models (per-expert gate/up/down on the hub)."""
     return [
-        ops.WeightConverter(
+        conversions.WeightConverter(
             [f"{prefix}.*.{gate}.weight", f"{prefix}.*.{up}.weight"],
             f"{prefix}.gate_up_proj",
             [ops.MergeModulelist(dim=0), ops.Concatenate(dim=1)],
         ),
-        ops.WeightConverter(
+        conversions.WeightConverter(
             [f"{prefix}.*.{down}.weight"], f"{prefix}.down_proj", [ops.MergeModulelist(dim=0)]
         ),
     ]
@@ -66,24 +68,28 @@ def _table() -> dict[str, list[Rule]]:
     """The package's own table: transformers 5.23's mappings for the covered model types."""
     qwen = _moe("gate_proj", "up_proj", "down_proj")
     mixtral = [
-        ops.WeightRenaming(".block_sparse_moe.", ".mlp."),
+        conversions.WeightRenaming(".block_sparse_moe.", ".mlp."),
         *_moe("w1", "w3", "w2", prefix=".experts"),
     ]
     return {
         "mixtral": mixtral,
-        "phimoe": [mixtral[0], ops.WeightRenaming(".gate.weight", ".router.weight"), *mixtral[1:]],
+        "phimoe": [
+            mixtral[0],
+            conversions.WeightRenaming(".gate.weight", ".router.weight"),
+            *mixtral[1:],
+        ],
         "qwen2_moe": qwen,
         "qwen3_moe": _moe("gate_proj", "up_proj", "down_proj"),
         "olmoe": _moe("gate_proj", "up_proj", "down_proj"),
         "llava": [
-            ops.WeightRenaming("^language_model.lm_head", "lm_head"),
-            ops.WeightRenaming("^language_model", "model.language_model"),
-            ops.WeightRenaming("^vision_tower", "model.vision_tower"),
-            ops.WeightRenaming("^multi_modal_projector", "model.multi_modal_projector"),
+            conversions.WeightRenaming("^language_model.lm_head", "lm_head"),
+            conversions.WeightRenaming("^language_model", "model.language_model"),
+            conversions.WeightRenaming("^vision_tower", "model.vision_tower"),
+            conversions.WeightRenaming("^multi_modal_projector", "model.multi_modal_projector"),
         ],
         "nomic_bert": [
             *(
-                ops.WeightRenaming(a, b)
+                conversions.WeightRenaming(a, b)
                 for a, b in (
                     ("encoder.layers", "layers"),
                     ("emb_ln", "embeddings.LayerNorm"),
@@ -95,18 +101,18 @@ def _table() -> dict[str, list[Rule]]:
                     ("norm2", "post_mlp_layernorm"),
                 )
             ),
-            ops.WeightConverter(
+            conversions.WeightConverter(
                 "attn.Wqkv",
                 ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                 [ops.Chunk(dim=0)],
             ),
         ],
         "legacy": [
-            ops.WeightRenaming("LayerNorm.gamma", "LayerNorm.weight"),
-            ops.WeightRenaming("LayerNorm.beta", "LayerNorm.bias"),
-            ops.WeightRenaming(".weight_g", ".parametrizations.weight.original0"),
-            ops.WeightRenaming(".weight_v", ".parametrizations.weight.original1"),
-            ops.WeightRenaming(
+            conversions.WeightRenaming("LayerNorm.gamma", "LayerNorm.weight"),
+            conversions.WeightRenaming("LayerNorm.beta", "LayerNorm.bias"),
+            conversions.WeightRenaming(".weight_g", ".parametrizations.weight.original0"),
+            conversions.WeightRenaming(".weight_v", ".parametrizations.weight.original1"),
+            conversions.WeightRenaming(
                 [r"^model\.language_model\.model", r"^language_model\.model\.model"],
                 "model.language_model",
             ),
@@ -232,15 +238,15 @@ def _ours(transform: Any, model_type: str, config: Any) -> Rule:
     name = type(transform).__name__
     sources = list(transform._original_source_patterns)
     targets = list(transform._original_target_patterns)
-    rule: ops.WeightTransform
+    rule: conversions.WeightTransform
     if name == "WeightRenaming":
-        rule = ops.WeightRenaming(sources, targets)
+        rule = conversions.WeightRenaming(sources, targets)
     elif name == "PrefixChange":
-        rule = ops.PrefixChange(
+        rule = conversions.PrefixChange(
             transform.prefix_to_add, transform.prefix_to_remove, transform.model_prefix
         )
     elif name == "WeightConverter":
-        rule = ops.WeightConverter(
+        rule = conversions.WeightConverter(
             sources, targets, [_op(op, model_type, config) for op in transform.operations]
         )
     else:
@@ -256,21 +262,26 @@ def save_pretrained(
     remapper: KeyRemapper,
     unmatched: Iterable[str] = (),
     ties: Mapping[str, str] | None = None,
+    *,
+    max_shard_size: int | None = None,
 ) -> Path:
-    """Save ``model`` in its checkpoint's layout as one ``.safetensors``/``.bpk`` file: the
-    rules a load applied undone (``unmatched``, what the load returned, are left out), and each
-    tied tensor written once under its tie's name, as ``save_pretrained`` writes it."""
+    """Save ``model`` in its checkpoint's layout: the rules a load applied undone
+    (``unmatched``, what the load returned, are left out), and each tied tensor written once,
+    under its tie's name, as ``save_pretrained`` writes it. One ``.safetensors``/``.bpk`` file,
+    or with ``max_shard_size`` (bytes) a set in the new directory ``path`` (returns its index).
+    """
     ties = tied_weights(model) if ties is None else dict(ties)
-    record, _ = record_remapped(model, remapper.applied(unmatched))
-    dropped = {alias for alias in record.aliases if alias in _file_names(remapper, ties)}
+    applied = remapper.applied(unmatched)
+    record, _ = record_remapped(model, applied)
+    dropped = _file_names(applied, ties)
     record.aliases = {a: t for a, t in record.aliases.items() if a not in dropped}
-    return save_module_record(record, path)
+    if max_shard_size is None:
+        return save_module_record(record, path)
+    return write_set(record_content(record), path, max_shard_size=max_shard_size)
 
 
 def _file_names(remapper: KeyRemapper, ties: Mapping[str, str]) -> set[str]:
-    """The file names of the tied tensors ``ties`` declares (module names)."""
-    import torch
-
+    """The names the tied tensors ``ties`` declares (module names) are saved under."""
     names: set[str] = set()
     for tied in ties:
         try:
