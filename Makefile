@@ -49,6 +49,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/remap_load.py
+	$(PY) benchmarks/hub_load.py
 
 # The site also builds (strictly) inside `make test`, via tests/test_docs.py.
 docs: $(STAMP)

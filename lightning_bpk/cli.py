@@ -6,7 +6,12 @@ the others. A bad file is reported on stderr with its path and exit status :data
 
 Commands: ``inspect FILE``, ``ls DIR`` (checkpoints; a run directory stands for its
 ``checkpoints/``), ``verify FILE|DIR``, ``convert SRC DST`` (``.bpk``, ``.safetensors``;
-``.pt``/``.ckpt`` as source only), ``diff A B`` (files, or two checkpoint directories). Every
+``.pt``/``.ckpt`` as source only), ``diff A B`` (files, or two checkpoint directories). Each
+also takes a checkpoint set (``model.safetensors.index.json`` or ``model.bpk.index.json`` with
+its shards, or their directory; see :mod:`lightning_bpk.interop.sets`): ``inspect`` shows its
+shards and tensors, ``ls`` its shards, ``verify`` checks index, headers and checksums,
+``convert`` reads it whole (``--max-shard-size`` writes a set), ``diff`` compares it as one
+file. Every
 command takes ``--json``. Exit status: 0 ok, 1 differences or damage found (:data:`EXIT_FOUND`),
 2 usage error or unreadable input (:data:`EXIT_BAD_FILE`). Long work shows progress on stderr
 when it is a terminal. Text output escapes control characters (a tensor name or metadata value
@@ -39,7 +44,8 @@ import torch
 
 from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
-from lightning_bpk.interop import Content, convert, read_content
+from lightning_bpk.interop import Content, convert
+from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, MODEL_FILE
 from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records.base import RecordError
@@ -233,7 +239,41 @@ def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
     return scratch / name
 
 
+def _is_safetensors(target: str) -> bool:
+    return storage.name_of(storage.location(target)).lower().endswith(".safetensors")
+
+
+def _source_text(info: dict[str, Any]) -> str:
+    """The ``inspect`` report of a checkpoint set or a ``.safetensors`` file."""
+    lines = [f"{info['format']}: {info.get('index', info['source'])}"]
+    if "shards" in info:
+        rows = [["shard", "tensors", "bytes"]]
+        rows += [[s["name"], str(s["tensors"]), str(s["bytes"])] for s in info["shards"]]
+        lines += ["", f"shards ({len(info['shards'])}):", _table(rows)]
+    lines += ["", f"tensors ({len(info['tensors'])}):"]
+    if info["tensors"]:
+        rows = [["name", "dtype", "shape", "bytes", "param_id"]]
+        rows += [
+            [
+                t["name"],
+                t["dtype"],
+                "[" + ", ".join(map(str, t["shape"])) + "]",
+                str(t["bytes"]),
+                "-" if t["param_id"] is None else str(t["param_id"]),
+            ]
+            for t in info["tensors"]
+        ]
+        lines.append(_table(rows))
+    lines += ["", f"metadata ({len(info['metadata'])}):"]
+    lines += [f"  {k} = {v!r}" for k, v in info["metadata"].items()]
+    return "\n".join(lines)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if interop_sets.is_set(args.file) or _is_safetensors(args.file):
+        info = interop_sets.describe_source(args.file)
+        _emit(args, info, _source_text(info))
+        return EXIT_OK
     if is_sharded(args.file):  # a local directory or a URL prefix
         from lightning_bpk import dcp  # seconds to import: only for a sharded directory
 
@@ -385,6 +425,15 @@ def _required(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    if interop_sets.is_set(args.dir):  # a checkpoint set: its shards
+        info = interop_sets.describe_source(args.dir)
+        shard_rows = [["shard", "tensors", "size"]]
+        shard_rows += [
+            [s["name"], str(s["tensors"]), _size_text(s["bytes"])] for s in info["shards"]
+        ]
+        shards = {"index": info["index"], "shards": info["shards"]}
+        _emit(args, shards, f"{info['index']}:\n{_table(shard_rows)}")
+        return EXIT_OK
     base = storage.location(args.dir)
     if isinstance(base, str):
         storage.object_store(base).check()  # a wrong URL fails here, naming it
@@ -418,9 +467,7 @@ def _verify_file(path: Path) -> dict[str, Any]:
     """Structure and checksums of one ``.bpk`` (or structure of a ``.safetensors``) file."""
     result: dict[str, Any] = {"file": str(path), "ok": True, "problems": []}
     if path.suffix == ".safetensors":
-        result["tensors"] = len(read_content(path).tensors)
-        result["checksums"] = 0
-        return result
+        return interop_sets.verify_source(path)
     try:
         with burnpack.read(path) as pack:
             result["tensors"] = len(pack)
@@ -464,7 +511,10 @@ def _verify_object(url: str) -> dict[str, Any]:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     target = storage.location(args.target)
-    if is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
+    results: list[dict[str, Any]]
+    if interop_sets.is_set(args.target) or _is_safetensors(args.target):
+        results = [interop_sets.verify_source(args.target)]
+    elif is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
         from lightning_bpk import dcp
 
         try:
@@ -474,7 +524,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         else:
             problems = index.check_files(verify_tensors=True)
             count = sum(len(t["chunks"]) for t in index.tensors.values())
-        results: list[dict[str, Any]] = [
+        results = [
             {"file": str(target), "ok": not problems, "problems": problems, "tensors": count}
         ]
         results[0]["checksums"] = count
@@ -526,6 +576,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     """Convert ``src`` to ``dst``; either may be a URL (an object store's output is written to
     a temporary file first, then uploaded)."""
+    if args.max_shard_size is not None or interop_sets.is_set(args.src):
+        return _convert_set(args)
     remote_dst = not storage.is_local(args.dst)
     with contextlib.ExitStack() as stack:
         scratch = stack.enter_context(tempfile.TemporaryDirectory())
@@ -549,6 +601,33 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             written = target
     info = {"src": args.src, "dst": str(written), "size": size}
     _emit(args, info, f"wrote {written} ({_size_text(size)})")
+    return EXIT_OK
+
+
+def _convert_set(args: argparse.Namespace) -> int:
+    """``convert`` from a checkpoint set (local or a URL), or to one (``--max-shard-size``:
+    ``dst`` is a new local directory for the shards and their index)."""
+    if not storage.is_local(args.dst):
+        raise OSError(f"{args.dst}: a set is converted to a local file or directory")
+    try:
+        shard_size = (
+            None if args.max_shard_size is None else interop_sets.parse_size(args.max_shard_size)
+        )
+    except ValueError as e:
+        raise RecordError("io", f"--max-shard-size: {e}") from e
+    written = interop_sets.convert_source(
+        args.src,
+        storage.local_path(args.dst),
+        max_shard_size=shard_size,
+        suffix="." + args.shard_format,
+        progress=_progress(f"convert {storage.name_of(storage.location(args.src))}"),
+    )
+    size = _tree_size(written.parent if shard_size is not None else written)
+    _emit(
+        args,
+        {"src": args.src, "dst": str(written), "size": size},
+        f"wrote {written} ({_size_text(size)})",
+    )
     return EXIT_OK
 
 
@@ -659,7 +738,7 @@ def _diff_files(
 ) -> tuple[dict[str, Any], str]:
     """Compare two files: tensors, scalars and metadata; returns the JSON info and the text.
     ``names``: what to call them (the URLs of local copies)."""
-    ca, cb = read_content(a), read_content(b)
+    ca, cb = interop_sets.read_any(a), interop_sets.read_any(b)
     atol = args.atol if args.atol is not None else 0.0
     rows = _diff_contents(ca, cb, _progress(f"diff {a.name}"))
     different = [r for r in rows if r["status"] != "same"]
@@ -727,7 +806,9 @@ def _diff_files(
 def _model_file(path: Path) -> Path:
     """A checkpoint directory stands for its model file when compared with a file (as in
     ``convert``); a sharded one for the model its shards assemble into."""
-    return path / MODEL_FILE if path.is_dir() and not is_sharded(path) else path
+    if not path.is_dir() or is_sharded(path) or interop_sets.is_set(path):
+        return path
+    return path / MODEL_FILE
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -744,7 +825,8 @@ def _diff(a: Path, b: Path, args: argparse.Namespace) -> int:
         relative = path.relative_to(local).as_posix()
         return argument.rstrip("/") + ("" if relative == "." else f"/{relative}")
 
-    if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b):
+    sets = interop_sets.is_set(a) or interop_sets.is_set(b)
+    if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b) or sets:
         fa, fb = _model_file(a), _model_file(b)
         names = (shown(fa, a, args.a), shown(fb, b, args.b))
         info, text = _diff_files(fa, fb, args, names)
@@ -809,29 +891,46 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
 
     inspect = command("inspect", _cmd_inspect, "show header, tensors, scalars and metadata")
     inspect.add_argument(
-        "file", help="a .bpk file ('.bpk' is added if missing) or a sharded checkpoint directory"
+        "file",
+        help="a .bpk file ('.bpk' is added if missing), a .safetensors file, a checkpoint set "
+        "(model.safetensors.index.json or its directory) or a sharded checkpoint directory",
     )
     ls = command("ls", _cmd_ls, "list checkpoints: number, complete, verified, size, time")
-    ls.add_argument("dir", help="a checkpointer base directory, or a run directory")
+    ls.add_argument(
+        "dir", help="a checkpointer base directory, a run directory, or a checkpoint set (shards)"
+    )
     ls.add_argument("--no-verify", action="store_true", help="skip reading every byte")
     checkpoint_names(ls)
     verify = command("verify", _cmd_verify, "check structure and checksums (exit 1 on damage)")
     verify.add_argument(
         "target",
-        help="a .bpk/.safetensors file, a checkpoint base directory or a directory of .bpk files",
+        help="a .bpk/.safetensors file, a checkpoint set, a checkpoint base directory or a "
+        "directory of .bpk files",
     )
     checkpoint_names(verify)
     convert = command("convert", _cmd_convert, "convert between .bpk, .safetensors, .pt/.ckpt")
     convert.add_argument(
-        "src", help=".bpk, .safetensors, .pt/.pth/.bin, .ckpt or a checkpoint directory (its model)"
+        "src",
+        help=".bpk, .safetensors, .pt/.pth/.bin, .ckpt, a checkpoint set (an index or its "
+        "directory) or a checkpoint directory (its model)",
     )
-    convert.add_argument("dst", help=".bpk or .safetensors")
+    convert.add_argument("dst", help=".bpk or .safetensors; with --max-shard-size a new directory")
+    convert.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="write a sharded set with its index, shards of at most SIZE (5GB, 500MB, bytes)",
+    )
+    convert.add_argument(
+        "--shard-format", choices=("safetensors", "bpk"), default="safetensors", help="shard format"
+    )
     diff = command(
         "diff",
         _cmd_diff,
         "compare tensors (names, shapes, dtypes, values), scalars and metadata (exit 1)",
     )
-    diff.add_argument("a", help="a file, or a checkpoint directory (all its .bpk files)")
+    diff.add_argument(
+        "a", help="a file, a checkpoint set, or a checkpoint directory (all its .bpk files)"
+    )
     diff.add_argument("b", help="a file, or a checkpoint directory")
     diff.add_argument("--atol", type=float, help="value differences up to this count as equal")
     diff.add_argument("--all", action="store_true", help="list identical entries too")

@@ -29,6 +29,7 @@ from lightning_bpk.interop import (
     conversions,
     load_module_record,
     record_remapped,
+    remap,
 )
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
@@ -210,10 +211,12 @@ def test_interleave_and_rope_undo_themselves():
 
 
 def test_transpose_is_the_rule_with_a_pattern_and_the_op_without():
-    assert isinstance(Transpose(0, 1), conversions.Transpose)
+    assert Transpose is conversions.Transpose is remap.Transpose  # one class
     assert isinstance(Transpose(dim0=1, dim1=0), conversions.ConversionOps)
     rule = Transpose(r".+\.w", 0, 1)
-    assert not isinstance(rule, conversions.ConversionOps)
+    assert rule.pattern == r".+\.w" and Transpose(0, 1).pattern is None
+    with pytest.raises(RemapError, match="without a pattern it is an op"):
+        KeyRemapper([Transpose(0, 1)]).load({"a.w": (torch.zeros(2, 3), None)})
     loaded = KeyRemapper([rule]).load({"a.w": (torch.zeros(2, 3), None)})
     assert loaded.tensors["a.w"][0].shape == (3, 2)
     # copies and pickles stay what they were

@@ -22,8 +22,9 @@ from lightning_bpk.interop import (
     load_module_record,
     save_module_record,
 )
-from lightning_bpk.interop.loading import _groups, load_remapped
-from lightning_bpk.interop.remap import tracing
+from lightning_bpk.interop._plan import groups_of
+from lightning_bpk.interop.loading import load_remapped
+from lightning_bpk.interop.rules import tracing
 from lightning_bpk.records import RecordError
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
@@ -58,7 +59,7 @@ def test_groups_follow_the_rules():
     meta = {n: (torch.empty(t.shape, device="meta"), None) for n, t in state.items()}
     with tracing() as links:
         KeyRemapper(MIXTRAL).load(meta)
-    groups = sorted(sorted(g) for g in _groups(list(state), {}, links))
+    groups = sorted(sorted(g) for g in groups_of(list(state), {}, links))
     w13 = [f"layers.0.block_sparse_moe.experts.{e}.w{w}.weight" for w in (1, 3) for e in range(3)]
     assert sorted(w13) in groups
     assert ["layers.1.block_sparse_moe.gate.weight"] in groups

@@ -2,19 +2,37 @@
 
 - :mod:`~lightning_bpk.interop.adapters`: :class:`BurnToPyTorchAdapter`,
   :class:`PyTorchToBurnAdapter` for ``ModuleRecord.apply``/``from_module``;
-- :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
-  :class:`Split`, :class:`Unstack`, :class:`Transpose` rules, inverted on save;
+- :mod:`~lightning_bpk.interop.rules`: what every rule shares (:class:`Rule`,
+  :class:`RemapError`, the items rules move and the tracing the loaders follow);
+- :mod:`~lightning_bpk.interop.ops`: transformers' reversible ops :class:`Chunk`,
+  :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`,
+  :class:`Transpose` (with a pattern, a rule of its own), :class:`PermuteForRope`,
+  :class:`Interleave`;
 - :mod:`~lightning_bpk.interop.conversions`: transformers' vocabulary as rules,
-  :class:`WeightRenaming` and :class:`WeightConverter` with the ops :class:`Chunk`,
-  :class:`Concatenate`, :class:`MergeModulelist`, :class:`SplitModulelist`, ``Transpose``,
-  :class:`PermuteForRope`, :class:`Interleave`;
-- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool;
+  :class:`WeightRenaming`, :class:`PrefixChange` and :class:`WeightConverter` (with the ops);
+- :mod:`~lightning_bpk.interop.remap`: :class:`KeyRemapper` with :class:`Rename`,
+  :class:`Split`, :class:`Unstack` rules, inverted on save;
+- :mod:`~lightning_bpk.interop.hub`: :func:`rules_for` a model type or instance (transformers'
+  registry when installed, this package's table otherwise), :func:`save_pretrained` back to
+  the checkpoint's layout, :func:`tied_weights`;
+- :mod:`~lightning_bpk.interop.loading`: :func:`load_remapped`, the same on a thread pool, from
+  a file or a checkpoint set (a ``model.safetensors.index.json`` or ``model.bpk.index.json``
+  and its shards, or their directory; local or at a URL);
 - :mod:`~lightning_bpk.interop.shards`: :func:`load_into_shards`, a full file straight into an
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
+- :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
+  sharded set with its index, :func:`is_set`, :func:`describe_set`;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
+
+The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
+``_patterns``, both <- ``remap``; ``formats`` <- ``_index`` (finding and checking a set) <-
+``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
+``_dims`` <- ``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a
+private name of another.
 """
 
+from lightning_bpk.interop._plan import tied_weights
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
 from lightning_bpk.interop.conversions import (
     Chunk,
@@ -23,7 +41,9 @@ from lightning_bpk.interop.conversions import (
     Interleave,
     MergeModulelist,
     PermuteForRope,
+    PrefixChange,
     SplitModulelist,
+    Transpose,
     WeightConverter,
     WeightRenaming,
 )
@@ -37,24 +57,26 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
+from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
 from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.remap import (
     KeyRemapper,
-    RemapError,
     RemapResult,
     Rename,
-    Rule,
     Split,
-    Transpose,
     Unstack,
     apply_remapped,
     derive_inverse,
     record_remapped,
 )
+from lightning_bpk.interop.rules import RemapError, Rule
+from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
 __all__ = [
+    "COVERED",
     "SAFETENSORS_INFO_KEY",
+    "BaseModelPrefix",
     "BurnToPyTorchAdapter",
     "Chunk",
     "Concatenate",
@@ -64,6 +86,7 @@ __all__ = [
     "KeyRemapper",
     "MergeModulelist",
     "PermuteForRope",
+    "PrefixChange",
     "PyTorchToBurnAdapter",
     "RemapError",
     "RemapResult",
@@ -79,12 +102,19 @@ __all__ = [
     "apply_remapped",
     "convert",
     "derive_inverse",
+    "describe_set",
     "export_checkpoint",
+    "is_set",
     "load_into_shards",
     "load_module_record",
     "load_remapped",
+    "read_any",
     "read_content",
     "record_remapped",
+    "rules_for",
     "save_module_record",
+    "save_pretrained",
+    "tied_weights",
     "write_content",
+    "write_set",
 ]

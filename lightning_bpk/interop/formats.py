@@ -50,18 +50,23 @@ from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 __all__ = [
     "BPK_SUFFIXES",
     "CHECKPOINT_MODEL_FILE",
+    "NO_PICKLE_ADVICE",
     "SAFETENSORS_INFO_KEY",
     "SAFETENSORS_SUFFIXES",
+    "ST_BOOL",
     "TORCH_SUFFIXES",
     "Content",
     "Progress",
     "convert",
     "export_checkpoint",
+    "file_kind",
     "load_module_record",
     "read_bpk",
     "read_content",
     "read_safetensors",
     "read_torch",
+    "record_content",
+    "register_set_reader",
     "save_module_record",
     "write_bpk",
     "write_content",
@@ -76,7 +81,7 @@ TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-onl
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
-_ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
+ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
 
@@ -97,10 +102,10 @@ class Content:
 
 def _st_dtype(dtype: torch.dtype) -> str:
     """Safetensors' name of a torch dtype; raises ``burnpack.ValidationError`` if it has none."""
-    return _ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
+    return ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     suffix = path.suffix.lower()
     for kind, suffixes in (
         ("bpk", BPK_SUFFIXES),
@@ -273,6 +278,14 @@ def write_safetensors(
 
 # --- torch.save files ----------------------------------------------------------------------------
 
+NO_PICKLE_ADVICE = (
+    "lightning_bpk unpickles nothing but tensors and plain data (anything else could run code "
+    "from the file), so there is no weights_only=False fallback; where the file is trusted, save "
+    "just its tensors (torch.save(model.state_dict(), ...)) or convert them to .safetensors, and "
+    "import that"
+)
+"""Why a pickle that needs more than tensors and plain data is refused, and what to do instead."""
+
 # Lines of torch's weights-only refusal that advise loading anyway (weights_only=False) or point
 # elsewhere, rather than saying what the file holds.
 _TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Check the documentation")
@@ -306,11 +319,7 @@ def read_torch(path: str | os.PathLike[str]) -> Content:
         raise RecordError(
             "io",
             f"{path}: refused to unpickle: torch.load(weights_only=True) stopped at "
-            f"{_refusal_reason(e)!r}. lightning_bpk unpickles nothing but tensors and plain data "
-            "(anything else could run code from the file), so there is no weights_only=False "
-            "fallback; where the file is trusted, save just its tensors "
-            "(torch.save(model.state_dict(), ...)) or convert them to .safetensors, and import "
-            "that",
+            f"{_refusal_reason(e)!r}. {NO_PICKLE_ADVICE}",
         ) from None
     except Exception as e:  # torch raises RuntimeError, EOFError, OSError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -336,15 +345,39 @@ _READERS = {"bpk": read_bpk, "safetensors": read_safetensors, "torch": read_torc
 _WRITERS = {"bpk": write_bpk, "safetensors": write_safetensors}
 
 
+SetReader = Callable[[Path], "Content | None"]
+_set_readers: list[SetReader] = []
+
+
+def register_set_reader(reader: SetReader) -> None:
+    """Let :func:`read_content` (and so :func:`convert`, :func:`load_module_record`) read a
+    checkpoint set: ``reader(path)`` returns its content, or ``None`` when ``path`` is not one.
+    :mod:`lightning_bpk.interop.sets`, which sits above this module, registers itself."""
+    if reader not in _set_readers:
+        _set_readers.append(reader)
+
+
+def _read_set(path: Path) -> Content | None:
+    for reader in _set_readers:
+        content = reader(path)
+        if content is not None:
+            return content
+    return None
+
+
 def read_content(path: str | os.PathLike[str]) -> Content:
-    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), or the model of a
+    """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), a checkpoint set
+    (an index or its directory: see :mod:`lightning_bpk.interop.sets`), or the model of a
     sharded checkpoint directory, assembled from every rank's shards."""
     path = Path(path)
+    content = _read_set(path)
+    if content is not None:
+        return content
     if path.is_dir() and is_sharded(path):
         from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
 
-        return _record_content(module_record(path))
-    return _READERS[_kind(path)](path)
+        return record_content(module_record(path))
+    return _READERS[file_kind(path)](path)
 
 
 def write_content(
@@ -352,7 +385,7 @@ def write_content(
 ) -> Path:
     """Write ``.bpk`` or ``.safetensors`` (by suffix); torch files are never written."""
     path = Path(path)
-    kind = _kind(path)
+    kind = file_kind(path)
     if kind not in _WRITERS:
         raise RecordError(
             "io", f"{path}: {path.suffix} is an import format only; write .bpk or .safetensors"
@@ -368,6 +401,9 @@ def convert(
     one for its model assembled from every rank's shards (no process group). Returns the
     written path."""
     src = Path(src)
+    content = _read_set(src)
+    if content is not None:
+        return write_content(dst, content, progress)
     if src.is_dir() and not is_sharded(src):
         src = src / CHECKPOINT_MODEL_FILE
         if not src.is_file():
@@ -376,9 +412,10 @@ def convert(
 
 
 def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
-    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader)."""
+    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader) or
+    checkpoint set."""
     path = Path(path)
-    if _kind(path) == "bpk":
+    if path.suffix.lower() == ".bpk" and not path.is_dir():
         return ModuleRecord.load(path)
     content = read_content(path)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
@@ -396,12 +433,13 @@ def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
 def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Path:
     """Save a :class:`ModuleRecord` as ``.bpk`` or ``.safetensors`` (by suffix)."""
     path = Path(path)
-    if _kind(path) == "bpk":
+    if file_kind(path) == "bpk":
         return record.save(path)
-    return write_content(path, _record_content(record))
+    return write_content(path, record_content(record))
 
 
-def _record_content(record: ModuleRecord) -> Content:
+def record_content(record: ModuleRecord) -> Content:
+    """A :class:`ModuleRecord` as a :class:`Content` (its tensors, ids and metadata)."""
     tensors, _, metadata = record.content()
     return Content(
         {n: e.data for n, e in tensors.items()},
@@ -422,6 +460,6 @@ def export_checkpoint(
     ``model.bpk`` is exported) or a ``.bpk`` file; ``dst`` must end in ``.safetensors``.
     """
     dst = Path(dst)
-    if _kind(dst) != "safetensors":
+    if file_kind(dst) != "safetensors":
         raise RecordError("io", f"{dst}: export writes .safetensors")
     return convert(checkpoint, dst, progress)

@@ -57,338 +57,61 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import re
-import string
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
-from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.interop._patterns import (
+    INDEX_FIELD,
+    Group,
+    SimplePattern,
+    derive_inverse,
+    parse_simple,
+    template_regex,
+)
+from lightning_bpk.interop.conversions import Transpose, WeightConverter
+from lightning_bpk.interop.rules import (
+    Item,
+    Items,
+    RemapError,
+    Rule,
+    derived_param_id,
+    replace_items,
+    run_step,
+    trace_step,
+)
 from lightning_bpk.records.module import Adapter, ModuleRecord
 
 __all__ = [
     "INDEX_FIELD",
-    "Item",
-    "Items",
     "KeyRemapper",
     "RemapError",
     "RemapResult",
     "Rename",
     "Rule",
     "Split",
-    "Step",
     "Transpose",
     "Unstack",
     "apply_remapped",
     "derive_inverse",
-    "observing",
     "record_remapped",
-    "trace_step",
-    "tracing",
 ]
 
 # One tensor as the remapper moves it: the data and its param id (None: not yet assigned).
-Item = tuple[torch.Tensor, int | None]
-Items = dict[str, Item]
+
 
 # Characters a simple pattern may escape as literal text (``\.``, ``\-``, ...).
-_LITERAL_ESCAPES = frozenset(string.punctuation + " ")
-_META = frozenset(".^$*+?{}[]|()\\")
-INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
-
-
-class RemapError(LightningBpkError, ValueError):
-    """A rule cannot be applied or inverted; the message names the rule and the key."""
-
-
-# --- simple-pattern analysis -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Group:
-    number: int  # 1-based, as in the pattern
-    regex: str  # the group's body
-
-
-@dataclass(frozen=True)
-class _Ref:
-    number: int  # a back-reference in a replacement template
-
-
-@dataclass(frozen=True)
-class _SimplePattern:
-    start: bool  # anchored with ^
-    pieces: tuple[str | _Group, ...]
-    end: bool  # anchored with $
-
-
-def _group_end(pattern: str, i: int) -> int:
-    """Index of the ``)`` closing the group opened at ``pattern[i]``."""
-    depth, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    raise RemapError(f"pattern {pattern!r}: unbalanced parenthesis")
-
-
-def _parse_simple(pattern: str) -> _SimplePattern:
-    """Split a simple pattern into literal text and capture groups; RemapError otherwise."""
-    i, n = 0, len(pattern)
-    start = pattern.startswith("^")
-    i += start
-    end = pattern.endswith("$") and not pattern.endswith("\\$") and n > i
-    n -= end
-    pieces: list[str | _Group] = []
-    literal: list[str] = []
-    number = 0
-
-    def flush() -> None:
-        if literal:
-            pieces.append("".join(literal))
-            literal.clear()
-
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            if i + 1 >= n or pattern[i + 1] not in _LITERAL_ESCAPES:
-                raise RemapError(
-                    f"pattern {pattern!r} is not simple (escape {pattern[i : i + 2]!r})"
-                )
-            literal.append(pattern[i + 1])
-            i += 2
-        elif c == "(":
-            close = _group_end(pattern, i)
-            body = pattern[i + 1 : close]
-            if body.startswith("?") or re.compile(body).groups:
-                raise RemapError(f"pattern {pattern!r} is not simple (group {body!r})")
-            flush()
-            number += 1
-            pieces.append(_Group(number, body))
-            i = close + 1
-        elif c in _META:
-            raise RemapError(f"pattern {pattern!r} is not simple ({c!r} outside a group)")
-        else:
-            literal.append(c)
-            i += 1
-    flush()
-    return _SimplePattern(start, tuple(pieces), end)
-
-
-_REF = re.compile(r"\\(?:g<(\d+)>|(\d+))|\\(.)|([^\\]+)", re.S)
-
-
-def _parse_template(template: str) -> list[str | _Ref]:
-    """Split a replacement template into literal text and group references."""
-    out: list[str | _Ref] = []
-    for m in _REF.finditer(template):
-        number = m.group(1) or m.group(2)
-        if number:
-            out.append(_Ref(int(number)))
-        else:
-            text = m.group(4) if m.group(4) is not None else m.group(3)
-            if out and isinstance(out[-1], str):
-                out[-1] += text
-            else:
-                out.append(text)
-    return out
-
-
-def _template_regex(template: str, groups: Mapping[int, str], where: str) -> str:
-    """A regex matching what ``template`` expands to: each ``\\N`` becomes group N's regex as a
-    named group ``gN`` (repeats become back-references); ``{i}`` becomes the group ``i``."""
-    parts: list[str] = []
-    seen: set[int] = set()
-    for piece in _parse_template(template):
-        if isinstance(piece, _Ref):
-            if piece.number not in groups:
-                raise RemapError(
-                    f"{where}: template {template!r} refers to missing group {piece.number}"
-                )
-            name = f"g{piece.number}"
-            parts.append(
-                f"(?P={name})" if piece.number in seen else f"(?P<{name}>{groups[piece.number]})"
-            )
-            seen.add(piece.number)
-        else:
-            for k, chunk in enumerate(piece.split(INDEX_FIELD)):
-                if k:
-                    parts.append(r"(?P<i>\d+)")
-                parts.append(re.escape(chunk))
-    return "".join(parts)
-
-
-def derive_inverse(pattern: str, replacement: str) -> tuple[str, str]:
-    """The inverse ``(pattern, replacement)`` of a simple rename rule (see the module docs).
-
-    >>> derive_inverse(r"(.+)\\.gamma", r"\\1.weight")
-    ('(.+)\\\\.weight', '\\\\g<1>.gamma')
-    >>> derive_inverse(r"^model\\.", "")
-    ('^', 'model.')
-    """
-    where = f"rename {pattern!r} -> {replacement!r}"
-    simple = _parse_simple(pattern)
-    groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
-    refs = [p.number for p in _parse_template(replacement) if isinstance(p, _Ref)]
-    if sorted(refs) != sorted(groups):
-        raise RemapError(f"{where}: every group must appear exactly once in the replacement")
-    order = {number: k + 1 for k, number in enumerate(refs)}  # group N -> its number inverted
-    body = "".join(
-        f"({groups[p.number]})" if isinstance(p, _Ref) else re.escape(p)
-        for p in _parse_template(replacement)
-    )
-    if not body and not (simple.start or simple.end):
-        raise RemapError(f"{where}: the inverse would match everywhere; give inverse=")
-    inv_pattern = ("^" if simple.start else "") + body + ("$" if simple.end else "")
-    inv_replacement = "".join(
-        f"\\g<{order[p.number]}>" if isinstance(p, _Group) else p.replace("\\", "\\\\")
-        for p in simple.pieces
-    )
-    return inv_pattern, inv_replacement
-
-
-def _derived_param_id(param_id: int | None, index: int) -> int | None:
-    """A stable id for part ``index`` (> 0) of a tensor whose id is ``param_id``."""
-    if param_id is None:
-        return None
-    return xxhash.xxh3_64_intdigest(f"{param_id}/{index}".encode())
-
-
-# While tracing (see :func:`tracing`): one entry per rule step that renamed, split or fused
-# tensors, listing ``(input names, output names)`` pairs that all read the same input.
-Links = list[list[tuple[list[str], list[str]]]]
-_LINKS: contextvars.ContextVar[Links | None] = contextvars.ContextVar(
-    "lightning_bpk_remap_links", default=None
-)
-
-
-@contextlib.contextmanager
-def tracing() -> Iterator[Links]:
-    """Record which names each rule step turned into which, in order. The parallel loader uses
-    them to find the tensors that must be converted together."""
-    links: Links = []
-    token = _LINKS.set(links)
-    try:
-        yield links
-    finally:
-        _LINKS.reset(token)
-
-
-def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
-    """Note that, in one step, each ``(old, new)`` pair's tensors ``old`` became ``new`` (a
-    no-op unless :func:`tracing`)."""
-    links = _LINKS.get()
-    if links is not None and pairs:
-        links.append(pairs)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One rule applied, as :func:`observing` records it: the items before and after, and the
-    ``(old names, new names)`` pairs the rule reported with :func:`trace_step`."""
-
-    rule: Rule
-    before: Items
-    after: Items
-    pairs: list[tuple[list[str], list[str]]]
-
-
-_STEPS: contextvars.ContextVar[list[Step] | None] = contextvars.ContextVar(
-    "lightning_bpk_remap_steps", default=None
-)
-
-
-@contextlib.contextmanager
-def observing() -> Iterator[list[Step]]:
-    """Record every rule a :class:`KeyRemapper` applies, in order, as :class:`Step`. The
-    shard loader uses them to follow each tensor's dims from the file to the module."""
-    steps: list[Step] = []
-    token = _STEPS.set(steps)
-    try:
-        yield steps
-    finally:
-        _STEPS.reset(token)
-
-
-def _step(
-    rule: Rule, items: Items, call: Callable[[Items], tuple[Items, int]]
-) -> tuple[Items, int]:
-    """``call(items)`` for ``rule``, recorded while :func:`observing`."""
-    steps = _STEPS.get()
-    if steps is None:
-        return call(items)
-    outer = _LINKS.get()
-    with tracing() as links:
-        after, touched = call(items)
-    if outer is not None:
-        outer.extend(links)
-    steps.append(Step(rule, items, after, [pair for step in links for pair in step]))
-    return after, touched
-
-
 def _replace(items: Items, old: Iterable[str], new: Items, where: str) -> Items:
     """``items`` with the keys ``old`` removed and ``new`` inserted where the first old key was."""
-    return _replace_all(items, [(list(old), new)], where)
-
-
-def _replace_all(items: Items, replacements: list[tuple[list[str], Items]], where: str) -> Items:
-    """:func:`_replace` for several disjoint ``(old, new)`` replacements, in one pass."""
-    trace_step([(old, list(new)) for old, new in replacements])
-    at = {old[0]: new for old, new in replacements}
-    dropped = {name for old, _ in replacements for name in old}
-    out: Items = {}
-    for name, item in items.items():
-        if name in at:
-            for new_name, new_item in at[name].items():
-                if new_name in out or (new_name in items and new_name not in dropped):
-                    raise RemapError(f"{where}: produces {new_name!r}, which already exists")
-                out[new_name] = new_item
-        elif name not in dropped:
-            if name in out:
-                raise RemapError(f"{where}: produces {name!r}, which already exists")
-            out[name] = item
-    return out
+    return replace_items(items, [(list(old), new)], where)
 
 
 # --- rules ---------------------------------------------------------------------------------------
-
-
-class Rule:
-    """A reversible step. ``forward`` maps file names to module names, ``backward`` inverts it;
-    each returns the new items and how many names the step touched.
-
-    A rule that renames, splits or fuses names reports it with :func:`trace_step` (the built-in
-    rules do), which lets :func:`~lightning_bpk.interop.loading.load_remapped` convert
-    independent tensors in parallel; it loads sequentially past any rule without ``traced``.
-    """
-
-    traced = False  # reports every name it changes through trace_step
-    _phase: str | None = None  # "rename"/"convert": transformers' vocabulary, run as a block
-
-    def forward(self, items: Items) -> tuple[Items, int]:
-        raise NotImplementedError
-
-    def backward(self, items: Items) -> tuple[Items, int]:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -403,6 +126,7 @@ class Rename(Rule):
     replacement: str
     inverse: tuple[str, str] | None = None
     traced = True
+    renames_only = True
 
     def __post_init__(self) -> None:
         re.compile(self.pattern)
@@ -444,46 +168,6 @@ class Rename(Rule):
 
 
 @dataclass(frozen=True)
-class Transpose(Rule):
-    """Swap dims ``dim0`` and ``dim1`` of tensors whose name fully matches ``pattern``, on load
-    and again on save (the names do not change)."""
-
-    pattern: str
-    dim0: int = 0
-    dim1: int = 1
-    traced = True
-
-    def __new__(cls, *args: object, **kwargs: object) -> Transpose:
-        # Without a pattern (``Transpose(0, 1)``, ``Transpose(dim0=1, dim1=0)``) it is
-        # transformers' op of that name, for a WeightConverter's operations. Without any
-        # argument it is copy's and pickle's call, which fill in the fields afterwards.
-        first = args[0] if args else kwargs.get("pattern")
-        if (args or kwargs) and not isinstance(first, str):
-            from lightning_bpk.interop.conversions import Transpose as TransposeOp
-
-            op: Any = TransposeOp
-            return op(*args, **kwargs)
-        return super().__new__(cls)
-
-    def __str__(self) -> str:
-        return f"Transpose({self.pattern!r}, {self.dim0}, {self.dim1})"
-
-    def forward(self, items: Items) -> tuple[Items, int]:
-        out: Items = {}
-        touched = 0
-        for name, (tensor, pid) in items.items():
-            if re.fullmatch(self.pattern, name):
-                if tensor.dim() <= max(self.dim0, self.dim1, -1 - min(self.dim0, self.dim1)):
-                    raise RemapError(f"{self}: {name!r} has shape {list(tensor.shape)}")
-                tensor = tensor.transpose(self.dim0, self.dim1).contiguous()
-                touched += 1
-            out[name] = (tensor, pid)
-        return out, touched
-
-    backward = forward
-
-
-@dataclass(frozen=True)
 class Split(Rule):
     """A fused tensor split into ``targets`` along ``dim`` on load, concatenated on save.
 
@@ -499,7 +183,7 @@ class Split(Rule):
     targets: Sequence[str]
     dim: int = 0
     sizes: Sequence[int] | None = None
-    _simple: _SimplePattern = field(init=False, repr=False, compare=False)
+    _simple: SimplePattern = field(init=False, repr=False, compare=False)
     _first: re.Pattern = field(init=False, repr=False, compare=False)
     traced = True
 
@@ -509,10 +193,10 @@ class Split(Rule):
             raise RemapError(f"{self}: needs at least one target")
         if self.sizes is not None and len(self.sizes) != len(self.targets):
             raise RemapError(f"{self}: {len(self.sizes)} sizes for {len(self.targets)} targets")
-        simple = _parse_simple(self.pattern)
-        groups = {p.number: p.regex for p in simple.pieces if isinstance(p, _Group)}
+        simple = parse_simple(self.pattern)
+        groups = {p.number: p.regex for p in simple.pieces if isinstance(p, Group)}
         object.__setattr__(self, "_simple", simple)
-        regex = _template_regex(self.targets[0], groups, str(self))
+        regex = template_regex(self.targets[0], groups, str(self))
         object.__setattr__(self, "_first", re.compile(regex))
 
     def __str__(self) -> str:
@@ -521,7 +205,7 @@ class Split(Rule):
     def _source_name(self, m: re.Match) -> str:
         """Rebuild the fused name from a match of the first target's regex."""
         return "".join(
-            m.group(f"g{p.number}") if isinstance(p, _Group) else p for p in self._simple.pieces
+            m.group(f"g{p.number}") if isinstance(p, Group) else p for p in self._simple.pieces
         )
 
     def _names(self, m: re.Match, count: int) -> list[str]:
@@ -570,7 +254,7 @@ class Split(Rule):
             parts = self._parts(name, tensor)
             names = self._names(m, len(parts))
             new = {
-                n: (p, pid if k == 0 else _derived_param_id(pid, k))
+                n: (p, pid if k == 0 else derived_param_id(pid, k))
                 for k, (n, p) in enumerate(zip(names, parts, strict=True))
             }
             items = _replace(items, [name], new, str(self))
@@ -658,56 +342,78 @@ class KeyRemapper:
     def __repr__(self) -> str:
         return f"KeyRemapper([{', '.join(map(str, self.rules))}])"
 
-    def load(self, tensors: Mapping[str, Item]) -> RemapResult:
-        """File names -> module names."""
-        return self._run(tensors, self.rules, "forward")
+    def load(
+        self, tensors: Mapping[str, Item], *, where: Callable[[str], str] | None = None
+    ) -> RemapResult:
+        """File names -> module names; ``where(name)`` names the file of a tensor in messages
+        (a set's shard)."""
+        return self._run(tensors, self.rules, "forward", where)
+
+    def applied(self, unmatched: Iterable[str]) -> KeyRemapper:
+        """This remapper without the rules that matched nothing at load (``unmatched``, as a
+        load returns it): what saving must undo to give back the loaded file's names, as
+        transformers reverts only the renamings a load used (a legacy ``gamma -> weight``
+        renaming a file did not need is not applied on save either)."""
+        skip = set(unmatched)
+        return KeyRemapper([rule for rule in self.rules if str(rule) not in skip])
 
     def save(self, tensors: Mapping[str, Item]) -> RemapResult:
         """Module names -> file names (every rule inverted, last rule first)."""
         return self._run(tensors, list(reversed(self.rules)), "backward")
 
     @staticmethod
-    def _run(tensors: Mapping[str, Item], rules: list[Rule], direction: str) -> RemapResult:
+    def _run(
+        tensors: Mapping[str, Item],
+        rules: list[Rule],
+        direction: str,
+        where: Callable[[str], str] | None = None,
+    ) -> RemapResult:
         items: Items = dict(tensors)
         unmatched: list[str] = []
         k = 0
         while k < len(rules):
-            if rules[k]._phase is None:
-                items, touched = _step(rules[k], items, getattr(rules[k], direction))
+            if rules[k].phase is None:
+                items, touched = run_step(rules[k], items, getattr(rules[k], direction))
                 if not touched:
                     unmatched.append(str(rules[k]))
                 k += 1
                 continue
             end = k
-            while end < len(rules) and rules[end]._phase is not None:
+            while end < len(rules) and rules[end].phase is not None:
                 end += 1
-            items = _run_block(items, rules[k:end], direction, unmatched)
+            items = _run_block(items, rules[k:end], direction, unmatched, where)
             k = end
         return RemapResult(items, unmatched)
 
 
-def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[str]) -> Items:
+def _run_block(
+    items: Items,
+    block: list[Rule],
+    direction: str,
+    unmatched: list[str],
+    where: Callable[[str], str] | None = None,
+) -> Items:
     """Consecutive transformers rules, run as transformers runs a mapping: on load every
     renaming (in order), then each name through at most one converter (the first matching);
     on save (``block`` reversed) the converters first, then the renamings. Problems of all the
     converters are reported together."""
-    renamings = [r for r in block if r._phase == "rename"]
-    converters = [r for r in block if r._phase == "convert"]
+    renamings = [r for r in block if r.phase == "rename"]
+    converters = [r for r in block if r.phase == "convert"]
     steps = renamings + converters if direction == "forward" else converters + renamings
     produced: set[str] = set()
     problems: list[str] = []
     origin = {n: n for n in items}  # on load, each name as the file has it (for messages)
     for rule in steps:
-        if rule._phase == "rename":
-            renamed, touched = _step(rule, items, getattr(rule, direction))
+        if rule.phase == "rename":
+            renamed, touched = run_step(rule, items, getattr(rule, direction))
             origin = {new: origin.get(old, old) for new, old in zip(renamed, items, strict=True)}
             items = renamed
         else:
-            transform: Any = rule  # a WeightConverter (conversions imports this module)
-            converter = transform if direction == "forward" else transform.reverse_transform()
+            assert isinstance(rule, WeightConverter)  # the only rule of the "convert" phase
+            converter = rule if direction == "forward" else rule.reverse_transform()
             before = set(items)
             try:
-                items, touched = _step(
+                items, touched = run_step(
                     rule,
                     items,
                     functools.partial(
@@ -715,6 +421,7 @@ def _run_block(items: Items, block: list[Rule], direction: str, unmatched: list[
                         exclude=frozenset(produced),
                         check=None if direction == "forward" else rule,
                         origin=origin if direction == "forward" else None,
+                        where=where,
                     ),
                 )
             except RemapError as e:

@@ -40,11 +40,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,31 +50,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_bpk import burnpack
-from lightning_bpk.interop import conversions as ops
-from lightning_bpk.interop.formats import _kind
-from lightning_bpk.interop.loading import (
+from lightning_bpk import burnpack, storage
+from lightning_bpk.interop._dims import follow
+from lightning_bpk.interop._index import Location
+from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
-    _assign,
-    _destinations,
-    _items,
-    _open,
-    _plan,
-    _Planned,
-    _run,
-    _Shadow,
-    _Source,
+    Planned,
+    apply_problems,
+    assign,
+    destinations,
+    group_items,
+    plan,
+    run_tasks,
+    tie,
+    tied_weights,
 )
-from lightning_bpk.interop.remap import (
-    Items,
-    KeyRemapper,
-    RemapError,
-    Rename,
-    Split,
-    Step,
-    Transpose,
-    Unstack,
-)
+from lightning_bpk.interop._sources import Source, Span, open_source, ranged_reader
+from lightning_bpk.interop.remap import KeyRemapper
+from lightning_bpk.interop.rules import Items, RemapError
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import _PARAM_ID_ATTR
 
@@ -144,218 +135,50 @@ def byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[i
         )
 
 
-class _RangedFile:
-    """Positional reads of boxes of a file's tensors, counting the bytes read (thread-safe)."""
+class _RangedFiles:
+    """Positional reads of boxes of tensors across a set's files, each file opened once, on
+    first use, counting the bytes read (thread-safe)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self) -> None:
         self.bytes_read = 0
+        self._open: dict[str, tuple] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        os.close(self.fd)
+        for _, close in self._open.values():
+            close()
+        self._open.clear()
+
+    def _reader(self, file: Location) -> Callable[[memoryview, int], None]:
+        with self._lock:
+            if str(file) not in self._open:
+                self._open[str(file)] = ranged_reader(file)
+            return self._open[str(file)][0]
 
     def read(
         self,
-        start: int,
+        span: Span,
         shape: Sequence[int],
-        dtype: torch.dtype,
         box: Box,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The ``box`` of the tensor of ``shape`` and ``dtype`` stored at ``start``, read into
-        ``out`` (contiguous, of the box's shape) or a new tensor."""
+        """The ``box`` of the tensor of ``shape`` stored at ``span``, read into ``out``
+        (contiguous, of the box's shape) or a new tensor."""
         if len(box) != len(shape) or any(
             not 0 <= a <= b <= n for (a, b), n in zip(box, shape, strict=False)
         ):
-            raise ValueError(f"{self.path}: box {list(box)} outside a tensor of {list(shape)}")
+            raise ValueError(f"{span.file}: box {list(box)} outside a tensor of {list(shape)}")
         if out is None:
-            out = torch.empty([stop - begin for begin, stop in box], dtype=dtype)
+            out = torch.empty([stop - begin for begin, stop in box], dtype=span.stored)
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
+        read_into = self._reader(span.file)
         at = 0
         for offset, length in byte_runs(shape, out.element_size(), box):
-            view = flat[at : at + length]
-            done = 0
-            while done < length:
-                n = os.preadv(self.fd, [view[done:]], start + offset + done)
-                if n == 0:
-                    raise RecordError("io", f"{self.path}: ends inside a tensor's bytes")
-                done += n
+            read_into(flat[at : at + length], span.start + offset)
             at += length
         with self._lock:
             self.bytes_read += at
         return out
-
-
-# --- following dims through the rules ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Pick:
-    """A file tensor stacked by MergeModulelist: it is element ``index`` along ``dim``, and its
-    name is ``head + str(index) + tail`` (``head`` None: the index is not in its file name)."""
-
-    dim: int
-    index: int
-    head: str | None
-    tail: str
-
-
-@dataclass
-class _Dims:
-    """A tensor in the middle of the rules: for each file tensor it comes from, where that
-    tensor's dims are now (None: gone) and, if it was stacked, where; and which dims an op
-    worked along (dim -> the op)."""
-
-    origin: dict[str, list[int | None]]
-    whole: dict[int, str] = field(default_factory=dict)
-    picks: dict[str, _Pick] = field(default_factory=dict)
-
-    def mapped(self, dims: list[int | None], whole: dict[int, str]) -> _Dims:
-        """After a step that moves dim ``i`` to ``dims[i]`` and works along ``whole``."""
-        return _Dims(
-            {s: [None if d is None else dims[d] for d in ds] for s, ds in self.origin.items()},
-            {m: why for d, why in self.whole.items() if (m := dims[d]) is not None} | whole,
-            {
-                s: _Pick(m, p.index, p.head, p.tail)
-                for s, p in self.picks.items()
-                if (m := dims[p.dim]) is not None
-            },
-        )
-
-
-class _Unknown(Exception):
-    """A rule or op whose effect on dims this module does not know."""
-
-
-def _norm(dim: int, ndim: int) -> int:
-    return dim + ndim if dim < 0 else dim
-
-
-Moves = tuple[list[int | None], set[int]]  # where each dim goes (None: gone), dims worked along
-
-
-def _swap(ndim: int, dim0: int, dim1: int) -> Moves:
-    dims: list[int | None] = list(range(ndim))
-    a, b = _norm(dim0, ndim), _norm(dim1, ndim)
-    dims[a], dims[b] = b, a
-    return dims, set()
-
-
-def _drop(ndim: int, dim: int) -> Moves:
-    gone = _norm(dim, ndim)
-    return [None if d == gone else d - (d > gone) for d in range(ndim)], set()
-
-
-def _op_moves(op: ops.ConversionOps, ndim: int, first: bool) -> Moves:
-    """What ``op`` does to the dims of ``ndim``-dim tensors; ``first``: it takes the converter's
-    lists of tensors (only then does MergeModulelist stack, adding a dim)."""
-    if isinstance(op, ops.Chunk | ops.Concatenate | ops.Interleave):
-        return list(range(ndim)), {_norm(op.dim, ndim)}
-    if isinstance(op, ops.PermuteForRope):
-        return list(range(ndim)), {0}
-    if isinstance(op, ops.Transpose):
-        return _swap(ndim, op.dim0, op.dim1)
-    if isinstance(op, ops.MergeModulelist):
-        if not first:
-            return list(range(ndim)), set()
-        new = _norm(op.dim, ndim + 1)
-        return [d if d < new else d + 1 for d in range(ndim)], {new}
-    if isinstance(op, ops.SplitModulelist):
-        return _drop(ndim, op.dim)
-    raise _Unknown
-
-
-def _rule_moves(step: Step, ndim: int) -> tuple[list[int | None], set[int], int | None]:
-    """What the rule of ``step`` does to the dims of an ``ndim``-dim tensor it converts, and
-    the dim a MergeModulelist stacked its list along (a selection of the list commutes with a
-    cut there: each rank stacks only its elements)."""
-    rule = step.rule
-    if isinstance(rule, Rename | ops.WeightRenaming):
-        return list(range(ndim)), set(), None
-    if isinstance(rule, Transpose):
-        return (*_swap(ndim, rule.dim0, rule.dim1), None)
-    if isinstance(rule, Unstack):
-        return (*_drop(ndim, rule.dim), None)
-    if isinstance(rule, Split):
-        return list(range(ndim)), {_norm(rule.dim, ndim)}, None
-    if isinstance(rule, ops.WeightConverter):
-        moves: list[int | None] = list(range(ndim))
-        whole: set[int] = set()
-        stacked: int | None = None
-        for k, op in enumerate(rule.operations):
-            dims, works = _op_moves(op, ndim, k == 0)
-            moves = [None if d is None else dims[d] for d in moves]
-            whole = {d for d in (dims[w] for w in whole) if d is not None}
-            stacked = None if stacked is None else dims[stacked]
-            ndim = len({d for d in dims if d is not None} | works)  # a stacked dim is new
-            if k == 0 and isinstance(op, ops.MergeModulelist):
-                (stacked,) = works
-            else:
-                whole |= works
-        return moves, whole, stacked
-    raise _Unknown
-
-
-def _pick(step: Step, name: str, file_name: str, dim: int) -> _Pick:
-    """Where the converter of ``step`` stacks ``name`` (its ``*`` index), and where that index
-    is in ``file_name``."""
-    rule: ops.WeightConverter = step.rule  # type: ignore[assignment]
-    pattern = rule.rename_source_key(name)[1] or ""
-    found = None
-    if pattern.count("*.") == 1:  # the converter numbers one list per pattern
-        found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name)
-    if found is None:
-        return _Pick(dim, 0, None, "")
-    index, tail = int(found["star"]), name[found.end("star") :]
-    end = f"{index}{tail}"
-    head = file_name[: -len(end)] if file_name.endswith("." + end) else None
-    return _Pick(dim, index, head, tail)
-
-
-def _unknown(step: Step) -> str:
-    return f"{step.rule} (a rule whose effect on dims is not known here)"
-
-
-def _follow(steps: list[Step], names: list[str], ndims: dict[str, int]) -> dict[str, _Dims]:
-    """Each tensor after the rules (by module name) -> where its file tensors' dims went."""
-    state = {n: _Dims({n: list(range(ndims[n]))}) for n in names}
-    # made by an untraced rule: may come from any file tensor, read whole
-    unknown: dict[str, list[int | None]] = {n: [None] * ndims[n] for n in names}
-
-    def moved(step: Step, name: str, dims: _Dims, ndim: int) -> _Dims:
-        try:
-            moves, works, stacked = _rule_moves(step, ndim)
-        except _Unknown:  # every dim stays where it was, and must be whole
-            return dims.mapped(list(range(ndim)), dict.fromkeys(range(ndim), _unknown(step)))
-        out = dims.mapped(moves, dict.fromkeys(works, str(step.rule)))
-        if stacked is not None:
-            out.picks.update({f: _pick(step, name, f, stacked) for f in dims.origin})
-        return out
-
-    for step in steps:
-        after: dict[str, _Dims] = {}
-        for olds, news in step.pairs:
-            merged = _Dims({})
-            for old in olds:
-                part = moved(step, old, state[old], step.before[old][0].dim())
-                merged.origin.update(part.origin)
-                merged.whole.update(part.whole)
-                merged.picks.update(part.picks)
-            after.update(dict.fromkeys(news, merged))
-        for name, (tensor, _) in step.after.items():
-            if name in after:
-                continue
-            if name not in state:  # made by a rule that did not report it (not traced)
-                whole = dict.fromkeys(range(tensor.dim()), _unknown(step))
-                after[name] = _Dims(dict(unknown), whole)
-            elif step.before[name][0] is tensor:
-                after[name] = state[name]
-            else:  # changed in place (Transpose)
-                after[name] = moved(step, name, state[name], step.before[name][0].dim())
-        state = after
-    return state
 
 
 # --- the loader ----------------------------------------------------------------------------------
@@ -376,13 +199,15 @@ def load_into_shards(
     allow_unused: bool = False,
     validate: bool = True,
     dtype_policy: str = "from_record",
+    ties: Mapping[str, str] | None = None,
 ) -> ShardedLoad:
-    """Load a full ``.bpk`` or ``.safetensors`` file into ``module``, whose tensors may be
-    ``DTensor`` shards, through ``remapper``; each rank reads only its own shards' bytes (see
-    the module docs). Call it on every rank; it needs no collective. Same checks and options as
-    :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout changes as
-    rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts the file's).
-    ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
+    """Load a full ``.bpk`` or ``.safetensors`` file, or a checkpoint set of them (an index or
+    a directory, local or at a URL), into ``module``, whose tensors may be ``DTensor`` shards,
+    through ``remapper``; each rank reads only its own shards' byte ranges, across the set's
+    files (see the module docs). Call it on every rank; it needs no collective. Same checks and
+    options as :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout
+    changes as rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts
+    the file's). ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
 
     Example, on each rank of an FSDP2 model::
 
@@ -391,93 +216,124 @@ def load_into_shards(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
-    path = Path(path)
-    if _kind(path) == "torch":
-        raise RecordError(
-            "io",
-            f"{path}: a torch.save file cannot be read in byte ranges; convert it to "
-            ".safetensors or .bpk first (lightning_bpk.interop.convert)",
-        )
     remapper = remapper if remapper is not None else KeyRemapper([])
-    with _open(path) as source:
-        spans = source.spans or {}  # every .bpk and .safetensors file has them
-        plan = _plan(source, remapper)
-        problems: list[str] = []
-        try:
-            plan.record.apply(
-                _Shadow(module),
-                allow_partial=allow_partial,
-                allow_unused=allow_unused,
-                validate=validate,
-                dtype_policy=dtype_policy,
+    ties = tied_weights(module) if ties is None else dict(ties)
+    with open_source(path) as source:
+        if source.spans is None:
+            raise RecordError(
+                "io",
+                f"{path}: a torch.save file cannot be read in byte ranges; convert it to "
+                ".safetensors or .bpk first (lightning_bpk.interop.convert)",
             )
-        except RecordError as e:
-            if e.kind != "validation":
-                raise
-            problems += e.problems
-        targets = {
-            name: target
-            for name, target in _destinations(module, plan.result.tensors, None).items()
-            if tuple(target.shape) == tuple(plan.result.tensors[name][0].shape)
+        options = {
+            "allow_partial": allow_partial,
+            "allow_unused": allow_unused,
+            "validate": validate,
+            "dtype_policy": dtype_policy,
         }
-        boxes, renames = _boxes(
-            source, plan.steps, targets, plan.result.tensors, dtype_policy, problems
+        planned, targets, boxes, renames = _checked_plan(
+            path, source, module, remapper, ties, options
         )
-        if not problems:
-            _check_selections(plan, source, remapper, boxes, renames, targets, problems)
-        if problems:
-            raise RecordError("validation", [f"{path}: {p}" for p in problems])
-        file = _RangedFile(path)
+        files = _RangedFiles()
         try:
-            done = ShardedLoad(plan.result.unmatched)
+            done = ShardedLoad(planned.result.unmatched)
             if verify and source.verify is not None:  # first: a damaged file changes nothing
-                _run(source.verify, sorted(boxes), workers)
-                done.bytes_read += sum(spans[n][1] - spans[n][0] for n in boxes)
-            cast = dtype_policy == "cast_to_module"
-            into = _read_into(plan, source, spans, targets)
-
-            def read(name: str) -> torch.Tensor:
-                shape, dtype = source.specs[name]
-                start, _, stored = spans[name]
-                box = boxes.get(name, tuple((0, n) for n in shape))
-                tensor = file.read(start, shape, stored, box, into.get(name))
-                if dtype == torch.bool and stored != torch.bool:
-                    return tensor != 0  # a Burn Bool(U8)/Bool(U32)
-                return tensor
-
-            def task(group: list[str]) -> None:
-                needed = [n for n in group if source.aliases.get(n, n) in boxes]
-                if not needed:
-                    return  # feeds nothing this module loads
-                items = {renames.get(n, n): v for n, v in _items(source, needed, read).items()}
-                for name, (tensor, pid) in remapper.load(items).tensors.items():
-                    target = targets.get(name)
-                    if target is None:
-                        continue
-                    local = _local(target)
-                    if local.shape != tensor.shape:  # the plan rules this out
-                        raise RuntimeError(
-                            f"{path}: '{name}': read {list(tensor.shape)} for a local shard "
-                            f"of {list(local.shape)}"
-                        )
-                    if tensor is local:  # read in place: only the param id is left
-                        if pid is not None:
-                            setattr(target, _PARAM_ID_ATTR, pid)
-                    elif isinstance(target, DTensor):
-                        with torch.no_grad():
-                            local.copy_(tensor)
-                        if pid is not None:
-                            setattr(target, _PARAM_ID_ATTR, pid)
-                    else:
-                        _assign(target, tensor, pid, cast)
-
-            _run(task, plan.groups, workers)
+                run_tasks(source.verify, sorted(boxes), workers)
+                done.bytes_read += sum(source.spans[n].end - source.spans[n].start for n in boxes)
+            load = _Loader(path, source, planned, remapper, targets, boxes, renames, files)
+            load.cast = dtype_policy == "cast_to_module"
+            run_tasks(load.group, planned.groups, workers)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
+        except storage.StorageError as e:
+            raise RecordError("io", str(e)) from e
         finally:
-            file.close()
-        done.bytes_read += file.bytes_read
+            files.close()
+        done.bytes_read += files.bytes_read
     return done
+
+
+def _checked_plan(
+    path: str | os.PathLike[str],
+    source: Source,
+    module: nn.Module,
+    remapper: KeyRemapper,
+    ties: Mapping[str, str],
+    options: dict,
+) -> tuple[Planned, dict[str, torch.Tensor], dict[str, Box], dict[str, str]]:
+    """The plan, the tensors it loads into, each file tensor's box and the names of selected
+    list elements; every problem (apply's checks, the boxes, the selections) raised together,
+    before anything is read."""
+    planned = plan(source, remapper, ties)
+    problems = apply_problems(planned, source, module, **options)
+    targets = {
+        name: target
+        for name, target in destinations(module, planned.result.tensors, None).items()
+        if tuple(target.shape) == tuple(planned.result.tensors[name][0].shape)
+    }
+    boxes, renames = _boxes(source, planned, targets, options["dtype_policy"], problems)
+    if not problems:
+        _check_selections(planned, source, remapper, boxes, renames, targets, problems)
+    if problems:
+        raise RecordError("validation", [f"{path}: {p}" for p in problems])
+    return planned, targets, boxes, renames
+
+
+@dataclass
+class _Loader:
+    """Reads a group's boxes and writes the converted tensors into their targets."""
+
+    path: str | os.PathLike[str]
+    source: Source
+    planned: Planned
+    remapper: KeyRemapper
+    targets: dict[str, torch.Tensor]
+    boxes: dict[str, Box]
+    renames: dict[str, str]
+    files: _RangedFiles
+    cast: bool = False
+    into: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.into = _read_into(self.planned, self.source, self.targets)
+
+    def read(self, name: str) -> torch.Tensor:
+        shape, dtype = self.source.specs[name]
+        assert self.source.spans is not None  # checked by load_into_shards
+        span = self.source.spans[name]
+        box = self.boxes.get(name, tuple((0, n) for n in shape))
+        tensor = self.files.read(span, shape, box, self.into.get(name))
+        if dtype == torch.bool and span.stored != torch.bool:
+            return tensor != 0  # a Burn Bool(U8)/Bool(U32)
+        return tensor
+
+    def group(self, group: list[str]) -> None:
+        needed = [n for n in group if self.source.aliases.get(n, n) in self.boxes]
+        if not needed:
+            return  # feeds nothing this module loads
+        items = group_items(self.source, needed, self.read)
+        items = {self.renames.get(n, n): v for n, v in items.items()}
+        loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
+        for name, (tensor, pid) in loaded.items():
+            target = self.targets.get(name)
+            if target is not None:
+                self.write(name, target, tensor, pid)
+
+    def write(self, name: str, target: torch.Tensor, tensor: torch.Tensor, pid: int | None) -> None:
+        local = _local(target)
+        if local.shape != tensor.shape:  # the plan rules this out
+            raise RuntimeError(
+                f"{self.path}: '{name}': read {list(tensor.shape)} for a local shard "
+                f"of {list(local.shape)}"
+            )
+        if tensor is local or isinstance(target, DTensor):  # in place: only the id is left
+            if tensor is not local:
+                with torch.no_grad():
+                    local.copy_(tensor)
+            if pid is not None:
+                setattr(target, _PARAM_ID_ATTR, pid)
+        else:
+            assign(target, tensor, pid, self.cast)
 
 
 def _local(target: torch.Tensor) -> torch.Tensor:
@@ -489,17 +345,15 @@ def _local(target: torch.Tensor) -> torch.Tensor:
 
 
 def _read_into(
-    plan: _Planned,
-    source: _Source,
-    spans: dict[str, tuple[int, int, torch.dtype]],
-    targets: dict[str, torch.Tensor],
+    planned: Planned, source: Source, targets: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """File name -> the module tensor to read it into, in place: where the rules only rename it
     and the target is contiguous, of the stored dtype, on the CPU (no second copy)."""
-    unchanged = {id(t): n for n, (t, _) in plan.meta.items()}
+    unchanged = {id(t): n for n, (t, _) in planned.meta.items()}
+    spans = source.spans or {}
     into: dict[str, torch.Tensor] = {}
     for name, target in targets.items():
-        file_name = unchanged.get(id(plan.result.tensors[name][0]))
+        file_name = unchanged.get(id(planned.result.tensors[name][0]))
         if file_name is None:
             continue
         stored = source.aliases.get(file_name, file_name)
@@ -507,17 +361,16 @@ def _read_into(
         if (
             local.is_contiguous()
             and local.device.type == "cpu"
-            and local.dtype == spans[stored][2] == source.specs[stored][1]
+            and local.dtype == spans[stored].stored == source.specs[stored][1]
         ):
             into.setdefault(stored, local)
     return into
 
 
 def _boxes(
-    source: _Source,
-    steps: list[Step],
+    source: Source,
+    planned: Planned,
     targets: dict[str, torch.Tensor],
-    planned: dict,
     dtype_policy: str,
     problems: list[str],
 ) -> tuple[dict[str, Box], dict[str, str]]:
@@ -526,7 +379,9 @@ def _boxes(
     where a target's shard cannot be read as a box through the rules."""
     names = list(source.specs) + list(source.aliases)
     ndims = {n: len(source.specs[source.aliases.get(n, n)][0]) for n in names}
-    dims = _follow(steps, names, ndims)
+    dims = follow(planned.steps, names, ndims)
+    for tied, tied_to in planned.tied.items():  # filled from its tie: the same file tensors
+        dims[tied] = dims[tied_to]
     needs: dict[str, dict[str, Box]] = {}  # stored name -> target -> the box it needs
     renames: dict[str, str] = {}
     for name, target in targets.items():
@@ -546,7 +401,7 @@ def _boxes(
             if target.device_mesh.device_type == "meta" or _local(target).is_meta:
                 problems.append(f"{where}: on the meta device (allocate it first: to_empty)")
                 continue
-            dtype = planned[name][0].dtype
+            dtype = planned.result.tensors[name][0].dtype
             if dtype != target.dtype and dtype_policy != "cast_to_module":
                 problems.append(
                     f"{where}: the file's {dtype} cannot replace a sharded {target.dtype} "
@@ -595,8 +450,8 @@ def _boxes(
 
 
 def _check_selections(
-    plan: _Planned,
-    source: _Source,
+    planned: Planned,
+    source: Source,
     remapper: KeyRemapper,
     boxes: dict[str, Box],
     renames: dict[str, str],
@@ -605,7 +460,7 @@ def _check_selections(
 ) -> None:
     """Run the rules on meta tensors of what each group stacking only some of its lists will
     read: they must give exactly the targets' shards."""
-    for group in plan.groups:
+    for group in planned.groups:
         if not any(n in renames for n in group):
             continue
         meta: Items = {}

@@ -16,6 +16,8 @@ layout), then on every rank:
 - 3 experts' separate ``w1``/``w3`` fused into one ``gate_up_proj`` (Mixtral's
   ``MergeModulelist(0)``, ``Concatenate(1)``) sharded by FSDP2 along the experts: each rank
   reads only its experts' tensors;
+- the experts as a checkpoint set (one expert matrix a shard: a converter's sources in six
+  files), and the full model as a set of ``.bpk`` shards: the same slices and reads;
 - a converted layout (a prefix renamed, a weight stored transposed, one stored as two halves
   concatenated along dim 1) loads shard by shard into the FSDP2 model, and is refused for the
   tensor-parallel model (its ``Shard(1)`` weight is cut along the concatenation dim), with an
@@ -27,6 +29,7 @@ Prints ``OK rank=<r> ...`` per rank on success; any mismatch raises (non-zero ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -50,7 +53,9 @@ from lightning_bpk.interop import (
     WeightConverter,
     load_into_shards,
     save_module_record,
+    write_set,
 )
+from lightning_bpk.interop.formats import Content
 from lightning_bpk.records import ModuleRecord, RecordError
 
 TIMEOUT = timedelta(seconds=60)
@@ -122,6 +127,11 @@ def write_files(root: Path) -> None:
     }
     save_module_record(ModuleRecord(converted), root / "converted.safetensors")
     save_module_record(ModuleRecord(experts_file()), root / "experts.safetensors")
+    # the same as checkpoint sets: one expert matrix a shard (a converter's sources over 6
+    # files), and the full model as .bpk shards
+    experts = experts_file()
+    write_set(Content(experts), root / "experts-set", max_shard_size=64 * IN * 4)
+    write_set(Content(full), root / "full-set", max_shard_size=OUT * IN * 4, suffix=".bpk")
 
 
 def fsdp(mesh, dim: int = 0) -> nn.Module:
@@ -245,6 +255,9 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
         }
         experts = root_path / "experts.safetensors"
         report.append(load(experts, fused_experts(mesh), EXPERTS, "fsdp-experts", fused))
+        index = root_path / "experts-set" / "model.safetensors.index.json"
+        report.append(load(index, fused_experts(mesh), EXPERTS, "fsdp-experts-set", fused))
+        report.append(load(root_path / "full-set", fsdp(mesh), None, "fsdp-bpk-set"))
         refused(
             converted,
             tensor_parallel(mesh),
@@ -252,7 +265,9 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
             ["converted.safetensors", "Concatenate(dim=1)", "'down.weight'", "Shard(dim=1)"],
         )
         dist.barrier()
-        print(f"OK rank={rank} " + " ".join(report), flush=True)
+        # one write of the whole line (under PIPE_BUF: atomic), so ranks' lines never interleave
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"OK rank={rank} {' '.join(report)}\n".encode())
     finally:
         dist.destroy_process_group()
 
