@@ -4,7 +4,8 @@ Lightning offers no public hook for what the callback needs in a few spots: buil
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
 ``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
 signal handlers from a user's and choosing what its teardown reinstalls, and the cluster
-environment it detected (SLURM). Each function here wraps one such touch;
+environment it detected (SLURM), and what StochasticWeightAveraging misses on a mid-epoch
+resume. Each function here wraps one such touch;
 ``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
 that moves one fails there, by name, instead of somewhere inside a training run.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "loops_state_dict",
     "release_resume_start",
     "release_train_dataloaders",
+    "resume_swa_mid_epoch",
     "validation_follows",
 ]
 
@@ -163,3 +165,31 @@ def validation_follows(trainer: pl.Trainer) -> bool:
 def is_last_batch(trainer: pl.Trainer) -> bool:
     """Whether the current training batch is the epoch's last (as the epoch loop knows it)."""
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def resume_swa_mid_epoch(trainer: pl.Trainer) -> list[Callback]:
+    """Give StochasticWeightAveraging the epoch start a mid-epoch restart skips; the callbacks
+    it was given to.
+
+    Lightning calls ``on_train_epoch_start`` only when an epoch starts, not when a restart lands
+    inside one (or at its end), and SWA builds its SWALR there, from the state it restored.
+    Without it the rest of the resumed epoch trains with no scheduler, and the next epoch starts
+    one SWALR step behind. Called once, before the first batch, for an SWA that restored the
+    state of a started SWALR in one of its averaging epochs; its averaging is not repeated
+    (it averaged this epoch already: ``_latest_update_epoch``).
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    loop = trainer.fit_loop
+    if not (loop.restarted_mid_epoch or loop.restarted_on_epoch_end):
+        return []
+    given: list[Callback] = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, StochasticWeightAveraging):
+            continue
+        if callback._initialized or callback._scheduler_state is None:
+            continue
+        if callback.swa_start <= trainer.current_epoch <= callback.swa_end:
+            callback.on_train_epoch_start(trainer, trainer.lightning_module)
+            given.append(callback)
+    return given

@@ -638,11 +638,28 @@ class BurnpackCheckpoint(Checkpoint):
     def _check_classes(self, trainer: pl.Trainer) -> None:
         """Refuse other optimizer or scheduler classes before Lightning loads the checkpoint's
         state into them (Adam's state in SGD fails at its first step, in AdamW it silently
-        changes meaning)."""
+        changes meaning).
+
+        Lightning loads the saved scheduler states pairwise into the schedulers configured at fit
+        start; states beyond those belong to schedulers a callback creates later and restores
+        from its own state (StochasticWeightAveraging's SWALR), so they are not refused."""
         if self._classes is None:
             return
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        problems = trainer_state.class_mismatches(self._classes, trainer.optimizers, schedulers)
+        classes = dict(self._classes)
+        saved = list(classes.get("lr_schedulers", []))
+        if len(saved) > len(schedulers):
+            classes["lr_schedulers"] = saved[: len(schedulers)]
+            if trainer.is_global_zero:
+                log.info(
+                    "%s holds LR scheduler state(s) %s beyond the %d configured at fit start: "
+                    "left to the callback that creates them (StochasticWeightAveraging restores "
+                    "its SWALR from its own state)",
+                    trainer.ckpt_path,
+                    saved[len(schedulers) :],
+                    len(schedulers),
+                )
+        problems = trainer_state.class_mismatches(classes, trainer.optimizers, schedulers)
         self._classes = None
         if problems:
             raise CheckpointResumeError(
@@ -670,6 +687,8 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
+        if self.restored_number is not None and _lightning_compat.resume_swa_mid_epoch(trainer):
+            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
         if trainer.is_global_zero:

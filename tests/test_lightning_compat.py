@@ -147,3 +147,43 @@ def test_cluster_environment_is_the_detected_or_given_one() -> None:
     slurm = SLURMEnvironment(auto_requeue=False)
     given = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[slurm])
     assert compat.cluster_environment(given) is slurm
+
+
+class _Crash(L.Callback):
+    """Fails the fit after global step ``step`` (the callback's step saves before it are made)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def _swa_fit(root: Path, *extra: L.Callback) -> tuple[L.Trainer, L.LightningModule]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_bpk import BurnpackCheckpoint
+
+    L.seed_everything(0)
+    model = TinyModel()
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+    callbacks = [swa, BurnpackCheckpoint(every_n_train_steps=5), *extra]
+    trainer = make_trainer(str(root), 3, callbacks)
+    trainer.fit(model)
+    return trainer, model
+
+
+def test_resume_swa_mid_epoch_rebuilds_the_swalr_of_the_resumed_epoch(tmp_path: Path) -> None:
+    reference, reference_model = _swa_fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        _swa_fit(tmp_path / "run", _Crash(16))  # after the save of step 15, in SWA's epoch 2
+    trainer, model = _swa_fit(tmp_path / "run")  # resumes at epoch 2, batch 3
+    assert trainer.global_step == reference.global_step == 18
+    [config] = trainer.lr_scheduler_configs
+    assert type(config.scheduler).__name__ == "SWALR"
+    state = config.scheduler.state_dict()
+    assert state == reference.lr_scheduler_configs[0].scheduler.state_dict()
+    assert state["_step_count"] == 3  # stepped at the ends of epochs 1 and 2, as never stopped
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert a.detach().equal(b.detach())
