@@ -290,7 +290,8 @@ class BurnpackCheckpoint(Checkpoint):
             ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
             a save costs the training thread, and saves as often as keeps that cost under
             ``max_overhead`` of training time (re-measured at every save, logged when it
-            changes; ``train_time_interval`` still bounds the time between saves).
+            changes; ``train_time_interval`` still bounds the time between saves). Each fit,
+            a resumed one too, measures anew: its first save comes 10 steps after it starts.
         max_overhead: the share of training time ``"auto"`` may spend in saves.
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
@@ -691,6 +692,7 @@ class BurnpackCheckpoint(Checkpoint):
             log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
+        self._last_step_end = None  # "auto" times this fit's steps, not the gap before it
         if trainer.is_global_zero:
             path = trainer.ckpt_path
             slurm.log_restart(None if path is None else str(path))
@@ -824,8 +826,11 @@ class BurnpackCheckpoint(Checkpoint):
         return self._time_due()
 
     def _auto_due(self, trainer: pl.Trainer) -> bool:
-        if self._save_cost is None or self._step_time is None:
-            return trainer.global_step >= AUTO_FIRST_SAVE  # measure a save early
+        if self._step_time is None:
+            return False  # no step measured yet (each save's step is not timed)
+        since = trainer.global_step - max(self._saved_step, 0)  # this fit's start, or last save
+        if self._save_cost is None:
+            return since >= AUTO_FIRST_SAVE  # measure a save early, in this fit (also resumed)
         interval = max(1, math.ceil(self._save_cost / (self.max_overhead * self._step_time)))
         if self.auto_interval is None or not 0.5 <= interval / self.auto_interval <= 2:
             log.info(
@@ -837,7 +842,7 @@ class BurnpackCheckpoint(Checkpoint):
                 self.max_overhead * 100,
             )
             self.auto_interval = interval
-        return trainer.global_step - max(self._saved_step, 0) >= self.auto_interval
+        return since >= self.auto_interval
 
     def _time_due(self) -> bool:
         interval = self.train_time_interval

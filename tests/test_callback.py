@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import re
 from pathlib import Path
@@ -294,3 +295,23 @@ def test_disk_full_raises_clearly_and_keeps_earlier_checkpoints(tmp_path, monkey
         "sentinel_checkpoint_complete.1",
     ]
     assert verify_checkpoint(directory, 0) == [] and verify_checkpoint(directory, 1) == []
+
+
+def _saved(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """The numbers of the "saved checkpoint N" log lines."""
+    return [int(m) for m in re.findall(r"saved checkpoint (\d+) at ", caplog.text)]
+
+
+def test_auto_interval_after_a_resume_measures_first_instead_of_saving_every_step(tmp_path, caplog):
+    _fit(tmp_path, 2, every_n_train_steps="auto")  # 12 steps: measured and saved at step 10
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        callback, start, _ = _fit(tmp_path, 6, every_n_train_steps="auto")
+    assert start.step == 12 and callback.restored_number == 12
+    saved = _saved(caplog)
+    # a fresh process knows neither a step's time nor a save's cost: it measures them as a fresh
+    # run does (a save 10 steps in), then keeps to the interval it chose; the final save is made
+    assert saved[0] == 12 + 10 and saved[-1] == 36, saved
+    assert callback.auto_interval is not None
+    assert all(b - a >= min(callback.auto_interval, 36 - a) for a, b in itertools.pairwise(saved))
+    assert len(saved) < 24 // 2  # not after every one of its 24 steps
