@@ -3,9 +3,9 @@
 Lightning offers no public hook for what the callback needs in a few spots: building the
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
 ``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
-signal handlers from a user's and choosing what its teardown reinstalls, and the cluster
-environment it detected (SLURM), and what StochasticWeightAveraging misses on a mid-epoch
-resume. Each function here wraps one such touch;
+signal handlers from a user's and choosing what its teardown reinstalls, the cluster
+environment it detected (SLURM), the Timer's ``max_time``, and what StochasticWeightAveraging
+misses on a mid-epoch resume. Each function here wraps one such touch;
 ``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
 that moves one fails there, by name, instead of somewhere inside a training run.
 """
@@ -35,6 +35,7 @@ __all__ = [
     "release_resume_start",
     "release_train_dataloaders",
     "resume_swa_mid_epoch",
+    "timer_duration",
     "validation_follows",
 ]
 
@@ -193,3 +194,10 @@ def resume_swa_mid_epoch(trainer: pl.Trainer) -> list[Callback]:
             callback.on_train_epoch_start(trainer, trainer.lightning_module)
             given.append(callback)
     return given
+
+
+def timer_duration(timer: Callback) -> float | None:
+    """The ``max_time`` a :class:`~lightning.pytorch.callbacks.Timer` enforces, in seconds
+    (``None``: none). Its public ``time_remaining() + time_elapsed()`` reads the clock twice."""
+    duration = timer._duration  # type: ignore[attr-defined]
+    return None if duration is None else float(duration)

@@ -81,6 +81,9 @@ complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
 ``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
 whatever the frequency, and marked. Run again with the same limits, the callback says the run
 already finished and Lightning trains nothing; raise ``max_epochs``/``max_steps`` to continue.
+A run stopped by ``max_time`` is finished for as long as ``max_time`` is at most the training
+time it had (Lightning's Timer restores that time with its state); a larger ``max_time``, or
+none, continues it, and the Timer stops it when the total reaches the new limit.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -202,8 +205,23 @@ def _finished(trainer: pl.Trainer, epoch_end: bool) -> dict | None:
         return {"by": "max_epochs", "limit": trainer.max_epochs}
     min_ok = epochs >= (trainer.min_epochs or 0) and trainer.global_step >= (trainer.min_steps or 0)
     if trainer.should_stop and min_ok:
+        timer = _timer(trainer)
+        if timer is not None and (timer.time_remaining() or 0.0) <= 0:  # Lightning's max_time
+            elapsed = timer.time_elapsed()
+            return {"by": "max_time", "limit": _max_time(timer), "elapsed": elapsed}
         return {"by": "should_stop", "limit": -1}
     return None
+
+
+def _timer(trainer: pl.Trainer) -> Timer | None:
+    """The Timer callback that enforces ``Trainer(max_time=...)``, if any."""
+    timers = [c for c in trainer.callbacks if isinstance(c, Timer)]  # type: ignore[attr-defined]
+    return timers[0] if timers else None
+
+
+def _max_time(timer: Timer) -> float | None:
+    """The Timer's duration in seconds (``None``: no limit)."""
+    return _lightning_compat.timer_duration(timer)
 
 
 def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
@@ -213,12 +231,23 @@ def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bo
         return trainer.max_steps not in (None, -1) and limit >= trainer.max_steps
     if by == "max_epochs":
         return trainer.max_epochs not in (None, -1) and limit >= trainer.max_epochs
+    if by == "max_time":  # the Timer restores the time trained so far, and goes on from it
+        timer = _timer(trainer)
+        duration = None if timer is None else _max_time(timer)
+        elapsed = finished.get("elapsed")
+        if not isinstance(elapsed, (int, float)):
+            return True  # not what this package saves: keep it finished rather than guess
+        return duration is not None and duration <= elapsed
     return True  # stopped early (EarlyStopping, should_stop): a decision, not a limit
 
 
 def _describe(finished: dict) -> str:
     if finished["by"] == "should_stop":
         return "it was stopped early (trainer.should_stop, e.g. by EarlyStopping)"
+    if finished["by"] == "max_time":
+        limit, elapsed = finished.get("limit"), finished.get("elapsed")
+        if isinstance(limit, (int, float)) and isinstance(elapsed, (int, float)):
+            return f"max_time={timedelta(seconds=limit)} was reached after {elapsed:.1f} s"
     return f"{finished['by']}={finished['limit']} was reached"
 
 

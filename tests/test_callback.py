@@ -6,6 +6,7 @@ import errno
 import itertools
 import logging
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import gin
@@ -315,3 +316,26 @@ def test_auto_interval_after_a_resume_measures_first_instead_of_saving_every_ste
     assert callback.auto_interval is not None
     assert all(b - a >= min(callback.auto_interval, 36 - a) for a, b in itertools.pairwise(saved))
     assert len(saved) < 24 // 2  # not after every one of its 24 steps
+
+
+def _fit_timed(root: Path, epochs: int, max_time: timedelta | None) -> tuple[L.Trainer, object]:
+    L.seed_everything(0)
+    callback = BurnpackCheckpoint()
+    trainer = make_trainer(str(root), epochs, [callback], max_time=max_time)
+    trainer.fit(TinyModel())
+    return trainer, callback
+
+
+def test_a_run_stopped_by_max_time_continues_with_a_larger_max_time_or_none(tmp_path, caplog):
+    tiny = timedelta(milliseconds=1)  # Lightning's Timer stops after the first step
+    stopped, _ = _fit_timed(tmp_path, 3, tiny)
+    assert stopped.global_step == 1
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        again, callback = _fit_timed(tmp_path, 3, tiny)  # the same max_time: still finished
+    assert again.global_step == 1 and callback.restored_number == 0
+    assert "already finished at checkpoint 0 (max_time=0:00:00.001000 was reached" in caplog.text
+    larger, callback = _fit_timed(tmp_path, 2, timedelta(hours=1))
+    assert callback.restored_number == 0 and larger.current_epoch == 2
+    assert larger.global_step == 1 + 6  # epoch 0 ended at the stop (as Lightning ends it)
+    unlimited, callback = _fit_timed(tmp_path, 3, None)
+    assert callback.restored_number == 1 and unlimited.global_step == 1 + 12

@@ -187,3 +187,14 @@ def test_resume_swa_mid_epoch_rebuilds_the_swalr_of_the_resumed_epoch(tmp_path: 
     assert state["_step_count"] == 3  # stepped at the ends of epochs 1 and 2, as never stopped
     for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
         assert a.detach().equal(b.detach())
+
+
+def test_timer_duration_is_max_time_in_seconds(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+
+    trainer = make_trainer(str(tmp_path), 1, [], max_time=timedelta(milliseconds=1500))
+    [timer] = [c for c in trainer.callbacks if isinstance(c, Timer)]
+    assert compat.timer_duration(timer) == 1.5
+    assert compat.timer_duration(Timer(duration=None)) is None
