@@ -727,6 +727,10 @@ class BurnpackCheckpoint(Checkpoint):
             slurm.log_restart(None if path is None else str(path))
         self._install_signal_handlers(trainer)
 
+    def _start_name(self, start: int) -> str:
+        """Where a run starts, as its checkpoints are numbered: a global step or an epoch."""
+        return f"global step {start}" if self.step_numbered else f"epoch {start}"
+
     def _check_newer(self, trainer: pl.Trainer) -> str | None:
         """Rank 0, before the first step: complete checkpoints from the epoch this run starts at
         on (other than the one it resumed from) would be saved over. Remove them when
@@ -746,10 +750,10 @@ class BurnpackCheckpoint(Checkpoint):
         if self.overwrite:
             log.warning(
                 "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
-                "epoch %d) would save over",
+                "%s) would save over",
                 newer,
                 base,
-                start,
+                self._start_name(start),
             )
             self.checkpointer.remove_checkpoints(newer)
             return None
@@ -767,11 +771,12 @@ class BurnpackCheckpoint(Checkpoint):
             return None
         source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
         return (
-            f"this run {source} (epoch {start}), and {base} holds complete checkpoints {newer} "
-            "that its saves would replace. Nothing was changed. To continue the newest, run "
-            "with resume=True and neither ckpt_path nor override_number; to start over or go "
-            "back, set BurnpackCheckpoint(overwrite=True) (gin: BurnpackCheckpoint.overwrite = "
-            "True), which removes them first; or save into another dirpath"
+            f"this run {source} ({self._start_name(start)}), and {base} holds complete "
+            f"checkpoints {newer} that its saves would replace. Nothing was changed. To "
+            "continue the newest, run with resume=True and neither ckpt_path nor "
+            "override_number; to start over or go back, set BurnpackCheckpoint(overwrite=True) "
+            "(gin: BurnpackCheckpoint.overwrite = True), which removes them first; or save into "
+            "another dirpath"
         )
 
     # -- saving --------------------------------------------------------------------------------
@@ -1011,12 +1016,17 @@ class BurnpackCheckpoint(Checkpoint):
         data = trainer_state.to_records(
             checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
-        if self._saver is not None:
-            self._saver.save_checkpoint(checkpointer, number, data)  # raises an earlier failure
+        if self._saver is not None:  # raises an earlier failure; logs once committed
+            self._saver.save_checkpoint(checkpointer, number, data, self._log_saved(number))
             return
         path = checkpointer.save_checkpoint(number, data)
         if path is not None:
-            log.info("saved checkpoint %d at %s", number, path)
+            self._log_saved(number)(path)
+
+    @staticmethod
+    def _log_saved(number: int) -> Callable[[Path | str], None]:
+        """The one "saved checkpoint N at PATH" line, for a synchronous or asynchronous save."""
+        return lambda path: log.info("saved checkpoint %d at %s", number, path)
 
     # -- preemption ----------------------------------------------------------------------------
 

@@ -339,3 +339,9 @@ def test_a_run_stopped_by_max_time_continues_with_a_larger_max_time_or_none(tmp_
     assert larger.global_step == 1 + 6  # epoch 0 ended at the stop (as Lightning ends it)
     unlimited, callback = _fit_timed(tmp_path, 3, None)
     assert callback.restored_number == 1 and unlimited.global_step == 1 + 12
+
+
+def test_a_step_numbered_run_names_its_start_as_a_global_step(tmp_path):
+    _fit(tmp_path, 1, every_n_train_steps=4)
+    with pytest.raises(CheckpointResumeError, match=r"starts from scratch \(global step 0\)"):
+        _fit(tmp_path, 1, every_n_train_steps=4, resume=False)
