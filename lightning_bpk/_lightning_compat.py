@@ -4,14 +4,16 @@ Lightning offers no public hook for what the callback needs in a few spots: buil
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
 ``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
 signal handlers from a user's and choosing what its teardown reinstalls, the cluster
-environment it detected (SLURM), the Timer's ``max_time``, and what StochasticWeightAveraging
-misses on a mid-epoch resume. Each function here wraps one such touch;
-``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
-that moves one fails there, by name, instead of somewhere inside a training run.
+environment it detected (SLURM), ``ckpt_path="last"`` where no ModelCheckpoint has a file, the
+Timer's ``max_time``, and what StochasticWeightAveraging misses on a mid-epoch resume. Each
+function here wraps one such touch; ``tests/test_lightning_compat.py`` checks each against the
+installed Lightning, so an upgrade that moves one fails there, by name, instead of somewhere
+inside a training run.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,7 @@ __all__ = [
     "release_resume_start",
     "release_train_dataloaders",
     "resume_swa_mid_epoch",
+    "route_last_ckpt_path",
     "timer_duration",
     "validation_follows",
 ]
@@ -201,3 +204,42 @@ def timer_duration(timer: Callback) -> float | None:
     (``None``: none). Its public ``time_remaining() + time_elapsed()`` reads the clock twice."""
     duration = timer._duration  # type: ignore[attr-defined]
     return None if duration is None else float(duration)
+
+
+# Who takes ckpt_path="last" when Lightning finds no "last" file (route_last_ckpt_path).
+_LAST_TAKERS: list[Callable[[pl.Trainer], bool]] = []
+_NO_LAST = "there is no last checkpoint available"
+
+
+def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
+    """Let ``take(trainer)`` answer ``fit(ckpt_path="last")`` when Lightning finds no "last"
+    checkpoint of its own (no ModelCheckpoint or OnExceptionCheckpoint file); installed once per
+    process, for every trainer.
+
+    Lightning resolves ``"last"`` in ``fit`` before any callback runs, and where it finds none
+    it warns "No checkpoint will be loaded" and goes on with ``ckpt_path=None``. When ``take``
+    returns True (a callback will resume from its own newest checkpoint, and says so), that
+    warning, which would contradict it, is not shown; every other warning is.
+    """
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    if take not in _LAST_TAKERS:
+        _LAST_TAKERS.append(take)
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "_lightning_bpk_routed", False):
+        return
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
+        if ckpt_path != "last":
+            return original(self, state_fn, ckpt_path, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = original(self, state_fn, ckpt_path, **kwargs)
+        taken = path is None and any(t(self.trainer) for t in list(_LAST_TAKERS))
+        for w in caught:
+            if not (taken and _NO_LAST in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return path
+
+    _parse_ckpt_path._lightning_bpk_routed = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign,assignment]

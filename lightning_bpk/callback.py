@@ -128,7 +128,7 @@ from lightning_bpk.checkpointer import (
 )
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, parse_sentinel_name
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 __all__ = [
@@ -249,6 +249,16 @@ def _describe(finished: dict) -> str:
         if isinstance(limit, (int, float)) and isinstance(elapsed, (int, float)):
             return f"max_time={timedelta(seconds=limit)} was reached after {elapsed:.1f} s"
     return f"{finished['by']}={finished['limit']} was reached"
+
+
+def _take_last(trainer: pl.Trainer) -> bool:
+    """``fit(ckpt_path="last")`` where Lightning found no file of its own: a BurnpackCheckpoint
+    that resumes takes it as "its newest complete checkpoint" (and says which, in setup)."""
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    takers = [c for c in callbacks if isinstance(c, BurnpackCheckpoint) and c.resume]
+    for callback in takers:
+        callback._last_requested = True
+    return bool(takers)
 
 
 def _others(handler: object) -> list[Callable[..., Any]]:
@@ -456,6 +466,8 @@ class BurnpackCheckpoint(Checkpoint):
         self._requeue_agreed = False  # ... on any rank, at the agreed step
         self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
+        self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+        _lightning_compat.route_last_ckpt_path(_take_last)
 
     @property
     def step_numbered(self) -> bool:
@@ -494,6 +506,14 @@ class BurnpackCheckpoint(Checkpoint):
             raise failure  # rank 0 keeps the original error (a StorageError naming the URL)
         if error is not None:
             raise CheckpointResumeError(error)
+        if self._last_requested and trainer.is_global_zero:
+            log.info(
+                'ckpt_path="last": %s',
+                f"the newest complete checkpoint in {dirpath} is {number}"
+                if number >= 0
+                else f"no complete checkpoint in {dirpath} yet; training starts from scratch",
+            )
+        self._last_requested = False
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
             # this run owns the directory until another one takes over (lightning_bpk.lease)
@@ -586,6 +606,8 @@ class BurnpackCheckpoint(Checkpoint):
                 path = self.checkpointer.checkpoint_path(self._resume_number)
             ours = checkpoint_path is None and path is not None
             if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
+                if path is not None:
+                    self._refuse_member_of_checkpoint(path)
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
                 return None
             if ours:
@@ -600,6 +622,30 @@ class BurnpackCheckpoint(Checkpoint):
             return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
+
+    def _refuse_member_of_checkpoint(self, path: Any) -> None:
+        """``ckpt_path`` names a file inside a checkpoint directory (``ckpt.3/model.bpk``):
+        one file is not a checkpoint, and Lightning's reader would fail on it without naming
+        it, so stop with the directory to pass instead."""
+        target = storage.location(path)
+        directory = storage.parent_of(target)
+        number = storage.name_of(directory).partition("~")[0].rpartition(".")[2]
+        if not number.isdigit():
+            return
+        try:
+            beside = storage.parent_of(directory)
+            if isinstance(beside, Path):
+                names: Sequence[str] = os.listdir(beside) if beside.is_dir() else []
+            else:
+                names = list(storage.object_store(beside, self.storage_options).list(""))
+        except (OSError, LightningBpkError):
+            return  # not readable: Lightning's own reader reports the path
+        sentinels = [parse_sentinel_name(name) for name in names]
+        if any(parsed is not None and parsed[1] == int(number) for parsed in sentinels):
+            raise CheckpointResumeError(
+                f"ckpt_path {target} is a file inside checkpoint {number} ({directory}); a "
+                f"checkpoint is its whole directory: pass ckpt_path={str(directory)!r}"
+            )
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

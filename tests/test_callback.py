@@ -345,3 +345,30 @@ def test_a_step_numbered_run_names_its_start_as_a_global_step(tmp_path):
     _fit(tmp_path, 1, every_n_train_steps=4)
     with pytest.raises(CheckpointResumeError, match=r"starts from scratch \(global step 0\)"):
         _fit(tmp_path, 1, every_n_train_steps=4, resume=False)
+
+
+def test_ckpt_path_last_means_the_newest_complete_checkpoint_said_once(tmp_path, caplog, recwarn):
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        callback, start, _ = _fit(tmp_path, 1, ckpt_path="last")  # nothing saved yet
+        assert callback.restored_number is None and start.epoch == 0
+        assert f'ckpt_path="last": no complete checkpoint in {tmp_path / "checkpoints"} yet' in (
+            caplog.text
+        )
+        callback, start, _ = _fit(tmp_path, 2, ckpt_path="last")
+    assert callback.restored_number == 0 and start.epoch == 1
+    newest = f'ckpt_path="last": the newest complete checkpoint in {tmp_path / "checkpoints"} is 0'
+    assert newest in caplog.text
+    # Lightning's "No checkpoint will be loaded" would contradict that: not shown
+    assert not [w for w in recwarn if "no last checkpoint" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["model.bpk", "trainer.bpk"])
+def test_ckpt_path_of_a_file_inside_a_checkpoint_names_the_directory(tmp_path, name):
+    _fit(tmp_path, 1)
+    directory = tmp_path / "checkpoints" / "ckpt.0"
+    with pytest.raises(CheckpointResumeError) as refused:
+        _fit(tmp_path, 2, ckpt_path=directory / name)
+    assert str(refused.value) == (
+        f"ckpt_path {directory / name} is a file inside checkpoint 0 ({directory}); a "
+        f"checkpoint is its whole directory: pass ckpt_path={str(directory)!r}"
+    )

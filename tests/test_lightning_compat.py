@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import signal
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -198,3 +199,21 @@ def test_timer_duration_is_max_time_in_seconds(tmp_path: Path) -> None:
     [timer] = [c for c in trainer.callbacks if isinstance(c, Timer)]
     assert compat.timer_duration(timer) == 1.5
     assert compat.timer_duration(Timer(duration=None)) is None
+
+
+def _take_marked(trainer: L.Trainer) -> bool:
+    return getattr(trainer, "_test_takes_last", False)
+
+
+def test_route_last_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Path) -> None:
+    compat.route_last_ckpt_path(_take_marked)
+    compat.route_last_ckpt_path(_take_marked)  # once per process, whoever asks again
+    for takes in (False, True):
+        trainer = make_trainer(str(tmp_path / str(takes)), 1, [], limit_train_batches=1)
+        trainer._test_takes_last = takes  # type: ignore[attr-defined]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyModel(), ckpt_path="last")
+        shown = [str(w.message) for w in caught if "no last checkpoint" in str(w.message)]
+        assert len(shown) == (0 if takes else 1), shown
+        assert trainer.ckpt_path is None and trainer.global_step == 1
