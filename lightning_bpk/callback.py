@@ -143,7 +143,28 @@ log = logging.getLogger("lightning_bpk")
 
 # Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
 # time limit; SIGUSR1: SLURM's --signal default for requeue).
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Plain ints, so a configuration system can write them out (LightningCLI saves its config as
+# YAML, which cannot represent a signal.Signals).
+PREEMPTION_SIGNALS = (int(signal.SIGTERM), int(signal.SIGUSR1))
+
+
+def _signal_number(value: object) -> int:
+    """A signal given as a number, a ``signal.Signals`` or a name (``"SIGTERM"``, ``"TERM"``)."""
+    if isinstance(value, str):
+        name = value.strip().upper()
+        found = getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name, None)
+        if found is not None:
+            return int(found)
+    elif (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value in {int(s) for s in signal.valid_signals()}
+    ):
+        return int(value)
+    raise ValueError(
+        f"preemption_signals: {value!r} is not a signal of this platform (give a number, a "
+        "signal.Signals or a name such as 'SIGTERM')"
+    )
 
 
 # every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
@@ -322,7 +343,8 @@ class BurnpackCheckpoint(Checkpoint):
             :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
-        preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
+        preemption_signals: signals that trigger a save-and-stop (empty: none), as numbers,
+            ``signal.Signals`` or names (``"SIGTERM"``), kept as plain ints; under SLURM
             with auto-requeue, the environment's ``requeue_signal`` too.
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
@@ -372,7 +394,7 @@ class BurnpackCheckpoint(Checkpoint):
         resume: bool = True,
         overwrite: bool = False,
         verify: bool = True,
-        preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+        preemption_signals: Sequence[int | str] = PREEMPTION_SIGNALS,
         async_save: bool = False,
         every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
@@ -430,7 +452,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.resume = resume
         self.overwrite = overwrite
         self.verify = verify
-        self.preemption_signals = tuple(preemption_signals)
+        self.preemption_signals = tuple(_signal_number(v) for v in preemption_signals)
         self.async_save = async_save
         self.every_n_train_steps = every_n_train_steps
         self.max_overhead = float(max_overhead)

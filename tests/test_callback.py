@@ -372,3 +372,18 @@ def test_ckpt_path_of_a_file_inside_a_checkpoint_names_the_directory(tmp_path, n
         f"ckpt_path {directory / name} is a file inside checkpoint 0 ({directory}); a "
         f"checkpoint is its whole directory: pass ckpt_path={str(directory)!r}"
     )
+
+
+def test_preemption_signals_are_plain_ints_from_numbers_signals_or_names():
+    import signal
+
+    import yaml
+
+    default = BurnpackCheckpoint().preemption_signals
+    assert default == (15, 10) and all(type(s) is int for s in default)
+    assert yaml.safe_dump(list(default))  # a config system (LightningCLI) can write them out
+    given = BurnpackCheckpoint(preemption_signals=["SIGTERM", "usr1", signal.SIGINT, 12])
+    assert given.preemption_signals == (15, 10, 2, 12)
+    assert all(type(s) is int for s in given.preemption_signals)
+    with pytest.raises(ValueError, match=r"preemption_signals: 'SIGNOPE' is not a signal"):
+        BurnpackCheckpoint(preemption_signals=["SIGNOPE"])
