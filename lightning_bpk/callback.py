@@ -103,19 +103,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Checkpoint, Timer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bpk import (
     _gin,
     _lightning_compat,
+    _run_end,
     object_checkpoints,
     sharded,
     slurm,
     storage,
     trainer_state,
 )
+from lightning_bpk._run_end import describe as _describe
+from lightning_bpk._run_end import finished as _finished
+from lightning_bpk._run_end import still_finished as _still_finished
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import (
     RUN_SUBDIRECTORY,
@@ -128,7 +132,7 @@ from lightning_bpk.checkpointer import (
 )
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, parse_sentinel_name
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 __all__ = [
@@ -215,61 +219,6 @@ def _gather(trainer: pl.Trainer, value: Any) -> list[Any] | None:
     gathered: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
     dist.gather_object(value, gathered, dst=0)
     return gathered
-
-
-def _finished(trainer: pl.Trainer, epoch_end: bool) -> dict | None:
-    """Why the fit loop stops after this point, or ``None`` while it goes on."""
-    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
-        return {"by": "max_steps", "limit": trainer.max_steps}
-    epochs = trainer.current_epoch + int(epoch_end)
-    if epoch_end and trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
-        return {"by": "max_epochs", "limit": trainer.max_epochs}
-    min_ok = epochs >= (trainer.min_epochs or 0) and trainer.global_step >= (trainer.min_steps or 0)
-    if trainer.should_stop and min_ok:
-        timer = _timer(trainer)
-        if timer is not None and (timer.time_remaining() or 0.0) <= 0:  # Lightning's max_time
-            elapsed = timer.time_elapsed()
-            return {"by": "max_time", "limit": _max_time(timer), "elapsed": elapsed}
-        return {"by": "should_stop", "limit": -1}
-    return None
-
-
-def _timer(trainer: pl.Trainer) -> Timer | None:
-    """The Timer callback that enforces ``Trainer(max_time=...)``, if any."""
-    timers = [c for c in trainer.callbacks if isinstance(c, Timer)]  # type: ignore[attr-defined]
-    return timers[0] if timers else None
-
-
-def _max_time(timer: Timer) -> float | None:
-    """The Timer's duration in seconds (``None``: no limit)."""
-    return _lightning_compat.timer_duration(timer)
-
-
-def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
-    """Whether a run that ``finished`` is still finished under this trainer's limits."""
-    by, limit = finished["by"], finished["limit"]
-    if by == "max_steps":
-        return trainer.max_steps not in (None, -1) and limit >= trainer.max_steps
-    if by == "max_epochs":
-        return trainer.max_epochs not in (None, -1) and limit >= trainer.max_epochs
-    if by == "max_time":  # the Timer restores the time trained so far, and goes on from it
-        timer = _timer(trainer)
-        duration = None if timer is None else _max_time(timer)
-        elapsed = finished.get("elapsed")
-        if not isinstance(elapsed, (int, float)):
-            return True  # not what this package saves: keep it finished rather than guess
-        return duration is not None and duration <= elapsed
-    return True  # stopped early (EarlyStopping, should_stop): a decision, not a limit
-
-
-def _describe(finished: dict) -> str:
-    if finished["by"] == "should_stop":
-        return "it was stopped early (trainer.should_stop, e.g. by EarlyStopping)"
-    if finished["by"] == "max_time":
-        limit, elapsed = finished.get("limit"), finished.get("elapsed")
-        if isinstance(limit, (int, float)) and isinstance(elapsed, (int, float)):
-            return f"max_time={timedelta(seconds=limit)} was reached after {elapsed:.1f} s"
-    return f"{finished['by']}={finished['limit']} was reached"
 
 
 def _take_last(trainer: pl.Trainer) -> bool:
@@ -647,27 +596,10 @@ class BurnpackCheckpoint(Checkpoint):
 
     def _refuse_member_of_checkpoint(self, path: Any) -> None:
         """``ckpt_path`` names a file inside a checkpoint directory (``ckpt.3/model.bpk``):
-        one file is not a checkpoint, and Lightning's reader would fail on it without naming
-        it, so stop with the directory to pass instead."""
-        target = storage.location(path)
-        directory = storage.parent_of(target)
-        number = storage.name_of(directory).partition("~")[0].rpartition(".")[2]
-        if not number.isdigit():
-            return
-        try:
-            beside = storage.parent_of(directory)
-            if isinstance(beside, Path):
-                names: Sequence[str] = os.listdir(beside) if beside.is_dir() else []
-            else:
-                names = list(storage.object_store(beside, self.storage_options).list(""))
-        except (OSError, LightningBpkError):
-            return  # not readable: Lightning's own reader reports the path
-        sentinels = [parse_sentinel_name(name) for name in names]
-        if any(parsed is not None and parsed[1] == int(number) for parsed in sentinels):
-            raise CheckpointResumeError(
-                f"ckpt_path {target} is a file inside checkpoint {number} ({directory}); a "
-                f"checkpoint is its whole directory: pass ckpt_path={str(directory)!r}"
-            )
+        Lightning's reader would fail on it without naming it; stop, naming the directory."""
+        problem = _run_end.member_of_checkpoint(path, self.storage_options)
+        if problem is not None:
+            raise CheckpointResumeError(problem)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
