@@ -214,7 +214,7 @@ _NO_LAST = "there is no last checkpoint available"
 def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
     """Let ``take(trainer)`` answer ``fit(ckpt_path="last")`` when Lightning finds no "last"
     checkpoint of its own (no ModelCheckpoint or OnExceptionCheckpoint file); installed once per
-    process, for every trainer.
+    process, for every trainer. Not for validate/test/predict: the callback resumes in fit only.
 
     Lightning resolves ``"last"`` in ``fit`` before any callback runs, and where it finds none
     it warns "No checkpoint will be loaded" and goes on with ``ckpt_path=None``. When ``take``
@@ -222,6 +222,7 @@ def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
     warning, which would contradict it, is not shown; every other warning is.
     """
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn
 
     if take not in _LAST_TAKERS:
         _LAST_TAKERS.append(take)
@@ -230,7 +231,7 @@ def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
         return
 
     def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
-        if ckpt_path != "last":
+        if ckpt_path != "last" or state_fn != TrainerFn.FITTING:  # validate/test: Lightning's
             return original(self, state_fn, ckpt_path, **kwargs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

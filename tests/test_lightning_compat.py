@@ -217,3 +217,8 @@ def test_route_last_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Pat
         shown = [str(w.message) for w in caught if "no last checkpoint" in str(w.message)]
         assert len(shown) == (0 if takes else 1), shown
         assert trainer.ckpt_path is None and trainer.global_step == 1
+    # outside fit, "last" stays Lightning's alone (the callback restores nothing there)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(TinyModel(), ckpt_path="last")
+    assert [w for w in caught if "no last checkpoint" in str(w.message)]
