@@ -387,3 +387,32 @@ def test_preemption_signals_are_plain_ints_from_numbers_signals_or_names():
     assert all(type(s) is int for s in given.preemption_signals)
     with pytest.raises(ValueError, match=r"preemption_signals: 'SIGNOPE' is not a signal"):
         BurnpackCheckpoint(preemption_signals=["SIGNOPE"])
+
+
+class _WarmUp(L.Callback):
+    """A user's callback that adds a per-step scheduler of its own to the module's optimizer."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+        warm_up = torch.optim.lr_scheduler.LinearLR(trainer.optimizers[0], 0.5, total_iters=9)
+        trainer.lr_scheduler_configs.append(LRSchedulerConfig(warm_up, interval="step"))
+
+
+def test_a_scheduler_a_callback_adds_at_fit_start_is_saved_and_restored(tmp_path):
+    def fit(root: Path, epochs: int):
+        L.seed_everything(0)
+        model, callback = TinyModel(), BurnpackCheckpoint()
+        trainer = make_trainer(str(root), epochs, [callback, _WarmUp()])
+        trainer.fit(model)
+        return trainer, model, callback
+
+    fit(tmp_path / "run", 1)
+    assert (tmp_path / "run" / "checkpoints" / "ckpt.0" / "scheduler-1.bpk").is_file()
+    trainer, model, callback = fit(tmp_path / "run", 3)
+    assert callback.restored_number == 0
+    reference, reference_model, _ = fit(tmp_path / "reference", 3)
+    states = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    assert states == [c.scheduler.state_dict() for c in reference.lr_scheduler_configs]
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(a, b)
