@@ -20,9 +20,10 @@ real objects through the ``TYPE_CHECKING`` imports below); the gin configurables
 right away all the same (see :mod:`lightning_bpk._gin`).
 
 Log lines ("restored ...", "saved checkpoint ...") go to the ``lightning_bpk`` logger at INFO,
-and show on stderr without any logging configuration, as Lightning's own do. Once the program
-configures logging (a handler on the root logger, before or after this import), they go through
-that configuration instead, and only there.
+and show on stderr without any logging configuration, as Lightning's own do, prefixed
+``lightning_bpk:`` (``lightning_bpk: saved checkpoint 3 at run/checkpoints/ckpt.3``). Once the
+program configures logging (a handler on the root logger, before or after this import), they go
+through that configuration instead, and only there.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ class _UnconfiguredHandler(logging.StreamHandler):
 _logger = logging.getLogger(__name__)
 _logger.setLevel(logging.INFO)
 if not any(isinstance(h, _UnconfiguredHandler) for h in _logger.handlers):  # importlib.reload
-    _logger.addHandler(_UnconfiguredHandler())
+    _handler = _UnconfiguredHandler()
+    _handler.setFormatter(logging.Formatter("lightning_bpk: %(message)s"))
+    _logger.addHandler(_handler)
 
 _gin.register_stand_ins()
 

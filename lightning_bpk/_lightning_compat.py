@@ -3,14 +3,17 @@
 Lightning offers no public hook for what the callback needs in a few spots: building the
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
 ``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
-signal handlers from a user's and choosing what its teardown reinstalls, and the cluster
-environment it detected (SLURM). Each function here wraps one such touch;
-``tests/test_lightning_compat.py`` checks each against the installed Lightning, so an upgrade
-that moves one fails there, by name, instead of somewhere inside a training run.
+signal handlers from a user's and choosing what its teardown reinstalls, the cluster
+environment it detected (SLURM), ``ckpt_path="last"`` where no ModelCheckpoint has a file, the
+Timer's ``max_time``, and what StochasticWeightAveraging misses on a mid-epoch resume. Each
+function here wraps one such touch; ``tests/test_lightning_compat.py`` checks each against the
+installed Lightning, so an upgrade that moves one fails there, by name, instead of somewhere
+inside a training run.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +36,9 @@ __all__ = [
     "loops_state_dict",
     "release_resume_start",
     "release_train_dataloaders",
+    "resume_swa_mid_epoch",
+    "route_last_ckpt_path",
+    "timer_duration",
     "validation_follows",
 ]
 
@@ -163,3 +169,78 @@ def validation_follows(trainer: pl.Trainer) -> bool:
 def is_last_batch(trainer: pl.Trainer) -> bool:
     """Whether the current training batch is the epoch's last (as the epoch loop knows it)."""
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def resume_swa_mid_epoch(trainer: pl.Trainer) -> list[Callback]:
+    """Give StochasticWeightAveraging the epoch start a mid-epoch restart skips; the callbacks
+    it was given to.
+
+    Lightning calls ``on_train_epoch_start`` only when an epoch starts, not when a restart lands
+    inside one (or at its end), and SWA builds its SWALR there, from the state it restored.
+    Without it the rest of the resumed epoch trains with no scheduler, and the next epoch starts
+    one SWALR step behind. Called once, before the first batch, for an SWA that restored the
+    state of a started SWALR in one of its averaging epochs; its averaging is not repeated
+    (it averaged this epoch already: ``_latest_update_epoch``).
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    loop = trainer.fit_loop
+    if not (loop.restarted_mid_epoch or loop.restarted_on_epoch_end):
+        return []
+    given: list[Callback] = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, StochasticWeightAveraging):
+            continue
+        if callback._initialized or callback._scheduler_state is None:
+            continue
+        if callback.swa_start <= trainer.current_epoch <= callback.swa_end:
+            callback.on_train_epoch_start(trainer, trainer.lightning_module)
+            given.append(callback)
+    return given
+
+
+def timer_duration(timer: Callback) -> float | None:
+    """The ``max_time`` a :class:`~lightning.pytorch.callbacks.Timer` enforces, in seconds
+    (``None``: none). Its public ``time_remaining() + time_elapsed()`` reads the clock twice."""
+    duration = timer._duration  # type: ignore[attr-defined]
+    return None if duration is None else float(duration)
+
+
+# Who takes ckpt_path="last" when Lightning finds no "last" file (route_last_ckpt_path).
+_LAST_TAKERS: list[Callable[[pl.Trainer], bool]] = []
+_NO_LAST = "there is no last checkpoint available"
+
+
+def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
+    """Let ``take(trainer)`` answer ``fit(ckpt_path="last")`` when Lightning finds no "last"
+    checkpoint of its own (no ModelCheckpoint or OnExceptionCheckpoint file); installed once per
+    process, for every trainer. Not for validate/test/predict: the callback resumes in fit only.
+
+    Lightning resolves ``"last"`` in ``fit`` before any callback runs, and where it finds none
+    it warns "No checkpoint will be loaded" and goes on with ``ckpt_path=None``. When ``take``
+    returns True (a callback will resume from its own newest checkpoint, and says so), that
+    warning, which would contradict it, is not shown; every other warning is.
+    """
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if take not in _LAST_TAKERS:
+        _LAST_TAKERS.append(take)
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "_lightning_bpk_routed", False):
+        return
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
+        if ckpt_path != "last" or state_fn != TrainerFn.FITTING:  # validate/test: Lightning's
+            return original(self, state_fn, ckpt_path, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = original(self, state_fn, ckpt_path, **kwargs)
+        taken = path is None and any(t(self.trainer) for t in list(_LAST_TAKERS))
+        for w in caught:
+            if not (taken and _NO_LAST in str(w.message)):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return path
+
+    _parse_ckpt_path._lightning_bpk_routed = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign,assignment]

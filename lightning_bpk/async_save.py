@@ -191,13 +191,19 @@ class AsyncCheckpointSaver:
     # -- submitting --------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, checkpointer: Checkpointer, iteration_number: int, data: Mapping[str, Any]
+        self,
+        checkpointer: Checkpointer,
+        iteration_number: int,
+        data: Mapping[str, Any],
+        on_saved: Callable[[Path | str], None] | None = None,
     ) -> None:
         """Snapshot ``data`` now and save it as ``iteration_number`` in the background.
 
         Same arguments and checkpoint as :meth:`Checkpointer.save_checkpoint`. Waits for the
         previous save first and re-raises its error, if it failed. An iteration the checkpointer
         would skip (``checkpoint_frequency``) is skipped here too, without copying anything.
+        ``on_saved(path)`` runs on the writer thread once the checkpoint is complete (its
+        sentinel committed), e.g. to log it; not after a failed write.
         """
         self.wait()
         if iteration_number % checkpointer.checkpoint_frequency:
@@ -205,7 +211,14 @@ class AsyncCheckpointSaver:
         staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
-        self._submit(what, checkpointer.save_checkpoint, iteration_number, staged)
+
+        def save() -> Path | str | None:
+            path = checkpointer.save_checkpoint(iteration_number, staged)
+            if path is not None and on_saved is not None:
+                on_saved(path)
+            return path
+
+        self._submit(what, save)
 
     def reserve(self, data: Mapping[str, Any]) -> None:
         """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like

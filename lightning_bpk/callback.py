@@ -81,6 +81,9 @@ complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
 ``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
 whatever the frequency, and marked. Run again with the same limits, the callback says the run
 already finished and Lightning trains nothing; raise ``max_epochs``/``max_steps`` to continue.
+A run stopped by ``max_time`` is finished for as long as ``max_time`` is at most the training
+time it had (Lightning's Timer restores that time with its state); a larger ``max_time``, or
+none, continues it, and the Timer stops it when the total reaches the new limit.
 """
 
 from __future__ import annotations
@@ -107,12 +110,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk import (
     _gin,
     _lightning_compat,
+    _run_end,
     object_checkpoints,
     sharded,
     slurm,
     storage,
     trainer_state,
 )
+from lightning_bpk._run_end import describe as _describe
+from lightning_bpk._run_end import finished as _finished
+from lightning_bpk._run_end import still_finished as _still_finished
 from lightning_bpk.async_save import AsyncCheckpointSaver
 from lightning_bpk.checkpointer import (
     RUN_SUBDIRECTORY,
@@ -140,7 +147,28 @@ log = logging.getLogger("lightning_bpk")
 
 # Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
 # time limit; SIGUSR1: SLURM's --signal default for requeue).
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Plain ints, so a configuration system can write them out (LightningCLI saves its config as
+# YAML, which cannot represent a signal.Signals).
+PREEMPTION_SIGNALS = (int(signal.SIGTERM), int(signal.SIGUSR1))
+
+
+def _signal_number(value: object) -> int:
+    """A signal given as a number, a ``signal.Signals`` or a name (``"SIGTERM"``, ``"TERM"``)."""
+    if isinstance(value, str):
+        name = value.strip().upper()
+        found = getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name, None)
+        if found is not None:
+            return int(found)
+    elif (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value in {int(s) for s in signal.valid_signals()}
+    ):
+        return int(value)
+    raise ValueError(
+        f"preemption_signals: {value!r} is not a signal of this platform (give a number, a "
+        "signal.Signals or a name such as 'SIGTERM')"
+    )
 
 
 # every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
@@ -193,33 +221,14 @@ def _gather(trainer: pl.Trainer, value: Any) -> list[Any] | None:
     return gathered
 
 
-def _finished(trainer: pl.Trainer, epoch_end: bool) -> dict | None:
-    """Why the fit loop stops after this point, or ``None`` while it goes on."""
-    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
-        return {"by": "max_steps", "limit": trainer.max_steps}
-    epochs = trainer.current_epoch + int(epoch_end)
-    if epoch_end and trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
-        return {"by": "max_epochs", "limit": trainer.max_epochs}
-    min_ok = epochs >= (trainer.min_epochs or 0) and trainer.global_step >= (trainer.min_steps or 0)
-    if trainer.should_stop and min_ok:
-        return {"by": "should_stop", "limit": -1}
-    return None
-
-
-def _still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
-    """Whether a run that ``finished`` is still finished under this trainer's limits."""
-    by, limit = finished["by"], finished["limit"]
-    if by == "max_steps":
-        return trainer.max_steps not in (None, -1) and limit >= trainer.max_steps
-    if by == "max_epochs":
-        return trainer.max_epochs not in (None, -1) and limit >= trainer.max_epochs
-    return True  # stopped early (EarlyStopping, should_stop): a decision, not a limit
-
-
-def _describe(finished: dict) -> str:
-    if finished["by"] == "should_stop":
-        return "it was stopped early (trainer.should_stop, e.g. by EarlyStopping)"
-    return f"{finished['by']}={finished['limit']} was reached"
+def _take_last(trainer: pl.Trainer) -> bool:
+    """``fit(ckpt_path="last")`` where Lightning found no file of its own: a BurnpackCheckpoint
+    that resumes takes it as "its newest complete checkpoint" (and says which, in setup)."""
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    takers = [c for c in callbacks if isinstance(c, BurnpackCheckpoint) and c.resume]
+    for callback in takers:
+        callback._last_requested = True
+    return bool(takers)
 
 
 def _others(handler: object) -> list[Callable[..., Any]]:
@@ -283,14 +292,16 @@ class BurnpackCheckpoint(Checkpoint):
             :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
-        preemption_signals: signals that trigger a save-and-stop (empty: none); under SLURM
+        preemption_signals: signals that trigger a save-and-stop (empty: none), as numbers,
+            ``signal.Signals`` or names (``"SIGTERM"``), kept as plain ints; under SLURM
             with auto-requeue, the environment's ``requeue_signal`` too.
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
             ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
             a save costs the training thread, and saves as often as keeps that cost under
             ``max_overhead`` of training time (re-measured at every save, logged when it
-            changes; ``train_time_interval`` still bounds the time between saves).
+            changes; ``train_time_interval`` still bounds the time between saves). Each fit,
+            a resumed one too, measures anew: its first save comes 10 steps after it starts.
         max_overhead: the share of training time ``"auto"`` may spend in saves.
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
@@ -332,7 +343,7 @@ class BurnpackCheckpoint(Checkpoint):
         resume: bool = True,
         overwrite: bool = False,
         verify: bool = True,
-        preemption_signals: Sequence[int] = PREEMPTION_SIGNALS,
+        preemption_signals: Sequence[int | str] = PREEMPTION_SIGNALS,
         async_save: bool = False,
         every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
@@ -390,7 +401,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.resume = resume
         self.overwrite = overwrite
         self.verify = verify
-        self.preemption_signals = tuple(preemption_signals)
+        self.preemption_signals = tuple(_signal_number(v) for v in preemption_signals)
         self.async_save = async_save
         self.every_n_train_steps = every_n_train_steps
         self.max_overhead = float(max_overhead)
@@ -426,6 +437,8 @@ class BurnpackCheckpoint(Checkpoint):
         self._requeue_agreed = False  # ... on any rank, at the agreed step
         self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
+        self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+        _lightning_compat.route_last_ckpt_path(_take_last)
 
     @property
     def step_numbered(self) -> bool:
@@ -464,6 +477,14 @@ class BurnpackCheckpoint(Checkpoint):
             raise failure  # rank 0 keeps the original error (a StorageError naming the URL)
         if error is not None:
             raise CheckpointResumeError(error)
+        if self._last_requested and trainer.is_global_zero:
+            log.info(
+                'ckpt_path="last": %s',
+                f"the newest complete checkpoint in {dirpath} is {number}"
+                if number >= 0
+                else f"no complete checkpoint in {dirpath} yet; training starts from scratch",
+            )
+        self._last_requested = False
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
             # this run owns the directory until another one takes over (lightning_bpk.lease)
@@ -556,6 +577,8 @@ class BurnpackCheckpoint(Checkpoint):
                 path = self.checkpointer.checkpoint_path(self._resume_number)
             ours = checkpoint_path is None and path is not None
             if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
+                if path is not None:
+                    self._refuse_member_of_checkpoint(path)
                 original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
                 return None
             if ours:
@@ -570,6 +593,13 @@ class BurnpackCheckpoint(Checkpoint):
             return path, trainer_state.load(path, self.storage_options)
 
         _lightning_compat.intercept_resume_start(trainer, resume_start)
+
+    def _refuse_member_of_checkpoint(self, path: Any) -> None:
+        """``ckpt_path`` names a file inside a checkpoint directory (``ckpt.3/model.bpk``):
+        Lightning's reader would fail on it without naming it; stop, naming the directory."""
+        problem = _run_end.member_of_checkpoint(path, self.storage_options)
+        if problem is not None:
+            raise CheckpointResumeError(problem)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -638,11 +668,28 @@ class BurnpackCheckpoint(Checkpoint):
     def _check_classes(self, trainer: pl.Trainer) -> None:
         """Refuse other optimizer or scheduler classes before Lightning loads the checkpoint's
         state into them (Adam's state in SGD fails at its first step, in AdamW it silently
-        changes meaning)."""
+        changes meaning).
+
+        Lightning loads the saved scheduler states pairwise into the schedulers configured at fit
+        start; states beyond those belong to schedulers a callback creates later and restores
+        from its own state (StochasticWeightAveraging's SWALR), so they are not refused."""
         if self._classes is None:
             return
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        problems = trainer_state.class_mismatches(self._classes, trainer.optimizers, schedulers)
+        classes = dict(self._classes)
+        saved = list(classes.get("lr_schedulers", []))
+        if len(saved) > len(schedulers):
+            classes["lr_schedulers"] = saved[: len(schedulers)]
+            if trainer.is_global_zero:
+                log.info(
+                    "%s holds LR scheduler state(s) %s beyond the %d configured at fit start: "
+                    "left to the callback that creates them (StochasticWeightAveraging restores "
+                    "its SWALR from its own state)",
+                    trainer.ckpt_path,
+                    saved[len(schedulers) :],
+                    len(schedulers),
+                )
+        problems = trainer_state.class_mismatches(classes, trainer.optimizers, schedulers)
         self._classes = None
         if problems:
             raise CheckpointResumeError(
@@ -670,12 +717,19 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
+        if self.restored_number is not None and _lightning_compat.resume_swa_mid_epoch(trainer):
+            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
+        self._last_step_end = None  # "auto" times this fit's steps, not the gap before it
         if trainer.is_global_zero:
             path = trainer.ckpt_path
             slurm.log_restart(None if path is None else str(path))
         self._install_signal_handlers(trainer)
+
+    def _start_name(self, start: int) -> str:
+        """Where a run starts, as its checkpoints are numbered: a global step or an epoch."""
+        return f"global step {start}" if self.step_numbered else f"epoch {start}"
 
     def _check_newer(self, trainer: pl.Trainer) -> str | None:
         """Rank 0, before the first step: complete checkpoints from the epoch this run starts at
@@ -696,10 +750,10 @@ class BurnpackCheckpoint(Checkpoint):
         if self.overwrite:
             log.warning(
                 "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
-                "epoch %d) would save over",
+                "%s) would save over",
                 newer,
                 base,
-                start,
+                self._start_name(start),
             )
             self.checkpointer.remove_checkpoints(newer)
             return None
@@ -717,11 +771,12 @@ class BurnpackCheckpoint(Checkpoint):
             return None
         source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
         return (
-            f"this run {source} (epoch {start}), and {base} holds complete checkpoints {newer} "
-            "that its saves would replace. Nothing was changed. To continue the newest, run "
-            "with resume=True and neither ckpt_path nor override_number; to start over or go "
-            "back, set BurnpackCheckpoint(overwrite=True) (gin: BurnpackCheckpoint.overwrite = "
-            "True), which removes them first; or save into another dirpath"
+            f"this run {source} ({self._start_name(start)}), and {base} holds complete "
+            f"checkpoints {newer} that its saves would replace. Nothing was changed. To "
+            "continue the newest, run with resume=True and neither ckpt_path nor "
+            "override_number; to start over or go back, set BurnpackCheckpoint(overwrite=True) "
+            "(gin: BurnpackCheckpoint.overwrite = True), which removes them first; or save into "
+            "another dirpath"
         )
 
     # -- saving --------------------------------------------------------------------------------
@@ -805,8 +860,11 @@ class BurnpackCheckpoint(Checkpoint):
         return self._time_due()
 
     def _auto_due(self, trainer: pl.Trainer) -> bool:
-        if self._save_cost is None or self._step_time is None:
-            return trainer.global_step >= AUTO_FIRST_SAVE  # measure a save early
+        if self._step_time is None:
+            return False  # no step measured yet (each save's step is not timed)
+        since = trainer.global_step - max(self._saved_step, 0)  # this fit's start, or last save
+        if self._save_cost is None:
+            return since >= AUTO_FIRST_SAVE  # measure a save early, in this fit (also resumed)
         interval = max(1, math.ceil(self._save_cost / (self.max_overhead * self._step_time)))
         if self.auto_interval is None or not 0.5 <= interval / self.auto_interval <= 2:
             log.info(
@@ -818,7 +876,7 @@ class BurnpackCheckpoint(Checkpoint):
                 self.max_overhead * 100,
             )
             self.auto_interval = interval
-        return trainer.global_step - max(self._saved_step, 0) >= self.auto_interval
+        return since >= self.auto_interval
 
     def _time_due(self) -> bool:
         interval = self.train_time_interval
@@ -958,12 +1016,17 @@ class BurnpackCheckpoint(Checkpoint):
         data = trainer_state.to_records(
             checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
-        if self._saver is not None:
-            self._saver.save_checkpoint(checkpointer, number, data)  # raises an earlier failure
+        if self._saver is not None:  # raises an earlier failure; logs once committed
+            self._saver.save_checkpoint(checkpointer, number, data, self._log_saved(number))
             return
         path = checkpointer.save_checkpoint(number, data)
         if path is not None:
-            log.info("saved checkpoint %d at %s", number, path)
+            self._log_saved(number)(path)
+
+    @staticmethod
+    def _log_saved(number: int) -> Callable[[Path | str], None]:
+        """The one "saved checkpoint N at PATH" line, for a synchronous or asynchronous save."""
+        return lambda path: log.info("saved checkpoint %d at %s", number, path)
 
     # -- preemption ----------------------------------------------------------------------------
 

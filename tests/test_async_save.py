@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -361,6 +362,39 @@ def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_pat
         assert trainer_sync.keys() == trainer_async.keys()
         assert trainer_sync["loops"] == trainer_async["loops"]
         assert trainer_sync["epoch"] == trainer_async["epoch"] == n
+
+
+class _SavedLines(logging.Handler):
+    """Each "saved checkpoint N" line of the lightning_bpk logger: its thread, and whether N's
+    sentinel existed when it was logged."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory, self.lines = directory, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("saved checkpoint "):
+            number = message.split()[2]
+            committed = (self.directory / f"sentinel_checkpoint_complete.{number}").exists()
+            self.lines.append((message, record.threadName, committed))
+
+
+def test_async_saves_log_each_checkpoint_once_it_is_committed(tmp_path):
+    from lightning_bpk.callback import BurnpackCheckpoint
+
+    lines = _SavedLines(tmp_path / "async")
+    logger = logging.getLogger("lightning_bpk")
+    logger.addHandler(lines)
+    try:
+        _fit(tmp_path, BurnpackCheckpoint(dirpath=tmp_path / "async", async_save=True))
+    finally:
+        logger.removeHandler(lines)
+    assert [line[0] for line in lines.lines] == [
+        f"saved checkpoint {n} at {tmp_path / 'async' / f'ckpt.{n}'}" for n in range(3)
+    ]
+    assert all(thread.startswith(_WRITER_THREAD_NAME) for _, thread, _ in lines.lines)
+    assert all(committed for _, _, committed in lines.lines)  # logged after the sentinel
 
 
 def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path):

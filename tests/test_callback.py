@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import gin
@@ -294,3 +296,123 @@ def test_disk_full_raises_clearly_and_keeps_earlier_checkpoints(tmp_path, monkey
         "sentinel_checkpoint_complete.1",
     ]
     assert verify_checkpoint(directory, 0) == [] and verify_checkpoint(directory, 1) == []
+
+
+def _saved(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """The numbers of the "saved checkpoint N" log lines."""
+    return [int(m) for m in re.findall(r"saved checkpoint (\d+) at ", caplog.text)]
+
+
+def test_auto_interval_after_a_resume_measures_first_instead_of_saving_every_step(tmp_path, caplog):
+    _fit(tmp_path, 2, every_n_train_steps="auto")  # 12 steps: measured and saved at step 10
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        callback, start, _ = _fit(tmp_path, 6, every_n_train_steps="auto")
+    assert start.step == 12 and callback.restored_number == 12
+    saved = _saved(caplog)
+    # a fresh process knows neither a step's time nor a save's cost: it measures them as a fresh
+    # run does (a save 10 steps in), then keeps to the interval it chose; the final save is made
+    assert saved[0] == 12 + 10 and saved[-1] == 36, saved
+    assert callback.auto_interval is not None
+    assert all(b - a >= min(callback.auto_interval, 36 - a) for a, b in itertools.pairwise(saved))
+    assert len(saved) < 24 // 2  # not after every one of its 24 steps
+
+
+def _fit_timed(root: Path, epochs: int, max_time: timedelta | None) -> tuple[L.Trainer, object]:
+    L.seed_everything(0)
+    callback = BurnpackCheckpoint()
+    trainer = make_trainer(str(root), epochs, [callback], max_time=max_time)
+    trainer.fit(TinyModel())
+    return trainer, callback
+
+
+def test_a_run_stopped_by_max_time_continues_with_a_larger_max_time_or_none(tmp_path, caplog):
+    tiny = timedelta(milliseconds=1)  # Lightning's Timer stops after the first step
+    stopped, _ = _fit_timed(tmp_path, 3, tiny)
+    assert stopped.global_step == 1
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        again, callback = _fit_timed(tmp_path, 3, tiny)  # the same max_time: still finished
+    assert again.global_step == 1 and callback.restored_number == 0
+    assert "already finished at checkpoint 0 (max_time=0:00:00.001000 was reached" in caplog.text
+    larger, callback = _fit_timed(tmp_path, 2, timedelta(hours=1))
+    assert callback.restored_number == 0 and larger.current_epoch == 2
+    assert larger.global_step == 1 + 6  # epoch 0 ended at the stop (as Lightning ends it)
+    unlimited, callback = _fit_timed(tmp_path, 3, None)
+    assert callback.restored_number == 1 and unlimited.global_step == 1 + 12
+
+
+def test_a_step_numbered_run_names_its_start_as_a_global_step(tmp_path):
+    _fit(tmp_path, 1, every_n_train_steps=4)
+    with pytest.raises(CheckpointResumeError, match=r"starts from scratch \(global step 0\)"):
+        _fit(tmp_path, 1, every_n_train_steps=4, resume=False)
+
+
+def test_ckpt_path_last_means_the_newest_complete_checkpoint_said_once(tmp_path, caplog, recwarn):
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        callback, start, _ = _fit(tmp_path, 1, ckpt_path="last")  # nothing saved yet
+        assert callback.restored_number is None and start.epoch == 0
+        assert f'ckpt_path="last": no complete checkpoint in {tmp_path / "checkpoints"} yet' in (
+            caplog.text
+        )
+        callback, start, _ = _fit(tmp_path, 2, ckpt_path="last")
+    assert callback.restored_number == 0 and start.epoch == 1
+    newest = f'ckpt_path="last": the newest complete checkpoint in {tmp_path / "checkpoints"} is 0'
+    assert newest in caplog.text
+    # Lightning's "No checkpoint will be loaded" would contradict that: not shown
+    assert not [w for w in recwarn if "no last checkpoint" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["model.bpk", "trainer.bpk"])
+def test_ckpt_path_of_a_file_inside_a_checkpoint_names_the_directory(tmp_path, name):
+    _fit(tmp_path, 1)
+    directory = tmp_path / "checkpoints" / "ckpt.0"
+    with pytest.raises(CheckpointResumeError) as refused:
+        _fit(tmp_path, 2, ckpt_path=directory / name)
+    assert str(refused.value) == (
+        f"ckpt_path {directory / name} is a file inside checkpoint 0 ({directory}); a "
+        f"checkpoint is its whole directory: pass ckpt_path={str(directory)!r}"
+    )
+
+
+def test_preemption_signals_are_plain_ints_from_numbers_signals_or_names():
+    import signal
+
+    import yaml
+
+    default = BurnpackCheckpoint().preemption_signals
+    assert default == (15, 10) and all(type(s) is int for s in default)
+    assert yaml.safe_dump(list(default))  # a config system (LightningCLI) can write them out
+    given = BurnpackCheckpoint(preemption_signals=["SIGTERM", "usr1", signal.SIGINT, 12])
+    assert given.preemption_signals == (15, 10, 2, 12)
+    assert all(type(s) is int for s in given.preemption_signals)
+    with pytest.raises(ValueError, match=r"preemption_signals: 'SIGNOPE' is not a signal"):
+        BurnpackCheckpoint(preemption_signals=["SIGNOPE"])
+
+
+class _WarmUp(L.Callback):
+    """A user's callback that adds a per-step scheduler of its own to the module's optimizer."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+        warm_up = torch.optim.lr_scheduler.LinearLR(trainer.optimizers[0], 0.5, total_iters=9)
+        trainer.lr_scheduler_configs.append(LRSchedulerConfig(warm_up, interval="step"))
+
+
+def test_a_scheduler_a_callback_adds_at_fit_start_is_saved_and_restored(tmp_path):
+    def fit(root: Path, epochs: int):
+        L.seed_everything(0)
+        model, callback = TinyModel(), BurnpackCheckpoint()
+        trainer = make_trainer(str(root), epochs, [callback, _WarmUp()])
+        trainer.fit(model)
+        return trainer, model, callback
+
+    fit(tmp_path / "run", 1)
+    assert (tmp_path / "run" / "checkpoints" / "ckpt.0" / "scheduler-1.bpk").is_file()
+    trainer, model, callback = fit(tmp_path / "run", 3)
+    assert callback.restored_number == 0
+    reference, reference_model, _ = fit(tmp_path / "reference", 3)
+    states = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    assert states == [c.scheduler.state_dict() for c in reference.lr_scheduler_configs]
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import signal
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -147,3 +148,77 @@ def test_cluster_environment_is_the_detected_or_given_one() -> None:
     slurm = SLURMEnvironment(auto_requeue=False)
     given = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[slurm])
     assert compat.cluster_environment(given) is slurm
+
+
+class _Crash(L.Callback):
+    """Fails the fit after global step ``step`` (the callback's step saves before it are made)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def _swa_fit(root: Path, *extra: L.Callback) -> tuple[L.Trainer, L.LightningModule]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_bpk import BurnpackCheckpoint
+
+    L.seed_everything(0)
+    model = TinyModel()
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2)
+    callbacks = [swa, BurnpackCheckpoint(every_n_train_steps=5), *extra]
+    trainer = make_trainer(str(root), 3, callbacks)
+    trainer.fit(model)
+    return trainer, model
+
+
+def test_resume_swa_mid_epoch_rebuilds_the_swalr_of_the_resumed_epoch(tmp_path: Path) -> None:
+    reference, reference_model = _swa_fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        _swa_fit(tmp_path / "run", _Crash(16))  # after the save of step 15, in SWA's epoch 2
+    trainer, model = _swa_fit(tmp_path / "run")  # resumes at epoch 2, batch 3
+    assert trainer.global_step == reference.global_step == 18
+    [config] = trainer.lr_scheduler_configs
+    assert type(config.scheduler).__name__ == "SWALR"
+    state = config.scheduler.state_dict()
+    assert state == reference.lr_scheduler_configs[0].scheduler.state_dict()
+    assert state["_step_count"] == 3  # stepped at the ends of epochs 1 and 2, as never stopped
+    for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert a.detach().equal(b.detach())
+
+
+def test_timer_duration_is_max_time_in_seconds(tmp_path: Path) -> None:
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+
+    trainer = make_trainer(str(tmp_path), 1, [], max_time=timedelta(milliseconds=1500))
+    [timer] = [c for c in trainer.callbacks if isinstance(c, Timer)]
+    assert compat.timer_duration(timer) == 1.5
+    assert compat.timer_duration(Timer(duration=None)) is None
+
+
+def _take_marked(trainer: L.Trainer) -> bool:
+    return getattr(trainer, "_test_takes_last", False)
+
+
+def test_route_last_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Path) -> None:
+    compat.route_last_ckpt_path(_take_marked)
+    compat.route_last_ckpt_path(_take_marked)  # once per process, whoever asks again
+    for takes in (False, True):
+        trainer = make_trainer(str(tmp_path / str(takes)), 1, [], limit_train_batches=1)
+        trainer._test_takes_last = takes  # type: ignore[attr-defined]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyModel(), ckpt_path="last")
+        shown = [str(w.message) for w in caught if "no last checkpoint" in str(w.message)]
+        assert len(shown) == (0 if takes else 1), shown
+        assert trainer.ckpt_path is None and trainer.global_step == 1
+    # outside fit, "last" stays Lightning's alone (the callback restores nothing there)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(TinyModel(), ckpt_path="last")
+    assert [w for w in caught if "no last checkpoint" in str(w.message)]

@@ -158,5 +158,5 @@ def test_our_log_lines_show_without_a_logging_configuration() -> None:
             logging.basicConfig(format="root: %(message)s")
         logging.getLogger("lightning_bpk").info("saved checkpoint 0 at x")
     """
-    for when, prefix in (("never", ""), ("before", "root: "), ("after", "root: ")):
+    for when, prefix in (("never", "lightning_bpk: "), ("before", "root: "), ("after", "root: ")):
         assert _python(code, when).stderr == prefix + "saved checkpoint 0 at x\n"

@@ -6,6 +6,7 @@ As a script (run by the end-to-end, preemption and DDP tests)::
     python lightning_tiny.py --root DIR --epochs 4 [--kill-at-step K] [--term-at-step K]
         [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES --fsize-at-step K]
         [--every-n-steps N] [--workers W] [--ids FILE] [--one-cycle] [--max-steps M]
+        [--swa EPOCH] [--ema] [--io-plugin] [--async-save] [--auto-steps] [--max-time SECONDS]
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
@@ -13,6 +14,10 @@ multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank `
 ``--fsize-limit`` caps file sizes (RLIMIT_FSIZE, SIGXFSZ ignored) from step ``--fsize-at-step``.
 ``--ids FILE`` appends ``epoch batch_idx global_step id,id,...`` per training batch (``FILE.rankR``
 under DDP): every sample carries a unique id, so a resumed run's data order can be compared.
+``--swa EPOCH`` adds Lightning's StochasticWeightAveraging from that (1-based) epoch, ``--ema`` an
+:class:`EmaWeights` callback (``--out`` then also writes its copy to ``FILE.ema``),
+``--io-plugin`` BurnpackCheckpointIO beside the callback, ``--async-save`` and ``--auto-steps``
+(``every_n_train_steps="auto"``) the callback's options, ``--max-time`` Lightning's ``max_time``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import resource
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +106,32 @@ class TinyModel(L.LightningModule):
         return DataLoader(self._data(1, 16), batch_size=BATCH_SIZE)
 
 
+class EmaWeights(L.Callback):
+    """A user's exponential moving average of the weights, kept in the callback's own state
+    (``state_dict``/``load_state_dict``): what a resume must give back bit for bit."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.updates = 0
+        self.ema: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        with torch.no_grad():
+            for name, value in pl_module.state_dict().items():
+                if name in self.ema:
+                    self.ema[name].mul_(self.decay).add_(value, alpha=1 - self.decay)
+                else:
+                    self.ema[name] = value.detach().clone()
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates, "ema": dict(self.ema)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.decay, self.updates = state_dict["decay"], state_dict["updates"]
+        self.ema = {k: v.clone() for k, v in state_dict["ema"].items()}
+
+
 def make_trainer(root: str, epochs: int, callbacks: list, **kwargs: object) -> L.Trainer:
     """A quiet CPU Trainer: deterministic, no logger, no progress bar, no summary."""
     options = dict(
@@ -147,6 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--one-cycle", action="store_true")
     parser.add_argument("--ids")
     parser.add_argument("--out")
+    # -- callbacks, plugins and limits beside the checkpoint callback (engineer cb's block) --
+    parser.add_argument("--swa", type=int)
+    parser.add_argument("--ema", action="store_true")
+    parser.add_argument("--io-plugin", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--auto-steps", action="store_true")
+    parser.add_argument("--max-time", type=float)
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -173,17 +212,34 @@ def main(argv: list[str] | None = None) -> None:
             os.kill(os.getpid(), getattr(signal, args.term_signal))
 
     model.on_step = on_step
-    extra = {}
+    extra: dict[str, Any] = {}
     if args.devices > 1:
         extra = dict(strategy="ddp", devices=args.devices, use_distributed_sampler=True)
     callback = BurnpackCheckpoint(
-        checkpoint_frequency=args.frequency, every_n_train_steps=args.every_n_steps
+        checkpoint_frequency=args.frequency,
+        every_n_train_steps="auto" if args.auto_steps else args.every_n_steps,
+        async_save=args.async_save,
     )
+    callbacks: list = [callback]
+    if args.swa is not None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=args.swa))
+    ema = EmaWeights() if args.ema else None
+    callbacks += [ema] if ema is not None else []
+    if args.io_plugin:
+        from lightning_bpk import BurnpackCheckpointIO
+
+        extra["plugins"] = [BurnpackCheckpointIO()]
+    if args.max_time is not None:
+        extra["max_time"] = timedelta(seconds=args.max_time)
     epochs = args.epochs if args.max_steps == -1 else -1
-    trainer = make_trainer(args.root, epochs, [callback], max_steps=args.max_steps, **extra)
+    trainer = make_trainer(args.root, epochs, callbacks, max_steps=args.max_steps, **extra)
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
+        if ema is not None:
+            ModuleRecord(ema.ema).save(args.out + ".ema")
     report_finished(trainer, callback)
 
 
