@@ -545,6 +545,8 @@ def _read_manifest_or_problem(checkpoint: Any) -> tuple[_Manifest | None, list[s
     except FileNotFoundError:
         sentinel, n = checkpoint.sentinel, checkpoint.iteration
         return None, [f"{sentinel}: no sentinel (iteration {n} is not complete)"]
+    except storage.StorageError:
+        raise  # the store failed after its retries: not damage, nothing to skip for
     except (OSError, ValueError) as e:
         return None, [f"{checkpoint.sentinel}: {e}"]
 
@@ -554,7 +556,7 @@ def _read_manifest_to_load(checkpoint: Any) -> _Manifest | None:
     there is no sentinel (nothing to load), a :class:`RecordError` naming a damaged one."""
     try:
         return checkpoint.read_manifest()
-    except FileNotFoundError:
+    except (FileNotFoundError, storage.StorageError):
         raise
     except (OSError, ValueError) as e:
         raise RecordError("io", f"{checkpoint.sentinel}: {e}") from e
