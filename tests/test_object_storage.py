@@ -34,6 +34,7 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import (
     Checkpointer,
+    CheckpointWarning,
     get_latest_checkpoint_number,
     list_checkpoints,
     verify_checkpoint,
@@ -41,6 +42,7 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.cli import main as cli_main
 from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.records.base import RecordError
 
 from conftest import SCRIPTS, TINY_REFERENCE_EPOCHS, finish_process, start_process
 from lightning_tiny import BATCH_SIZE, SAMPLES, TinyModel, make_trainer
@@ -379,6 +381,24 @@ def test_a_bucket_deleted_mid_run_says_so(bucket):
         checkpointer.save_checkpoint(1, _model(1))
     assert "superseded" not in str(error.value)
     assert "every checkpoint" in str(error.value)
+
+
+def test_a_manifest_claiming_50_gib_is_refused_before_anything_is_allocated(bucket):
+    """A hostile (or damaged) manifest claims 50 GiB for model.bpk: loading compares the claim
+    with the object's size first and raises a RecordError naming the object (the old code
+    allocated the claimed size: MemoryError); the quick checks skip it the same way."""
+    url = f"s3://{bucket}/run"
+    checkpointer = Checkpointer(url, storage_options=None)
+    checkpointer.save_checkpoint(0, _model(0))
+    store = storage.object_store(url, None)
+    manifest = json.loads(store.read("sentinel_checkpoint_complete.0"))
+    manifest["files"]["model"]["size"] = 50 * 2**30
+    store.write("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())
+    claimed = re.escape(f"{url}/ckpt.0/model.bpk: ") + r"\d+ bytes, manifest records 53687091200"
+    with pytest.raises(RecordError, match=claimed):
+        checkpointer.load_checkpoint(0)
+    with pytest.warns(CheckpointWarning, match="manifest records 53687091200"):
+        assert load_newest(store, "checkpoint", "ckpt", ("model",), 10**9) == (-1, None)
 
 
 # --- gs:// against a GCS-protocol server --------------------------------------------------------
