@@ -169,3 +169,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
 
     items.sort(key=rank)  # stable: every file's tests keep their order
+
+
+def replace_with_symlink(path: Path, elsewhere: Path) -> Path:
+    """Move ``path`` (a file or a directory) to ``elsewhere`` and leave a symlink to it in its
+    place: the same bytes, reached through a link (what every checkpoint reader must refuse)."""
+    elsewhere.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, elsewhere)
+    path.symlink_to(elsewhere, target_is_directory=elsewhere.is_dir())
+    return path
