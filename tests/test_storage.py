@@ -7,7 +7,6 @@ The same protocol against a real S3 server (moto over HTTP through s3fs) is in
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import uuid
@@ -32,7 +31,8 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.lease import CheckpointSupersededError, Lease
 from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
-from lightning_bpk.records.base import RecordError
+
+from conftest import check_a_50_gib_claim_is_refused
 
 
 @pytest.fixture(autouse=True)
@@ -164,17 +164,7 @@ def test_a_manifest_claiming_50_gib_is_refused_before_anything_is_allocated():
     with the object's size first and raises a RecordError naming the object (the old code
     allocated the claimed size: MemoryError); the quick checks skip it the same way."""
     url = _url()
-    checkpointer = Checkpointer(url, storage_options=None)
-    checkpointer.save_checkpoint(0, _data(0))
-    store = storage.object_store(url, None)
-    manifest = json.loads(store.read("sentinel_checkpoint_complete.0"))
-    manifest["files"]["model"]["size"] = 50 * 2**30
-    store.write("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())
-    claimed = re.escape(f"{url}/ckpt.0/model.bpk: ") + r"\d+ bytes, manifest records 53687091200"
-    with pytest.raises(RecordError, match=claimed):
-        checkpointer.load_checkpoint(0)
-    with pytest.warns(CheckpointWarning, match="manifest records 53687091200"):
-        assert load_newest(store, "checkpoint", "ckpt", ("model",), 10**9) == (-1, None)
+    check_a_50_gib_claim_is_refused(url, _data(0))
 
 
 def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
