@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.storage import StorageError
+from lightning_bpk.storage import DirectoryGoneError, StorageError
 
 __all__ = ["LEASE_STEM", "CheckpointSupersededError", "Lease", "lease_name"]
 
@@ -96,7 +96,7 @@ class Lease:
 
     def check(self) -> None:
         """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing), or
-        a :class:`~lightning_bpk.storage.StorageError` if the directory itself is gone."""
+        a :class:`~lightning_bpk.storage.DirectoryGoneError` if the directory itself is gone."""
         listing = self.store.list("")
         generations = _generations(listing)
         if generations and generations[-1] == self.generation:
@@ -118,11 +118,11 @@ class Lease:
             if check is not None:
                 check()
         except StorageError as e:
-            raise StorageError(
+            raise DirectoryGoneError(
                 f"{e}: it was deleted while this run used it, and every checkpoint in it with "
                 "it; this run stops writing there"
             ) from e
-        raise StorageError(
+        raise DirectoryGoneError(
             f"{self.store.url}: the checkpoint directory was deleted or emptied while this run "
             "used it (its lease and every checkpoint in it are gone); this run stops writing there"
         )

@@ -53,6 +53,7 @@ __all__ = [
     "READ_CHUNK",
     "READ_STREAMS",
     "UPLOAD_PART",
+    "DirectoryGoneError",
     "LocalStore",
     "MissingDriverError",
     "ObjectStore",
@@ -96,6 +97,11 @@ T = TypeVar("T")
 
 class StorageError(LightningBpkError, OSError):
     """A storage operation failed (after retries), or a URL cannot be served; names the URL."""
+
+
+class DirectoryGoneError(StorageError):
+    """The checkpoint directory (or its whole bucket) was deleted while a run used it: every
+    checkpoint that was in it is gone too, so no "earlier checkpoints are untouched" holds."""
 
 
 class MissingDriverError(LightningBpkError, ImportError):

@@ -382,7 +382,7 @@ def test_a_bucket_deleted_mid_run_says_so(bucket):
     fs = fsspec.filesystem("s3")
     fs.rm(bucket, recursive=True)
     fs.invalidate_cache()
-    with pytest.raises(storage.StorageError, match="bucket does not exist") as error:
+    with pytest.raises(storage.DirectoryGoneError, match="bucket does not exist") as error:
         checkpointer.save_checkpoint(1, _model(1))
     assert "superseded" not in str(error.value)
     assert "every checkpoint" in str(error.value)
