@@ -92,6 +92,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -115,6 +116,7 @@ from lightning_bpk.layout import (
     DEFAULT_PREFIX,
     NUMBER_PATTERN,
     RECORD_SUFFIX,
+    member_name_problem,
     sentinel_name,
     sentinel_stem,
 )
@@ -178,6 +180,8 @@ _SHOWN_PROBLEMS = 5
 _QUOTE = reprlib.Repr()
 _QUOTE.maxstring = _QUOTE.maxother = 160
 _HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
+# The rule of lightning_bpk.layout: a checkpoint is made of real files and directories.
+_SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real files)"
 
 
 class CheckpointLockedError(LightningBpkError, RuntimeError):
@@ -383,6 +387,9 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
     data = doc.get("data")
     if not isinstance(data, str) or not _names_data(data, None, iteration):
         raise ValueError(f"manifest names data {_quote(data)}, not '<prefix>.{iteration}'")
+    problem = member_name_problem(data)
+    if problem is not None:
+        raise ValueError(f"manifest data directory: {problem}")
     _safe_name(data.partition(_VERSION_MARK)[0], "manifest data directory")
     files = doc.get("files")
     if not isinstance(files, dict):
@@ -390,6 +397,9 @@ def _parse_manifest(raw: bytes, iteration: int) -> _Manifest | None:
     entries = {}
     for key, entry in files.items():
         _safe_name(key, "manifest key")
+        problem = member_name_problem(entry.get("file")) if isinstance(entry, dict) else None
+        if problem is not None:
+            raise ValueError(f"manifest entry {_quote(key)}: {problem}")
         fields = ("kind", "size", "head_size", "head_xxh3")
         if (
             not isinstance(entry, dict)
@@ -447,8 +457,14 @@ class _Checkpoint:
 
     def read_manifest(self) -> _Manifest | None:
         """Parse the sentinel. Raises FileNotFoundError (absent) or ValueError (damaged)."""
-        # O_NONBLOCK: a FIFO planted under a sentinel name must not hang the reader.
-        fd = os.open(self.sentinel, os.O_RDONLY | os.O_NONBLOCK)
+        # O_NONBLOCK: a FIFO planted under a sentinel name must not hang the reader;
+        # O_NOFOLLOW: nor is a symlink followed (lightning_bpk.layout's rule).
+        try:
+            fd = os.open(self.sentinel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"the sentinel {_SYMLINK}") from None
+            raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("sentinel is not a regular file")
@@ -477,6 +493,9 @@ class _Checkpoint:
         if unreadable:
             return unreadable
         data = self.data_path(manifest)
+        linked = _symlinks(data)
+        if linked:
+            return linked
         if not data.exists():
             return [f"{data}: data is missing (sentinel without data)"]
         if manifest is None:
@@ -515,6 +534,19 @@ class _Checkpoint:
         return [p for key in _keys_on_disk(data) for p in _tensor_problems(_record_path(data, key))]
 
 
+def _symlinks(data: Path) -> list[str]:
+    """A problem for ``data`` itself and for each entry below it that is a symlink (one walk
+    that follows none): every reader refuses such a checkpoint, naming the link."""
+    if data.is_symlink():
+        return [f"{data} {_SYMLINK}"]
+    found = []
+    for folder, directories, files in os.walk(data):  # a symlinked directory: listed, not entered
+        for name in sorted(directories + files):
+            if os.path.islink(os.path.join(folder, name)):
+                found.append(f"{os.path.join(folder, name)} {_SYMLINK}")
+    return found
+
+
 def _not_a_data_directory(data: Path) -> str:
     return f"{data} is not a lightning_bpk data directory (a Dopamine pickle?); not loadable"
 
@@ -545,6 +577,8 @@ def _read_manifest_or_problem(checkpoint: Any) -> tuple[_Manifest | None, list[s
     except FileNotFoundError:
         sentinel, n = checkpoint.sentinel, checkpoint.iteration
         return None, [f"{sentinel}: no sentinel (iteration {n} is not complete)"]
+    except storage.StorageError:
+        raise  # the store failed after its retries: not damage, nothing to skip for
     except (OSError, ValueError) as e:
         return None, [f"{checkpoint.sentinel}: {e}"]
 
@@ -554,7 +588,7 @@ def _read_manifest_to_load(checkpoint: Any) -> _Manifest | None:
     there is no sentinel (nothing to load), a :class:`RecordError` naming a damaged one."""
     try:
         return checkpoint.read_manifest()
-    except FileNotFoundError:
+    except (FileNotFoundError, storage.StorageError):
         raise
     except (OSError, ValueError) as e:
         raise RecordError("io", f"{checkpoint.sentinel}: {e}") from e
@@ -876,6 +910,9 @@ class Checkpointer:
         except FileNotFoundError:
             return None
         data = checkpoint.data_path(manifest)
+        linked = _symlinks(data)
+        if linked:
+            raise RecordError("io", linked)
         if not data.exists():
             return None
         if not data.is_dir():

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.storage import DirectoryGoneError, StorageError
 
 __all__ = ["LEASE_STEM", "CheckpointSupersededError", "Lease", "lease_name"]
 
@@ -94,10 +95,14 @@ class Lease:
         )
 
     def check(self) -> None:
-        """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing)."""
-        generations = _generations(self.store.list(""))
+        """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing), or
+        a :class:`~lightning_bpk.storage.DirectoryGoneError` if the directory itself is gone."""
+        listing = self.store.list("")
+        generations = _generations(listing)
         if generations and generations[-1] == self.generation:
             return
+        if not listing:
+            self._gone()
         newest = generations[-1] if generations else None
         raise CheckpointSupersededError(
             f"{self.store.url}: this run (pid {self.owner['pid']} on {self.owner['host']}, "
@@ -105,9 +110,26 @@ class Lease:
             f"{self._describe(newest)}; it stops writing here and deletes nothing"
         )
 
+    def _gone(self) -> None:
+        """The directory holds nothing, not even this run's lease: it (or its bucket) was
+        deleted while the run used it. Say that, and that the checkpoints went with it."""
+        check = getattr(self.store, "check", None)  # an object store: is the bucket there?
+        try:
+            if check is not None:
+                check()
+        except StorageError as e:
+            raise DirectoryGoneError(
+                f"{e}: it was deleted while this run used it, and every checkpoint in it with "
+                "it; this run stops writing there"
+            ) from e
+        raise DirectoryGoneError(
+            f"{self.store.url}: the checkpoint directory was deleted or emptied while this run "
+            "used it (its lease and every checkpoint in it are gone); this run stops writing there"
+        )
+
     def _describe(self, generation: int | None) -> str:
         if generation is None:
-            return "nobody (its lease was removed)"
+            return "nobody (its lease was removed; the checkpoints beside it are still there)"
         try:
             doc = json.loads(self.store.read(lease_name(generation)))
             return (

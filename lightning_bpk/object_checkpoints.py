@@ -17,7 +17,9 @@ The layout is the local one, as keys below the URL (``s3://bucket/run/ckpt.7/mod
    on S3 and GCS) for a new N, so if another writer committed N in between this save fails
    instead of overwriting its commit; for a re-save of N one PUT replaces the old manifest by the
    new one (an object is replaced whole: readers see the old checkpoint or the new, never
-   neither). A sentinel write that raised is read back: it may have landed;
+   neither). A sentinel write that raised is read back: it may have landed; so is a create
+   refused as "exists" (:meth:`~lightning_bpk.storage.ObjectStore.create`): the retry of our own
+   PUT whose answer was lost finds our bytes there, which is a commit, not a conflict;
 7. a re-save deletes the old copy of N's data; garbage collection (the local arithmetic), after
    one more lease check: sentinels are deleted before their data, so a checkpoint is incomplete
    before it is partial, and an old copy of a re-saved N that a crash left is deleted too.
@@ -37,6 +39,10 @@ at any point leaves at most unreferenced data, which later garbage collection re
 Reads stream: a record object is fetched with ranged reads into memory, its head (header and
 metadata) first and checked against the manifest's digest before the tensor bytes are fetched;
 the tensor checksums are verified as the record is decoded. Nothing goes to a temporary folder.
+A read that finds damage is made once more before the checkpoint is called damaged (bytes
+garbled on the way are not the object's), and a :class:`~lightning_bpk.storage.StorageError`
+(the store still failing after its retries) propagates: it says nothing about the checkpoint,
+so resume must not skip to an older one for it.
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ import secrets
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import xxhash
 
@@ -57,6 +63,8 @@ from lightning_bpk import checkpointer as ck
 from lightning_bpk.layout import NUMBER_PATTERN, sentinel_stem
 from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
 from lightning_bpk.storage import ObjectStore, StorageError, name_of
+
+T = TypeVar("T")
 
 __all__ = [
     "RemoteCheckpoint",
@@ -133,7 +141,10 @@ class RemoteCheckpoint:
                 raise FileNotFoundError(self.sentinel)
             if size > ck.MAX_SENTINEL_SIZE:
                 raise ValueError(f"sentinel is larger than {ck.MAX_SENTINEL_SIZE} bytes")
-            manifest = ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration)
+            manifest = _read_twice(
+                lambda: ck._parse_manifest(self.store.read(self.sentinel_key), self.iteration),
+                ValueError,
+            )
             ck._check_data_name(manifest, self.prefix, self.iteration)
             self._manifest = (manifest,)
         return self._manifest[0]
@@ -170,10 +181,7 @@ class RemoteCheckpoint:
             )
             problems = []
             for file in sorted(n for n in present if n.endswith(ck.RECORD_SUFFIX)):
-                try:
-                    fetch_pack(self.store, f"{name}/{file}", present[file] or 0).verify()
-                except (burnpack.BurnpackError, OSError) as e:
-                    problems.append(str(e))
+                problems.extend(self._damage(f"{name}/{file}", present[file] or 0, None))
             return problems
         problems = ck._unlisted_keys(self.sentinel, manifest, required_keys)
         expected = {key + ck.RECORD_SUFFIX: e for key, e in manifest.files.items()}
@@ -186,11 +194,20 @@ class RemoteCheckpoint:
             elif present[file] != entry.size:
                 problems.append(f"{url}: {present[file]} bytes, manifest records {entry.size}")
             elif full:
-                try:
-                    fetch_pack(self.store, f"{name}/{file}", entry.size, entry).verify()
-                except (burnpack.BurnpackError, OSError, RecordError) as e:
-                    problems.append(str(e))
+                problems.extend(self._damage(f"{name}/{file}", entry.size, entry))
         return problems
+
+    def _damage(self, key: str, size: int, entry: ck._FileEntry | None) -> list[str]:
+        """Why object ``key`` is damaged ([] if every byte checks), read twice before saying
+        so (:func:`_read_twice`). A store that keeps failing raises its StorageError: that
+        says nothing about the checkpoint, which must not be skipped for it."""
+        try:
+            _read_twice(lambda: fetch_pack(self.store, key, size, entry).verify())
+        except StorageError:
+            raise
+        except (burnpack.BurnpackError, OSError, RecordError) as e:
+            return [str(e)]
+        return []
 
     def load(self, keys: Iterable[str] | None) -> dict[str, Any] | None:
         """:meth:`Checkpointer.load_checkpoint` on a store."""
@@ -202,39 +219,56 @@ class RemoteCheckpoint:
         present = self.store.list(name)
         if not present:
             return None
-        if manifest is None:
-            sizes = {
-                f[: -len(ck.RECORD_SUFFIX)]: s
-                for f, s in present.items()
-                if f.endswith(ck.RECORD_SUFFIX) and s is not None
-            }
-        else:
-            sizes = {key: entry.size for key, entry in manifest.files.items()}
-        wanted = list(sizes) if keys is None else list(keys)
-        missing = [k for k in wanted if k not in sizes]
+        held = (
+            sorted(f[: -len(ck.RECORD_SUFFIX)] for f in present if f.endswith(ck.RECORD_SUFFIX))
+            if manifest is None
+            else list(manifest.files)
+        )
+        wanted = held if keys is None else list(keys)
+        missing = [k for k in wanted if k not in held]
         if missing:
             raise KeyError(
                 f"checkpoint {self.iteration} ({self.store.url_of(name)}) has no entries "
-                f"{missing}; it holds {sorted(sizes)}"
+                f"{missing}; it holds {sorted(held)}"
             )
         loaded = {}
         for key in wanted:
-            entry = None if manifest is None else manifest.files[key]
-            try:
-                pack = fetch_pack(self.store, f"{name}/{key}{ck.RECORD_SUFFIX}", sizes[key], entry)
-            except burnpack.BurnpackError as e:
-                raise RecordError("io", str(e)) from e
-            except OSError as e:
-                raise RecordError("io", f"{self.store.url_of(name)}/{key}: {e}") from e
-            record = record_from_pack(pack)
-            loaded[key] = record.value if isinstance(record, StateRecord) else record
+            loaded[key] = self._load_one(name, key, present, manifest)
         return loaded
+
+    def _load_one(
+        self,
+        name: str,
+        key: str,
+        present: Mapping[str, int | None],
+        manifest: ck._Manifest | None,
+    ) -> Any:
+        """Entry ``key``'s record (plain data: its value), its size the listed one."""
+        file = key + ck.RECORD_SUFFIX
+        url = self.store.url_of(f"{name}/{file}")
+        size = present.get(file)
+        if size is None:  # absent, or a prefix instead of an object
+            raise RecordError("io", f"{url}: missing")
+        entry = None if manifest is None else manifest.files[key]
+        try:
+            record = _read_twice(
+                lambda: record_from_pack(fetch_pack(self.store, f"{name}/{file}", size, entry))
+            )
+        except burnpack.BurnpackError as e:
+            raise RecordError("io", str(e)) from e
+        except StorageError:
+            raise  # the store failed (after retries): nothing is known about the data
+        except OSError as e:
+            raise RecordError("io", f"{url}: {e}") from e
+        return record.value if isinstance(record, StateRecord) else record
 
 
 def fetch_pack(
     store: ObjectStore, key: str, size: int, entry: ck._FileEntry | None = None
 ) -> burnpack.Pack:
-    """Read object ``key`` (``size`` bytes) into memory with ranged reads and parse it.
+    """Read object ``key`` into memory with ranged reads and parse it. ``size`` is the object's
+    size as the store reports it (a listing, a stat), never a manifest's claim: with a manifest
+    ``entry`` the two must agree before a byte is allocated.
 
     With a manifest ``entry`` the head (header and metadata) is fetched and checked against the
     recorded digest before any tensor byte is requested. Tensors are checked against their
@@ -243,11 +277,15 @@ def fetch_pack(
     url = store.url_of(key)
     if size > burnpack.MAX_FILE_SIZE:
         raise burnpack.ValidationError(f"{url}: {size} bytes exceeds the maximum file size")
+    if entry is not None and (entry.size != size or entry.head_size > size):
+        # before anything is allocated: a manifest's sizes are claims until the object agrees
+        raise RecordError(
+            "io",
+            f"{url}: {size} bytes, manifest records {entry.size} (head {entry.head_size})",
+        )
     buffer = bytearray(size)
     start = 0
     if entry is not None:
-        if entry.size != size or entry.head_size > size:
-            raise RecordError("io", f"{url}: {size} bytes, manifest records {entry.size}")
         store.read_into(key, memoryview(buffer)[: entry.head_size])
         if xxhash.xxh3_64_hexdigest(memoryview(buffer)[: entry.head_size]) != entry.head_xxh3:
             raise RecordError(
@@ -256,6 +294,19 @@ def fetch_pack(
         start = entry.head_size
     store.read_into(key, memoryview(buffer)[start:], offset=start)
     return burnpack.Pack(buffer, source=url)
+
+
+def _read_twice(
+    read: Callable[[], T],
+    damage: type[Exception] | tuple[type[Exception], ...] = (burnpack.BurnpackError, RecordError),
+) -> T:
+    """``read()``, and once more if it found ``damage``: bytes garbled or cut short on the way
+    (which the store's retries cannot see when the answer looked whole) are not damage, so a
+    checkpoint is called damaged only when a second read agrees."""
+    try:
+        return read()
+    except damage:
+        return read()
 
 
 def latest(
@@ -314,6 +365,8 @@ def load_newest(
                     if data is not None:
                         return n, data
                     problems = [f"{checkpoint.sentinel}: its data is gone"]
+            except StorageError:
+                raise  # not damage: the store failed after its retries
             except (RecordError, OSError, KeyError, ValueError) as e:
                 problems = [str(e)]
         warnings.warn(
@@ -467,9 +520,7 @@ def _version() -> str:
 def _holds(store: ObjectStore, key: str, data: bytes) -> bool | None:
     """Whether object ``key`` holds ``data`` (None: the store cannot tell now)."""
     try:
-        return store.read(key) == data
-    except FileNotFoundError:
-        return False
+        return store.holds(key, data)
     except OSError:
         return None
 

@@ -20,8 +20,9 @@ A URL whose driver is not installed is refused with the extra to install::
     (False, True, True)
 
 Every call to an object store is retried on transient errors (timeouts, connection resets,
-throttling) with exponential backoff and full jitter, each wait bounded by :data:`MAX_WAIT` and
-the attempts by :data:`ATTEMPTS`; what still fails raises :class:`StorageError` naming the URL.
+throttling, answers cut short or failing the driver's checksum) with exponential backoff and full
+jitter, each wait bounded by :data:`MAX_WAIT` and the attempts by :data:`ATTEMPTS`; what still
+fails raises :class:`StorageError` naming the URL, as does any other error of a driver.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = [
     "READ_CHUNK",
     "READ_STREAMS",
     "UPLOAD_PART",
+    "DirectoryGoneError",
     "LocalStore",
     "MissingDriverError",
     "ObjectStore",
@@ -95,6 +97,11 @@ T = TypeVar("T")
 
 class StorageError(LightningBpkError, OSError):
     """A storage operation failed (after retries), or a URL cannot be served; names the URL."""
+
+
+class DirectoryGoneError(StorageError):
+    """The checkpoint directory (or its whole bucket) was deleted while a run used it: every
+    checkpoint that was in it is gone too, so no "earlier checkpoints are untouched" holds."""
 
 
 class MissingDriverError(LightningBpkError, ImportError):
@@ -208,24 +215,57 @@ _PERMANENT = (
 )
 
 
+# Words in the names of driver errors (botocore, aiohttp, gcsfs) that reach us untranslated and
+# that a second attempt can fix: throttling, dropped or reset connections, bodies cut short or
+# garbled in transit (botocore's FlexibleChecksumError: the bytes received do not match the
+# checksum the server sent for them; the object itself may well be whole).
+_TRANSIENT_NAMES = (
+    "Timeout",
+    "Connection",
+    "Throttl",
+    "SlowDown",
+    "ServerError",
+    "Disconnected",
+    "Payload",
+    "IncompleteRead",
+    "Checksum",
+    "StreamingError",
+)
+# Packages whose other errors are wrapped in StorageError (a typed error naming the URL) instead
+# of escaping raw: the drivers and the HTTP stacks below them.
+_DRIVER_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "urllib3")
+
+
+class _ShortRead(ConnectionError):
+    """A read answered fewer bytes than asked for: transient (a re-read gets them all) until
+    the retries are spent."""
+
+
 def _transient(error: BaseException) -> bool:
     if isinstance(error, _PERMANENT):
         return False
     if isinstance(error, (OSError, TimeoutError, ConnectionError, socket.timeout)):
         return True
-    # botocore/aiohttp errors that reach us untranslated (throttling, dropped connections)
     name = type(error).__name__
-    return any(w in name for w in ("Timeout", "Connection", "Throttl", "SlowDown", "ServerError"))
+    return any(w in name for w in _TRANSIENT_NAMES)
+
+
+def _from_driver(error: BaseException) -> bool:
+    return type(error).__module__.split(".")[0] in _DRIVER_PACKAGES
 
 
 def retry(what: str, call: Callable[[], T], *, attempts: int = ATTEMPTS) -> T:
     """``call()``, retried on transient errors with backoff and jitter; the last error is raised
-    as :class:`StorageError` whose message starts with ``what`` (permanent ones as they are)."""
+    as :class:`StorageError` whose message starts with ``what``. Permanent errors are raised as
+    they are (``FileNotFoundError``, ...), except a driver's own exception types, which become a
+    :class:`StorageError` at once: no raw botocore error reaches the caller."""
     for attempt in range(attempts):
         try:
             return call()
         except Exception as e:
             if not _transient(e):
+                if _from_driver(e) and not isinstance(e, _PERMANENT):
+                    raise StorageError(f"{what}: {type(e).__name__}: {e}") from e
                 raise
             if attempt == attempts - 1:
                 raise StorageError(f"{what}: {type(e).__name__}: {e} ({attempts} attempts)") from e
@@ -373,24 +413,36 @@ class ObjectStore:
         view = memoryview(buffer).cast("B")
         total = view.nbytes
         size = max(READ_CHUNK, -(-total // READ_STREAMS))
-        starts = list(range(0, total, size))
-        ends = [min(s + size, total) for s in starts]
+        pending = [(s, min(s + size, total)) for s in range(0, total, size)]
         path = self._path(key)
 
-        def fetch() -> list[bytes]:
-            return self.fs.cat_ranges(
-                [path] * len(starts), [offset + s for s in starts], [offset + e for e in ends]
+        def fetch() -> None:
+            """Fetch the ranges still pending; a range that failed or came back short stays
+            pending and raises (transient: the retry asks for it again)."""
+            chunks = self.fs.cat_ranges(
+                [path] * len(pending),
+                [offset + s for s, _ in pending],
+                [offset + e for _, e in pending],
             )
+            failed: list[tuple[int, int]] = []
+            error: BaseException | None = None
+            for (s, e), chunk in zip(list(pending), chunks, strict=True):
+                if isinstance(chunk, BaseException):
+                    failed.append((s, e))
+                    error = error or chunk
+                elif len(chunk) != e - s:
+                    failed.append((s, e))
+                    error = error or _ShortRead(
+                        f"{len(chunk)} bytes at {offset + s}, expected {e - s} (a short answer, "
+                        "or the object is shorter than its listed size)"
+                    )
+                else:
+                    view[s:e] = chunk
+            pending[:] = failed
+            if error is not None:
+                raise error
 
-        for s, e, chunk in zip(starts, ends, self._retry("read", key, fetch), strict=True):
-            if isinstance(chunk, BaseException):
-                raise StorageError(f"read {self.url_of(key)}: {chunk}") from chunk
-            if len(chunk) != e - s:
-                raise StorageError(
-                    f"read {self.url_of(key)}: {len(chunk)} bytes at {offset + s}, expected "
-                    f"{e - s} (object truncated?)"
-                )
-            view[s:e] = chunk
+        self._retry("read", key, fetch)
 
     def download(self, key: str, local: str | os.PathLike[str]) -> None:
         """Copy object ``key`` to a local file (for readers that need a file: the CLI's
@@ -449,7 +501,9 @@ class ObjectStore:
         """Write ``key`` only if it does not exist; False if it already did.
 
         Atomic on S3 (``If-None-Match: *``) and GCS (``ifGenerationMatch=0``) through fsspec's
-        ``mode="create"``; elsewhere (``memory://``) a check before the write.
+        ``mode="create"``; elsewhere (``memory://``) a check before the write. An "exists"
+        answer is read back: an object holding exactly ``data`` is our own create whose first
+        answer was lost (a retry then finds it), so True.
         """
         path = self._path(key)
         if self.atomic_create:
@@ -461,11 +515,29 @@ class ObjectStore:
                     return False
                 return True
 
-            return self._retry("create", key, put)
+            if self._retry("create", key, put):
+                return True
+            # "It exists" may be the answer to a retry of our own create whose first answer
+            # was lost (by the driver's retries or by ours): then the object holds our bytes
+            # and the create succeeded. Anything else was written by someone else.
+            return self.holds(key, data)
         if self.size(key) is not None:
             return False
         self.write(key, data)
         return True
+
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether object ``key`` holds exactly ``data`` (read back, never from a cache; an
+        object of another size is not read). ``StorageError`` when the store cannot tell."""
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self._path(key))
+        size = self.size(key)
+        if size != len(data):
+            return False
+        try:
+            return self.read(key) == data
+        except FileNotFoundError:
+            return False
 
     def remove(self, keys: Iterable[str]) -> None:
         """Delete objects; already gone is fine."""

@@ -9,7 +9,9 @@ pytest has already imported this file as the module ``conftest`` before it colle
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from lightning_bpk import storage
+from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning
+from lightning_bpk.object_checkpoints import load_newest
+from lightning_bpk.records.base import RecordError
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -169,3 +176,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return SLOWEST_FILES.index(name) if name in SLOWEST_FILES else len(SLOWEST_FILES)
 
     items.sort(key=rank)  # stable: every file's tests keep their order
+
+
+def replace_with_symlink(path: Path, elsewhere: Path) -> Path:
+    """Move ``path`` (a file or a directory) to ``elsewhere`` and leave a symlink to it in its
+    place: the same bytes, reached through a link (what every checkpoint reader must refuse)."""
+    elsewhere.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, elsewhere)
+    path.symlink_to(elsewhere, target_is_directory=elsewhere.is_dir())
+    return path
+
+
+def check_a_50_gib_claim_is_refused(url: str, data: Mapping[str, object]) -> None:
+    """Save ``data`` (with a ``model``) as checkpoint 0 in the object store at ``url``, then make
+    its manifest claim 50 GiB for model.bpk: loading must refuse it with a RecordError naming the
+    object before allocating anything, and resume's choice must skip it."""
+    checkpointer = Checkpointer(url)
+    checkpointer.save_checkpoint(0, data)
+    store = storage.object_store(url)
+    manifest = json.loads(store.read("sentinel_checkpoint_complete.0"))
+    manifest["files"]["model"]["size"] = 50 * 2**30
+    store.write("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())
+    claimed = re.escape(f"{url}/ckpt.0/model.bpk: ") + r"\d+ bytes, manifest records 53687091200"
+    with pytest.raises(RecordError, match=claimed):
+        checkpointer.load_checkpoint(0)
+    with pytest.warns(CheckpointWarning, match="manifest records 53687091200"):
+        assert load_newest(store, "checkpoint", "ckpt", ("model",), 10**9) == (-1, None)

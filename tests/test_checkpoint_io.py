@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import re
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +15,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_bpk import _fs
 from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records import ModuleRecord, RecordError
 
+from conftest import replace_with_symlink
 from lightning_tiny import TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,3 +152,17 @@ def test_resume_from_last_with_the_io_alone_is_bit_identical(tmp_path):
     run.fit(resumed, ckpt_path="last")
     expected, got = _weights(straight), _weights(resumed)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+@pytest.mark.parametrize("link", ["record file", "data directory"])
+def test_the_io_refuses_a_checkpoint_directory_holding_a_symlink(tmp_path, link):
+    """The checkpoint rule (lightning_bpk.layout) holds for the plugin too: a ``ckpt.N`` that is
+    a symlink, or one holding one, is refused naming the link, never followed."""
+    base = tmp_path / "checkpoints"
+    model = ModuleRecord({"w": torch.ones(2)})
+    Checkpointer(base).save_checkpoint(3, {"model": model, "trainer": {"epoch": 1}})
+    data = base / "ckpt.3"
+    inside = data if link == "data directory" else data / "trainer.bpk"
+    linked = replace_with_symlink(inside, tmp_path / "elsewhere" / inside.name)
+    with pytest.raises(RecordError, match=re.escape(str(linked)) + ".*symlink"):
+        BurnpackCheckpointIO().load_checkpoint(data)

@@ -34,7 +34,7 @@ from lightning_bpk.checkpointer import (
 )
 from lightning_bpk.records import Record, RecordError, StateRecord
 
-from conftest import run_process
+from conftest import replace_with_symlink, run_process
 
 SENTINEL = "sentinel_checkpoint_complete"
 DOPAMINE_DICT = {"data1": 1, "data2": "two", "data3": (3, "three")}
@@ -893,6 +893,35 @@ def test_reimport_does_not_raise_duplicate_registration(tmp_path: Path) -> None:
     result = run_process([sys.executable, "-c", _REIMPORT.format(base=tmp_path)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "3"
+
+
+@pytest.mark.parametrize("link", ["record file", "data directory", "sentinel"])
+def test_a_symlink_in_a_checkpoint_is_refused_by_every_reader(tmp_path: Path, link: str) -> None:
+    """The rule of lightning_bpk.layout: a checkpoint is made of real files and directories.
+    The linked bytes are the checkpoint's own, intact; verify, load and the resume choice all
+    refuse them anyway, naming the link (the old code loaded a linked record file and accepted
+    a linked ckpt.N everywhere)."""
+    base = tmp_path / "run"
+    c = Checkpointer(base)
+    for n in (0, 1):
+        c.save_checkpoint(n, tensors_payload(n))
+    inside = {
+        "record file": base / "ckpt.1" / "model.bpk",
+        "data directory": base / "ckpt.1",
+        "sentinel": base / f"{SENTINEL}.1",
+    }[link]
+    linked = replace_with_symlink(inside, tmp_path / "elsewhere" / inside.name)
+    refused = re.escape(str(linked)) + ".*symlink: refused, never followed"
+    assert any(re.search(refused, p) for p in verify_checkpoint(base, 1)), verify_checkpoint(
+        base, 1
+    )
+    assert any(re.search(refused, p) for p in verify_checkpoint(base, 1, full=False))
+    with pytest.raises(RecordError, match=refused):
+        c.load_checkpoint(1)
+    for verify in (False, True):
+        with pytest.warns(CheckpointWarning, match=refused):
+            assert get_latest_checkpoint_number(base, verify=verify) == 0
+    assert_tensors_payload(c.load_checkpoint(0), 0)
 
 
 def test_list_checkpoints_shows_complete_and_partial_numbers(tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ from lightning_bpk.lease import CheckpointSupersededError, Lease
 from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
 
+from conftest import check_a_50_gib_claim_is_refused
+
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):
@@ -155,6 +157,14 @@ def test_damaged_latest_is_skipped_with_a_warning(damage):
         fs.pipe_file(model, bytes(raw))
     with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
         assert get_latest_checkpoint_number(url, verify=True) == 0
+
+
+def test_a_manifest_claiming_50_gib_is_refused_before_anything_is_allocated():
+    """A hostile (or damaged) manifest claims 50 GiB for model.bpk: loading compares the claim
+    with the object's size first and raises a RecordError naming the object (the old code
+    allocated the claimed size: MemoryError); the quick checks skip it the same way."""
+    url = _url()
+    check_a_50_gib_claim_is_refused(url, _data(0))
 
 
 def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
