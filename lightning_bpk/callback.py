@@ -178,7 +178,20 @@ FINISHED_KEY = "lightning_bpk_finished"
 
 
 class CheckpointSaveError(LightningBpkError, RuntimeError):
-    """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
+    """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched, unless the
+    checkpoint directory itself was deleted under the run, which the message then says."""
+
+
+def _untouched(error: BaseException) -> str:
+    """What a failed save's message promises about the checkpoints before it: untouched, unless
+    the directory itself was deleted (a :class:`~lightning_bpk.storage.DirectoryGoneError`
+    anywhere in the chain), where they are gone with it and its message says so."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, storage.DirectoryGoneError):
+            return ""
+        cause = cause.__cause__ or cause.__context__
+    return "; earlier checkpoints are untouched"
 
 
 class CheckpointResumeError(LightningBpkError, RuntimeError):
@@ -946,7 +959,7 @@ class BurnpackCheckpoint(Checkpoint):
                     trainer, self.checkpointer, number, checkpoint, self.storage_options
                 )
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike
-                raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
+                raise CheckpointSaveError(f"{e}{_untouched(e)}") from e
         ranks = _gather(trainer, self._position.capture(consumed or 0, epoch_end))
         extra: dict[str, Any] = {POSITION_KEY: ranks}
         finished = _finished(trainer, epoch_end)
@@ -979,7 +992,7 @@ class BurnpackCheckpoint(Checkpoint):
                 assert self.checkpointer is not None  # rank 0's, made in setup
                 raise CheckpointSaveError(
                     f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
-                    f"({detail}); earlier checkpoints are untouched"
+                    f"({detail}){_untouched(error)}"
                 ) from error
             raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
         self.last_saved_number = number
@@ -1116,8 +1129,7 @@ class BurnpackCheckpoint(Checkpoint):
         except Exception as e:
             detail = " ".join([str(e), *getattr(e, "__notes__", [])])
             raise CheckpointSaveError(
-                f"the last asynchronous checkpoint save failed ({detail}); earlier checkpoints "
-                "are untouched"
+                f"the last asynchronous checkpoint save failed ({detail}){_untouched(e)}"
             ) from e
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -416,3 +416,34 @@ def test_a_scheduler_a_callback_adds_at_fit_start_is_saved_and_restored(tmp_path
     assert states == [c.scheduler.state_dict() for c in reference.lr_scheduler_configs]
     for a, b in zip(model.parameters(), reference_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class _DeleteTheDirectory(L.Callback):
+    """Deletes the run's whole memory:// directory after the first checkpoint, as a user or a
+    lifecycle rule deleting the bucket mid-run would."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            import fsspec
+
+            fsspec.filesystem("memory").rm(self.url, recursive=True)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_directory_deleted_mid_run_is_not_reported_as_untouched(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """The save after the deletion fails naming what happened; it must not promise that the
+    earlier checkpoints are untouched: they went with the directory."""
+    url = f"memory://deleted-mid-run-{async_save}/run"
+    callback = BurnpackCheckpoint(dirpath=url, async_save=async_save)
+    trainer = make_trainer(str(tmp_path), 3, [callback, _DeleteTheDirectory(url)])
+    with pytest.raises(CheckpointSaveError) as error:
+        trainer.fit(TinyModel())
+    message = " ".join([str(error.value), *getattr(error.value, "__notes__", [])])
+    assert "deleted" in message
+    assert "untouched" not in message
+    assert "superseded" not in message
