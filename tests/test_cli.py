@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack, cli
+from lightning_bpk.cli._output import dtype_text
 
 from conftest import MNIST_BPK, Finished, run_process
 
@@ -120,6 +121,6 @@ def test_main_in_process_on_burn_fixture(capsys):
 
 def test_qfloat_dtype_label():
     scheme = {"value": "Q8F", "store": "Native", "mode": "Symmetric", "tensor": None, "block": None}
-    assert cli._dtype_text({"QFloat": scheme}) == "QFloat(Q8F)"
-    assert cli._dtype_text({"Bool": "U32"}) == "Bool(U32)"
-    assert cli._dtype_text("BF16") == "BF16"
+    assert dtype_text({"QFloat": scheme}) == "QFloat(Q8F)"
+    assert dtype_text({"Bool": "U32"}) == "Bool(U32)"
+    assert dtype_text("BF16") == "BF16"

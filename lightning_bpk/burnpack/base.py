@@ -43,6 +43,7 @@ __all__ = [
     "VersionError",
     "burn_dtype",
     "decode_json",
+    "stored_dtype",
     "torch_dtype",
 ]
 
@@ -306,6 +307,18 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     if info is None or info.torch_dtype is None:
         raise ValidationError(f"dtype {dtype!r} has no torch equivalent")
     return torch.bool if isinstance(dtype, dict) else info.torch_dtype
+
+
+def stored_dtype(dtype: DType) -> torch.dtype | None:
+    """The torch dtype of the stored bytes of a tensor of Burn dtype ``dtype`` (the view of
+    :meth:`~lightning_bpk.burnpack.Pack.raw`; a byte range can be read straight into it), or
+    ``None`` for the opaque QFloat. It differs from :func:`torch_dtype` for the Bool variants
+    stored as integers. ``dtype`` is one a parsed header accepted (else :class:`ValidationError`).
+
+    >>> stored_dtype({"Bool": "U32"}), torch_dtype({"Bool": "U32"}), stored_dtype("F16")
+    (torch.uint32, torch.bool, torch.float16)
+    """
+    return _parsed_dtype_info(dtype).torch_dtype
 
 
 _REPR_LIMIT = 80  # hostile values can be megabytes long; error messages show a prefix

@@ -49,6 +49,7 @@ from lightning_bpk.burnpack.base import (
     _is_digest,
     _parsed_dtype_info,
     _short,
+    stored_dtype,
     torch_dtype,
 )
 from lightning_bpk.burnpack.writer import (
@@ -578,7 +579,7 @@ def read_into(
                 )
             dtype = torch_dtype(info.dtype)
             # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-            plain = _parsed_dtype_info(info.dtype).torch_dtype is dtype and dtype is not torch.bool
+            plain = stored_dtype(info.dtype) is dtype and dtype is not torch.bool
             flat = _writable_bytes(target, dtype) if plain else None
             plan.append((name, target, info, flat))
         buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums

@@ -26,14 +26,13 @@ from lightning_bpk.interop._sources import Source
 from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.interop.rules import Item, Items, Links, Step, observing, tracing
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import _PARAM_ID_ATTR, Adapter, ModuleRecord, _owner
+from lightning_bpk.records.module import Adapter, ModuleRecord, owning_module
 
 __all__ = [
     "DEFAULT_WORKERS",
     "Planned",
     "Shadow",
     "apply_problems",
-    "assign",
     "destinations",
     "group_items",
     "groups_of",
@@ -123,7 +122,7 @@ def destinations(
     """Record name -> the module tensor it is loaded into, as ``apply`` loads them: a tied
     tensor only from the first of its names (in the module's order) that the record has."""
     module_name = {
-        name: adapter.to_module(name, t, _owner(module, name))[0] if adapter else name
+        name: adapter.to_module(name, t, owning_module(module, name))[0] if adapter else name
         for name, (t, _) in planned.items()
     }
     wanted = set(module_name.values())
@@ -219,17 +218,6 @@ def group_items(
             tensors[stored] = read(stored)
         items[name] = (tensors[stored], source.param_ids.get(stored))
     return items
-
-
-@torch.no_grad()
-def assign(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
-    """Load ``tensor`` into ``target`` as :meth:`ModuleRecord.apply` does."""
-    if cast or tensor.dtype == target.dtype:
-        target.copy_(tensor)
-    else:
-        target.data = tensor.to(device=target.device, copy=True)
-    if pid is not None:
-        setattr(target, _PARAM_ID_ATTR, pid)
 
 
 def run_tasks(task: Callable[[T], object], groups: list[T], workers: int) -> None:

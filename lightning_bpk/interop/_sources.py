@@ -34,7 +34,7 @@ import safetensors
 import torch
 
 from lightning_bpk import burnpack, storage
-from lightning_bpk.burnpack.base import MAX_RANK, _parsed_dtype_info
+from lightning_bpk.burnpack.base import MAX_RANK, stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
     CheckpointSet,
@@ -268,7 +268,7 @@ def _open_bpk(pack: burnpack.Pack, where: str) -> Iterator[Source]:
 
 def _bpk_span(pack: burnpack.Pack, name: str, where: str) -> Span:
     info = pack.entries[name]
-    stored = _parsed_dtype_info(info.dtype).torch_dtype
+    stored = stored_dtype(info.dtype)
     if stored is None:  # refused before: quantized tensors have no torch dtype
         raise RecordError("validation", f"{where}: tensor '{name}' is quantized (QFloat)")
     start, end = info.data_offsets

@@ -36,7 +36,6 @@ from lightning_bpk import burnpack
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
     apply_problems,
-    assign,
     destinations,
     group_items,
     plan,
@@ -47,7 +46,7 @@ from lightning_bpk.interop._plan import (
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import Adapter, _owner
+from lightning_bpk.records.module import Adapter, load_tensor, owning_module
 
 
 def load_remapped(
@@ -109,9 +108,9 @@ def load_remapped(
                     continue  # unused (allowed), or a tied tensor loaded under its first name
                 target = into[name]
                 if adapter is not None:
-                    tensor = adapter.to_module(name, tensor, _owner(module, name))[1]
+                    tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
                 if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
-                    assign(target, tensor, pid, cast)
+                    load_tensor(target, tensor, pid, cast)
 
         try:
             if source.verify is not None:  # checksums first: a damaged file changes nothing

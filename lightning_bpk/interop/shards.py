@@ -57,7 +57,6 @@ from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
     Planned,
     apply_problems,
-    assign,
     destinations,
     group_items,
     plan,
@@ -69,7 +68,7 @@ from lightning_bpk.interop._sources import Source, Span, open_source, ranged_rea
 from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.interop.rules import Items, RemapError
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import _PARAM_ID_ATTR
+from lightning_bpk.records.module import load_tensor, set_param_id
 
 __all__ = ["ShardedLoad", "byte_runs", "load_into_shards", "shard_box"]
 
@@ -331,9 +330,9 @@ class _Loader:
                 with torch.no_grad():
                     local.copy_(tensor)
             if pid is not None:
-                setattr(target, _PARAM_ID_ATTR, pid)
+                set_param_id(target, pid)
         else:
-            assign(target, tensor, pid, self.cast)
+            load_tensor(target, tensor, pid, self.cast)
 
 
 def _local(target: torch.Tensor) -> torch.Tensor:

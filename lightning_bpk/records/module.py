@@ -6,8 +6,8 @@ record reads like Burn's ``ModuleRecord`` and a Burn file (no kind tag, Burn's n
 
 **Parameter ids.** Every parameter is written with a u64 ``param_id`` (Burn's ``ParamId``); the
 optimizer record keys its state by these ids. A parameter that was loaded from a record carries
-that record's id (attribute :data:`_PARAM_ID_ATTR` on the ``nn.Parameter``). A parameter that was
-never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
+that record's id (an attribute on the ``nn.Parameter``: :func:`set_param_id`). A parameter that
+was never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
 passed in: the first 8 bytes of ``blake2b(name, digest_size=8, person=b"lightning_bpk")`` read
 little-endian. That is stable across processes, so a fresh run names the same state the same
 way; wrapping the module (``nn.Sequential(model)``) changes the names and hence these ids,
@@ -66,7 +66,10 @@ __all__ = [
     "Adapter",
     "ModuleRecord",
     "default_param_id",
+    "load_tensor",
+    "owning_module",
     "param_ids",
+    "set_param_id",
 ]
 
 # Attribute on an nn.Parameter holding the u64 id it was loaded with.
@@ -120,13 +123,39 @@ def param_ids(module: nn.Module) -> dict[str, int]:
     return {name: table[id(p)][0] for name, p in module.named_parameters(remove_duplicate=False)}
 
 
-def _owner(module: nn.Module, name: str) -> nn.Module | None:
-    """The submodule at the prefix of a dotted tensor name, or None when there is none."""
+def owning_module(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at the prefix of a dotted tensor name, or None when there is none: the
+    ``layer`` an :class:`Adapter` is given for ``name`` (``module`` itself for a top-level name).
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    >>> owning_module(net, "0.weight") is net[0], owning_module(net, "9.weight")
+    (True, None)
+    """
     prefix = name.rpartition(".")[0]
     try:
         return module.get_submodule(prefix)
     except AttributeError:
         return None
+
+
+def set_param_id(tensor: torch.Tensor, pid: int) -> None:
+    """Give ``tensor`` (a module's parameter or buffer) the record id ``pid`` it was loaded
+    with, so that a record made of its module later writes it back under that id."""
+    setattr(tensor, _PARAM_ID_ATTR, pid)
+
+
+@torch.no_grad()
+def load_tensor(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
+    """Load ``tensor`` into the module tensor ``target`` in place, as :meth:`ModuleRecord.apply`
+    does (shapes already checked): one copy, casting to ``target``'s dtype when ``cast``, else
+    ``target`` takes ``tensor``'s dtype (it stays the same object, so optimizers still hold it);
+    then ``target`` takes the record's ``pid`` (:func:`set_param_id`), if any."""
+    if cast or tensor.dtype == target.dtype:
+        target.copy_(tensor)  # the one copy out of the record, casting if needed
+    else:
+        target.data = tensor.to(device=target.device, copy=True)
+    if pid is not None:
+        set_param_id(target, pid)
 
 
 class ModuleRecord(Record):
@@ -176,7 +205,7 @@ class ModuleRecord(Record):
                 continue
             rec_name, tensor = name, value
             if adapter is not None:
-                adapted = adapter.from_module(name, value, _owner(module, name))
+                adapted = adapter.from_module(name, value, owning_module(module, name))
                 if adapted is None:
                     continue
                 rec_name, tensor = adapted
@@ -233,7 +262,9 @@ class ModuleRecord(Record):
         apply_errors, missing, plan = [], [], []
         for name, target in targets.items():
             if name not in incoming:
-                if adapter is None or adapter.from_module(name, target, _owner(module, name)):
+                if adapter is None or adapter.from_module(
+                    name, target, owning_module(module, name)
+                ):
                     missing.append(f"Missing tensor: '{name}'")
                 continue
             tensor, pid = incoming[name]
@@ -266,17 +297,10 @@ class ModuleRecord(Record):
         if problems:
             raise RecordError("validation", problems)
         loaded: set[int] = set()  # a tied tensor appears under several names; load it once
-        with torch.no_grad():
-            for target, tensor, pid in plan:
-                if id(target) in loaded:
-                    continue
+        for target, tensor, pid in plan:
+            if id(target) not in loaded:
                 loaded.add(id(target))
-                if dtype_policy == "cast_to_module" or tensor.dtype == target.dtype:
-                    target.copy_(tensor)  # the one copy out of the record, casting if needed
-                else:
-                    target.data = tensor.to(device=target.device, copy=True)
-                if pid is not None:
-                    setattr(target, _PARAM_ID_ATTR, pid)
+                load_tensor(target, tensor, pid, dtype_policy == "cast_to_module")
         return module
 
     def _entries(self) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -299,7 +323,7 @@ class ModuleRecord(Record):
         duplicates = []
         for name, tensor, pid in self._entries():
             if adapter is not None:
-                name, tensor = adapter.to_module(name, tensor, _owner(module, name))
+                name, tensor = adapter.to_module(name, tensor, owning_module(module, name))
             if name in incoming:
                 duplicates.append(f"'{name}': the adapter maps two record entries to this name")
             incoming[name] = (tensor, pid)

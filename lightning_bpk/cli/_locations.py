@@ -1,0 +1,86 @@
+"""Where a command's argument lives: a local path or a URL of an object store.
+
+The command line's choices between local disk and an object store are gathered here: reading a
+``.bpk`` in place (memory-mapped, or with ranged requests), copying a URL into a temporary
+folder for the readers that need a file (safetensors, ``torch.load``), and the size and time
+columns of ``ls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from lightning_bpk import burnpack, storage
+from lightning_bpk.object_checkpoints import fetch_pack
+
+__all__ = ["is_safetensors", "local_copies", "mtime", "open_pack", "tree_size"]
+
+
+def open_pack(target: str) -> burnpack.Pack:
+    """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
+    location = storage.location(target)
+    if isinstance(location, Path):
+        return burnpack.read(location)
+    store = storage.object_store(storage.parent_of(location))
+    size = store.size(storage.name_of(location))
+    if size is None:
+        raise OSError(f"{location}: no such object")
+    return fetch_pack(store, storage.name_of(location), size)
+
+
+@contextlib.contextmanager
+def local_copies(*targets: str, only: str | None = None) -> Iterator[list[Path]]:
+    """A local path for each argument of ``convert`` and ``diff``, whose readers (safetensors,
+    ``torch.load``) need files: a path as it is; a URL copied into a temporary folder, removed
+    afterwards: an object as a file, a prefix (a checkpoint's data) as a folder of the objects
+    directly under it (``only`` that one if it is there)."""
+    with tempfile.TemporaryDirectory(prefix="lightning_bpk-cli-") as scratch:
+        yield [_local_copy(t, Path(scratch) / str(i), only) for i, t in enumerate(targets)]
+
+
+def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
+    location = storage.location(target)
+    if isinstance(location, Path):
+        return location
+    scratch.mkdir()
+    name = storage.name_of(location)
+    parent = storage.object_store(storage.parent_of(location))
+    if parent.size(name) is not None:
+        parent.download(name, scratch / name)
+        return scratch / name
+    store = storage.object_store(location)
+    objects = [key for key, size in store.list("").items() if size is not None]
+    if only in objects:
+        objects = [only]
+    if not objects:
+        raise OSError(f"{location}: no such object, nor objects under it")
+    (scratch / name).mkdir()
+    for key in objects:
+        store.download(key, scratch / name / key)
+    return scratch / name
+
+
+def is_safetensors(target: str) -> bool:
+    """Whether ``target`` (a path or a URL) names a ``.safetensors`` file."""
+    return storage.name_of(storage.location(target)).lower().endswith(".safetensors")
+
+
+def tree_size(path: Path | str) -> int:
+    """The bytes of a file, or of every file under a folder or a URL prefix."""
+    if isinstance(path, str):  # a URL: the sizes one listing reports
+        return sum(size or 0 for size in storage.object_store(path).list("").values())
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def mtime(path: Path | str) -> str:
+    """A local file's modification time (ISO 8601, local zone); ``-`` for a URL."""
+    if isinstance(path, str):
+        return "-"  # not asked of object stores: one request per checkpoint for a column
+    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).astimezone()
+    return stamp.isoformat(timespec="seconds")

@@ -1,0 +1,193 @@
+"""``inspect`` and ``convert``: one record file (``.bpk``, ``.safetensors``, ``.pt``/``.ckpt``),
+a checkpoint set, or a sharded checkpoint directory, local or at a URL.
+
+``inspect`` shows a ``.bpk`` file's header, tensors (in data-section order), scalars and
+metadata; a set's shards and tensors; a sharded directory's global tensors. ``convert`` writes
+``.bpk`` or ``.safetensors`` (or a set, with ``--max-shard-size``) through
+:mod:`lightning_bpk.interop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning_bpk import burnpack, storage
+from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk.cli._locations import is_safetensors, local_copies, open_pack, tree_size
+from lightning_bpk.cli._output import (
+    EXIT_OK,
+    dtype_text,
+    emit,
+    json_value,
+    progress,
+    size_text,
+    table,
+)
+from lightning_bpk.cli._sharded import describe_sharded, save_model, sharded_text
+from lightning_bpk.interop import convert
+from lightning_bpk.interop import sets as interop_sets
+from lightning_bpk.layout import MODEL_FILE
+from lightning_bpk.records.base import RecordError
+
+__all__ = ["cmd_convert", "cmd_inspect"]
+
+
+def _describe(pack: burnpack.Pack) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
+    order = pack.data_order
+    return {
+        "file": pack.source,
+        "header": {
+            "version": pack.version,
+            "metadata_size": pack.metadata_size,
+            "data_start": pack.data_start,
+            "file_size": pack.file_size,
+        },
+        "tensors": [
+            {
+                "name": name,
+                "dtype": pack.entries[name].dtype,
+                "shape": list(pack.entries[name].shape),
+                "bytes": pack.entries[name].nbytes,
+                "data_offsets": list(pack.entries[name].data_offsets),
+                "param_id": pack.entries[name].param_id,
+                "checksum": pack.checksums.get(name),
+            }
+            for name in order
+        ],
+        "scalars": {k: {"kind": s.kind, "value": json_value(s)} for k, s in pack.scalars.items()},
+        "metadata": dict(pack.metadata),
+    }
+
+
+def _format_text(info: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report of :func:`_describe`'s output."""
+    h = info["header"]
+    lines = [
+        f"file: {info['file']}",
+        f"burnpack v{h['version']}: metadata {h['metadata_size']} bytes, "
+        f"data section at {h['data_start']}, file {h['file_size']} bytes",
+        "",
+        f"tensors ({len(info['tensors'])}, data order):",
+    ]
+    if info["tensors"]:
+        rows = [["name", "dtype", "shape", "bytes", "param_id", "checksum"]]
+        rows += [
+            [
+                t["name"],
+                dtype_text(t["dtype"]),
+                "[" + ", ".join(map(str, t["shape"])) + "]",
+                str(t["bytes"]),
+                "-" if t["param_id"] is None else str(t["param_id"]),
+                "xxh3" if t["checksum"] else "-",
+            ]
+            for t in info["tensors"]
+        ]
+        lines.append(table(rows))
+    lines += ["", f"scalars ({len(info['scalars'])}):"]
+    lines += [f"  {k} = {s['kind']}({s['value']!r})" for k, s in info["scalars"].items()]
+    lines += ["", f"metadata ({len(info['metadata'])}):"]
+    lines += [f"  {k} = {v!r}" for k, v in info["metadata"].items()]
+    return "\n".join(lines)
+
+
+def _source_text(info: dict[str, Any]) -> str:
+    """The ``inspect`` report of a checkpoint set or a ``.safetensors`` file."""
+    lines = [f"{info['format']}: {info.get('index', info['source'])}"]
+    if "shards" in info:
+        rows = [["shard", "tensors", "bytes"]]
+        rows += [[s["name"], str(s["tensors"]), str(s["bytes"])] for s in info["shards"]]
+        lines += ["", f"shards ({len(info['shards'])}):", table(rows)]
+    lines += ["", f"tensors ({len(info['tensors'])}):"]
+    if info["tensors"]:
+        rows = [["name", "dtype", "shape", "bytes", "param_id"]]
+        rows += [
+            [
+                t["name"],
+                t["dtype"],
+                "[" + ", ".join(map(str, t["shape"])) + "]",
+                str(t["bytes"]),
+                "-" if t["param_id"] is None else str(t["param_id"]),
+            ]
+            for t in info["tensors"]
+        ]
+        lines.append(table(rows))
+    lines += ["", f"metadata ({len(info['metadata'])}):"]
+    lines += [f"  {k} = {v!r}" for k, v in info["metadata"].items()]
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``inspect FILE``: a record file, a set or a sharded directory, in text or JSON."""
+    if interop_sets.is_set(args.file) or is_safetensors(args.file):
+        info = interop_sets.describe_source(args.file)
+        emit(args, info, _source_text(info))
+        return EXIT_OK
+    if is_sharded(args.file):  # a local directory or a URL prefix
+        info = describe_sharded(args.file)
+        print(json.dumps(info, indent=2) if args.json else sharded_text(info))
+        return EXIT_OK
+    with open_pack(args.file) as pack:
+        info = _describe(pack)
+    emit(args, info, _format_text(info))
+    return EXIT_OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert ``src`` to ``dst``; either may be a URL (an object store's output is written to
+    a temporary file first, then uploaded)."""
+    if args.max_shard_size is not None or interop_sets.is_set(args.src):
+        return _convert_set(args)
+    remote_dst = not storage.is_local(args.dst)
+    with contextlib.ExitStack() as stack:
+        scratch = stack.enter_context(tempfile.TemporaryDirectory())
+        dst = Path(scratch) / storage.name_of(args.dst) if remote_dst else Path(args.dst)
+        written: Path | str
+        if not storage.is_local(args.src) and is_sharded(args.src):
+            # a sharded checkpoint's data: read in place (ranged reads), never downloaded whole
+            written = save_model(args.src, dst)
+        else:
+            (src,) = stack.enter_context(local_copies(args.src, only=MODEL_FILE))
+            report = progress(f"convert {storage.name_of(storage.location(args.src))}")
+            written = convert(src, dst, progress=report)
+        size = Path(written).stat().st_size
+        if remote_dst:
+            target = storage.location(args.dst)
+            store = storage.object_store(storage.parent_of(target))
+            store.upload(written, storage.name_of(target))
+            written = target
+    info = {"src": args.src, "dst": str(written), "size": size}
+    emit(args, info, f"wrote {written} ({size_text(size)})")
+    return EXIT_OK
+
+
+def _convert_set(args: argparse.Namespace) -> int:
+    """``convert`` from a checkpoint set (local or a URL), or to one (``--max-shard-size``:
+    ``dst`` is a new local directory for the shards and their index)."""
+    if not storage.is_local(args.dst):
+        raise OSError(f"{args.dst}: a set is converted to a local file or directory")
+    try:
+        shard_size = (
+            None if args.max_shard_size is None else interop_sets.parse_size(args.max_shard_size)
+        )
+    except ValueError as e:
+        raise RecordError("io", f"--max-shard-size: {e}") from e
+    written = interop_sets.convert_source(
+        args.src,
+        storage.local_path(args.dst),
+        max_shard_size=shard_size,
+        suffix="." + args.shard_format,
+        progress=progress(f"convert {storage.name_of(storage.location(args.src))}"),
+    )
+    size = tree_size(written.parent if shard_size is not None else written)
+    emit(
+        args,
+        {"src": args.src, "dst": str(written), "size": size},
+        f"wrote {written} ({size_text(size)})",
+    )
+    return EXIT_OK
