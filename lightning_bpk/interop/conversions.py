@@ -274,6 +274,7 @@ class WeightConverter(WeightTransform):
     ``operations`` (transformers' ``WeightConverter``): one-to-one, many-to-one (fusing) or
     one-to-many (splitting), never many-to-many. Saving runs the reverse ops in reverse order.
 
+    >>> import torch
     >>> fuse = WeightConverter(["gate.weight", "up.weight"], "gate_up.weight", [Concatenate(0)])
     >>> items, _ = fuse.forward({"mlp.gate.weight": (torch.zeros(1, 2), 7),
     ...                          "mlp.up.weight": (torch.ones(1, 2), 8)})
