@@ -30,9 +30,9 @@ __all__ = [
     "intercept_train_dataloaders",
     "is_last_batch",
     "is_lightning_signal_handler",
-    "loops_state_dict",
     "release_resume_start",
     "release_train_dataloaders",
+    "train_combined_mode",
     "validation_follows",
 ]
 
@@ -71,11 +71,6 @@ def intercept_resume_start(
             connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
 
     connector.resume_start = one_shot  # type: ignore[method-assign]
-
-
-def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
-    """The loops' state as ``dump_checkpoint`` stores it under ``"loops"`` (progress counters)."""
-    return trainer._checkpoint_connector._get_loops_state_dict()
 
 
 def release_resume_start(trainer: pl.Trainer) -> None:
@@ -151,6 +146,13 @@ def release_train_dataloaders(trainer: pl.Trainer) -> None:
     """Undo :func:`intercept_train_dataloaders`."""
     if "setup_data" in vars(trainer.fit_loop):
         del trainer.fit_loop.setup_data
+
+
+def train_combined_mode(trainer: pl.Trainer) -> str:
+    """The mode of the ``CombinedLoader`` the fit loop trains from (``max_size_cycle`` when
+    ``train_dataloader`` returned a loader, a list or a dict)."""
+    loader = trainer.fit_loop._combined_loader
+    return "max_size_cycle" if loader is None else str(loader._mode)
 
 
 def validation_follows(trainer: pl.Trainer) -> bool:

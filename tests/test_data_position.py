@@ -6,6 +6,7 @@ test_ddp.)"""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from pathlib import Path
@@ -14,14 +15,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from lightning_bpk import BurnpackCheckpoint, trainer_state
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, REPLAY, SAMPLER, STATEFUL, loader_kind
 from lightning_bpk.records import StateRecord
 
-from lightning_tiny import BATCH_SIZE, SEED, TinyModel, make_trainer
+from lightning_tiny import BATCH_SIZE, SEED, Stream, TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,23 +45,6 @@ class Stateful(TinyModel):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(self._data(0, 48), batch_size=BATCH_SIZE, shuffle=True)
-
-
-class Stream(IterableDataset):
-    def __init__(self, data) -> None:
-        self.data = data
-
-    def __iter__(self):
-        order = torch.randperm(len(self.data)).tolist()
-        return (self.data[i] for i in order)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-
-class Iterable(TinyModel):
-    def train_dataloader(self):
-        return DataLoader(Stream(self._data(0, 48)), batch_size=BATCH_SIZE)
 
 
 class TermAt(CrashAt):
@@ -149,18 +133,38 @@ def test_crash_and_resume_is_exact(tmp_path, options, crashes):
 def test_stateful_dataloader_resumes_through_its_own_state(tmp_path):
     resume_case(tmp_path, [9], model_type=Stateful, every=3, epochs=2)
     value = StateRecord.load(tmp_path / "run" / "checkpoints" / "ckpt.9" / "trainer.bpk").value
-    assert value[POSITION_KEY][0]["kind"] == STATEFUL
+    assert value[POSITION_KEY][0]["loaders"][0]["kind"] == STATEFUL
 
 
-def test_iterable_dataset_without_state_warns_once_and_replays_the_epoch(tmp_path, recwarn):
-    _, _, _ = fit(tmp_path / "run", crash=9, model_type=Iterable, every=4, epochs=2)
-    messages = [str(w.message) for w in recwarn if "cannot resume in the middle" in str(w.message)]
-    assert len(messages) == 1 and "replays that epoch from its first batch" in messages[0]
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size", "max_size"])
+def test_each_loader_of_a_combined_loader_is_positioned(tmp_path, mode):
+    """A CombinedLoader of two shuffled loaders (6 and 3 batches per epoch), crashed after steps
+    7 and SIGTERMed after step 9 (saved after 10: in max_size_cycle the shorter loader is in
+    its second pass there, in max_size it is exhausted); min_size (3 batches per epoch) after
+    steps 4 and 7 (saved after 8)."""
+    model_type = functools.partial(TinyModel, data=mode)
+    crashes = [4, ("term", 7)] if mode == "min_size" else [7, ("term", 9)]
+    resume_case(
+        tmp_path, crashes, model_type=model_type, every=2, epochs=3 if mode == "min_size" else 2
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    latest = get_latest_checkpoint_number(checkpoints)
+    value = StateRecord.load(checkpoints / f"ckpt.{latest}" / "trainer.bpk").value
+    assert [p["kind"] for p in value[POSITION_KEY][0]["loaders"]] == [SAMPLER, SAMPLER]
+
+
+def test_iterable_dataset_without_state_warns_once_and_reads_up_to_the_save(tmp_path, recwarn):
+    """Crashed after step 9 (checkpoint 8, epoch 1 batch 2), then to the end: the resumed run
+    continues at step 8 (not at the epoch's start, 6) and, as this dataset draws its order from
+    the global RNG, exactly; one warning per fit says what is done and when it is exact."""
+    model_type = functools.partial(TinyModel, data="iterable")
+    callback = resume_case(tmp_path, [9], model_type=model_type, every=4, epochs=2)
+    messages = [str(w.message) for w in recwarn if "cannot be positioned" in str(w.message)]
+    assert messages  # once per process (Python's warning filter): test_e2e_resume counts it
+    assert "exact only if the dataset yields the same batches" in messages[0]
     value = StateRecord.load(tmp_path / "run" / "checkpoints" / "ckpt.8" / "trainer.bpk").value
-    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 1, "batches": 2, "replay": True}
-    _, callback, lines = fit(tmp_path / "run", model_type=Iterable, every=4, epochs=2)
-    # epoch 1 again from its first batch (global step 6); saves resume after step 8
-    assert steps(lines) == list(range(6, 12)) and callback.last_saved_number == 12
+    assert value[trainer_state.PREEMPTED_KEY] == {"epoch": 1, "batches": 2, "replay": False}
+    assert value["global_step"] == 8 and callback.restored_number == 8
 
 
 def test_loader_kinds():
