@@ -32,6 +32,7 @@ __all__ = [
     "is_lightning_signal_handler",
     "release_resume_start",
     "release_train_dataloaders",
+    "shift_batch_progress",
     "train_combined_mode",
     "validation_follows",
 ]
@@ -146,6 +147,24 @@ def release_train_dataloaders(trainer: pl.Trainer) -> None:
     """Undo :func:`intercept_train_dataloaders`."""
     if "setup_data" in vars(trainer.fit_loop):
         del trainer.fit_loop.setup_data
+
+
+def shift_batch_progress(trainer: pl.Trainer, delta: int) -> None:
+    """Move the training epoch loop's batch counters (``batch_progress``: total and current)
+    by ``delta`` batches: in the checkpoint Lightning is about to restore when it has not
+    restored its loops yet (the data was set up early, for ``estimated_stepping_batches``),
+    else in the live loop."""
+    loaded = trainer._checkpoint_connector._loaded_checkpoint
+    if loaded:
+        progress = loaded["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        for counters in (progress["total"], progress["current"]):
+            for key in ("ready", "started", "processed", "completed"):
+                counters[key] += delta
+        return
+    live = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (live.total, live.current):
+        for key in ("ready", "started", "processed", "completed"):
+            setattr(tracker, key, getattr(tracker, key) + delta)
 
 
 def train_combined_mode(trainer: pl.Trainer) -> str:

@@ -123,7 +123,7 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
-from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
@@ -150,15 +150,6 @@ FINISHED_KEY = "lightning_bpk_finished"
 
 class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched."""
-
-
-class CheckpointResumeError(LightningBpkError, RuntimeError):
-    """``fit`` cannot start from the checkpoints as they are; nothing was changed on disk.
-
-    gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
-    save over complete checkpoints it did not resume past (see ``overwrite``), or the checkpoint
-    holds the state of other optimizer or scheduler classes than the module configures.
-    """
 
 
 def _identity(path: Any) -> str:
@@ -574,20 +565,9 @@ class BurnpackCheckpoint(Checkpoint):
         # This rank's RNG states and data position, restored now: before configure_optimizers
         # (which may read estimated_stepping_batches, and so build and iterate the data) and
         # before anything else can draw from them.
+        rng = checkpoint.get(trainer_state.RNG_KEY)
         ranks = checkpoint.get(POSITION_KEY)
-        if isinstance(ranks, list) and len(ranks) == trainer.world_size:
-            self._position.resume_from(ranks[trainer.global_rank])
-        else:
-            if isinstance(ranks, list) and trainer.is_global_zero:
-                log.warning(
-                    "checkpoint %s was saved by %d ranks and is resumed on %d: every rank "
-                    "continues with rank 0's RNG states and the data restarts its epoch",
-                    trainer.ckpt_path,
-                    len(ranks),
-                    trainer.world_size,
-                )
-            rng = checkpoint.get(trainer_state.RNG_KEY)
-            self._position.resume_from(None if rng is None else {"rng": rng})
+        self._position.resume_from_ranks(ranks, rng, trainer, f"checkpoint {trainer.ckpt_path}")
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
             self._check_classes(trainer)

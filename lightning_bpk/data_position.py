@@ -41,6 +41,7 @@ keeps its randomness in its own ``state_dict`` (each worker's dataset state is s
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any, TypeGuard
@@ -49,7 +50,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk import _lightning_compat, trainer_state
+from lightning_bpk import _lightning_compat, _resample, trainer_state
+from lightning_bpk.errors import CheckpointResumeError
 
 __all__ = [
     "POSITION_KEY",
@@ -60,6 +62,8 @@ __all__ = [
     "loader_kind",
     "within_pass",
 ]
+
+log = logging.getLogger("lightning_bpk")
 
 # Top-level key of Lightning's dict holding every rank's position and RNG states.
 POSITION_KEY = "lightning_bpk_data"
@@ -155,8 +159,9 @@ class _Group:
     create its iterator (again, should it create another before its first pull); the others
     are created after it, from the states it left, as in the original run."""
 
-    def __init__(self, epoch_start: dict | None) -> None:
+    def __init__(self, epoch_start: dict | None, world_size: int = 1, rank: int = 0) -> None:
         self.epoch_start = epoch_start
+        self.world_size, self.rank = world_size, rank
         self._first: object | None = None
 
     def start_epoch(self, slot: object) -> None:
@@ -250,22 +255,51 @@ class _Tracker(_Wrapped):
 
     def __init__(self, loader: DataLoader, pending: dict | None, rng: dict | None, group: _Group):
         attribute = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        self.batch_sampler: Any = loader.batch_sampler  # None: batch_size=None
+        self.resampled: dict | None = None  # this pass continues another run's in samples
         # DataLoader forbids reassigning its sampler after __init__; the wrapper is transparent.
         object.__setattr__(loader, attribute, _PositionedSampler(getattr(loader, attribute), self))
         super().__init__(loader, pending, rng, group)
+
+    def capture(self, within: int, epoch_end: bool) -> dict:
+        position = super().capture(within, epoch_end)
+        resampled = None if epoch_end else self.resampled
+        position["geometry"] = _resample.geometry(
+            self.batch_sampler, self.group.world_size, resampled
+        )
+        return position
 
     def start_pass(self, inner: Any) -> Iterator[Any]:
         """The index iterator of a new DataLoader iterator (a new pass, or a multi-worker
         loader's second call in its constructor, whose first iterator is never used)."""
         pending = self.pending
+        if pending is not None and "resample" in pending:
+            return self._resample(pending)
         if pending is not None and not pending["epoch_end"]:
             return self._resume(inner, pending)
         return self._fresh(inner)
+
+    def _resample(self, pending: dict) -> Iterator[Any]:
+        """The rest of the saved epoch's order, in samples (:mod:`lightning_bpk._resample`)."""
+        self.pending = None
+        self.start, plan = pending["start"], pending["resample"]
+        self.resampled = plan
+        order = _resample.saved_order(plan["order"], self.start)
+        sampler = self.batch_sampler.sampler
+        drop_last = isinstance(sampler, torch.utils.data.DistributedSampler) and sampler.drop_last
+        mine = _resample.remaining_for_rank(
+            order, plan["consumed"], self.group.world_size, self.group.rank, drop_last
+        )
+        if self.rng is not None:
+            trainer_state.restore_rng(self.rng)
+        batch_sampler = self.batch_sampler
+        yield from _resample.batches(mine, batch_sampler.batch_size, batch_sampler.drop_last)
 
     def _fresh(self, inner: Any) -> Iterator[Any]:
         # Runs at the first pull: the state the sampler's shuffle is drawn from (the loader
         # drew its worker base seed before, when it created its iterator).
         self.pending = None
+        self.resampled = None
         self.group.started()
         self.start = _snapshot(self.loader)
         yield from inner
@@ -349,6 +383,9 @@ class DataPosition:
         self._rng_at_first_batch: dict | None = None
         self._group = _Group(None)
         self._warned: set[str] = set()
+        self._position: dict | None = None  # the restored position, for the loaders' set-up
+        self._resumed_at: int | None = None  # the batch index a resume in samples starts at
+        self._where = "the checkpoint"  # "epoch E of <path>", for messages
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Take over the training loaders Lightning sets up from now on (this trainer only)."""
@@ -365,7 +402,10 @@ class DataPosition:
             self._loaders = []
             self._pending_loaders = [] if pending is None else _saved_loaders(pending)
             epoch_end = pending is not None and pending.get("batches", 0) == 0
-            self._group = _Group(self._rng if epoch_end else None)
+            assert self._trainer is not None
+            world_size, rank = self._trainer.world_size, self._trainer.global_rank
+            self._group = _Group(self._rng if epoch_end else None, world_size, rank)
+            self._position, self._resumed_at = pending, None
             if pending is not None and self._rng is not None:
                 # Building the loader may have drawn from the RNGs (torchdata's RandomSampler
                 # seeds its generator then); the original run did that before the save point.
@@ -381,11 +421,50 @@ class DataPosition:
             return
         if kind == STATEFUL and pending is not None and not pending["epoch_end"]:
             self._rng_at_first_batch = self._rng  # its iterator draws differently
+        if kind == SAMPLER and pending is not None and not pending["epoch_end"]:
+            pending = self._in_samples(loader, pending)
+        if count == 1:
+            self._check_accumulation()
         self._loaders.append(_KINDS[kind](loader, pending, self._rng, self._group))
         if kind == REPLAY:
             self._warn_once(REPLAY, _replay_message(loader))
         if pending is not None:
             self._warn_workers(loader, kind, pending)
+
+    def _in_samples(self, loader: DataLoader, pending: dict) -> dict:
+        """A saved position continued in samples when the batch size or world size changed."""
+        plan = _resample.replan(pending, loader.batch_sampler, self._group.world_size, self._where)
+        if plan is None:
+            return pending
+        if len(self._pending_loaders) > 1:
+            raise CheckpointResumeError(
+                f"cannot continue {self._where} in the middle with another batch size or world "
+                "size: it has several training loaders, whose batches pair up. Resume with the "
+                "saved settings, or from an end-of-epoch checkpoint"
+            )
+        assert self._trainer is not None
+        _lightning_compat.shift_batch_progress(self._trainer, plan["batches"] - pending["batches"])
+        self._resumed_at = plan["batches"]
+        if self._trainer.global_rank == 0:
+            log.info(
+                "%s continues in samples: %d of its order were consumed before the save, the "
+                "rest is split over %d rank(s) in batches of %d (batch %d of the epoch on)",
+                self._where,
+                plan["consumed"],
+                self._group.world_size,
+                getattr(loader.batch_sampler, "batch_size", None),
+                plan["batches"],
+            )
+        return dict(pending, resample=plan)
+
+    def _check_accumulation(self) -> None:
+        """A changed ``accumulate_grad_batches``: see :func:`_resample.check_accumulation`."""
+        position = self._position or {}
+        assert self._trainer is not None
+        batches = self._resumed_at if self._resumed_at is not None else position.get("batches", 0)
+        _resample.check_accumulation(
+            position.get("accumulate"), self._trainer.accumulate_grad_batches, batches, self._where
+        )
 
     def before_batch(self) -> None:
         """Call before every training batch: a resumed ``stateful`` loader drew its seeds when
@@ -427,9 +506,12 @@ class DataPosition:
             )
             for slot in self._loaders
         ]
+        assert self._trainer is not None
         return {
             "batches": batches,
             "epoch_end": epoch_end,
+            "epoch": self._trainer.current_epoch,
+            "accumulate": self._trainer.accumulate_grad_batches,
             "loaders": loaders,
             "rng": trainer_state.capture_rng(),
         }
@@ -442,6 +524,35 @@ class DataPosition:
         self._rng = None if position is None else position.get("rng")
         if self._rng is not None:
             trainer_state.restore_rng(self._rng)
+
+    def resume_from_ranks(
+        self, ranks: Any, rng: dict | None, trainer: pl.Trainer, source: str
+    ) -> None:
+        """:meth:`resume_from` this rank's entry of a checkpoint's :data:`POSITION_KEY` list
+        (``rng``: the checkpoint's RNG states, for one without positions). Saved by another
+        number of ranks, every rank continues from rank 0's data position, which the loaders
+        continue in samples, and with its own saved RNG states (rank 0's on a new rank)."""
+        if not isinstance(ranks, list) or not ranks:
+            self.resume_from(None if rng is None else {"rng": rng})
+            return
+        position = ranks[trainer.global_rank] if trainer.global_rank < len(ranks) else None
+        epoch = ranks[0].get("epoch")
+        self._where = f"epoch {epoch} of {source}" if epoch is not None else source
+        if len(ranks) == trainer.world_size:
+            self.resume_from(position)
+            return
+        if trainer.is_global_zero:
+            log.warning(
+                "%s was saved by %d rank(s) and is resumed on %d: the rest of its epoch's "
+                "order is split over the new ranks; each rank continues with its own saved RNG "
+                "states (rank 0's on a new rank), so random draws such as dropout differ from "
+                "an uninterrupted run",
+                source,
+                len(ranks),
+                trainer.world_size,
+            )
+        own_rng = (position or ranks[0]).get("rng")
+        self.resume_from(dict(ranks[0], rng=own_rng))
 
 
 def _replay_message(loader: Any) -> str:

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
-from lightning_bpk import BurnpackCheckpoint, trainer_state
+from lightning_bpk import BurnpackCheckpoint, CheckpointResumeError, trainer_state
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.data_position import POSITION_KEY, REPLAY, SAMPLER, STATEFUL, loader_kind
 from lightning_bpk.records import StateRecord
@@ -235,3 +235,39 @@ def test_auto_interval_keeps_saves_under_the_overhead_budget(tmp_path, caplog, b
     # a 100 % budget saves again within the run (a save costs a few steps' time here, more on a
     # loaded machine); a budget of a millionth never again
     assert len(saved_between) >= 1 if budget == 1.0 else saved_between == []
+
+
+def _samples_of_epoch(lines: list[str], epoch: int, before_step: int | None = None) -> list[int]:
+    return [
+        int(i)
+        for line in lines
+        if int(line.split()[0]) == epoch
+        and (before_step is None or int(line.split()[2]) < before_step)
+        for i in line.split()[3].split(",")
+    ]
+
+
+def test_a_changed_accumulate_grad_batches_continues_only_at_a_window_boundary(tmp_path):
+    """Saved after batch 2 of epoch 1 with accumulate_grad_batches=1 (checkpoint 8): resumed
+    with 4 it is refused (batch 2 is inside a window of 4), naming both values, and nothing is
+    trained; resumed with 2 (batch 2 is a boundary) it continues, and epoch 1 holds each
+    sample once. A new batch size (4) continues in samples the same way."""
+    fit(tmp_path / "run", crash=9, every=2, epochs=2)
+    lines = (tmp_path / "run.ids").read_text().splitlines()
+    with pytest.raises(CheckpointResumeError) as refused:
+        fit(tmp_path / "run", every=2, epochs=2, accumulate_grad_batches=4)
+    message = str(refused.value)
+    assert "accumulate_grad_batches=4" in message and "accumulate_grad_batches=1" in message
+    assert "epoch 1" in message and "ckpt.8" in message
+    assert (tmp_path / "run.ids").read_text().splitlines() == lines  # not one batch more
+    _, callback, resumed = fit(tmp_path / "run", every=2, epochs=2, accumulate_grad_batches=2)
+    assert callback.restored_number == 8
+    epoch_1 = _samples_of_epoch(lines, 1, before_step=8) + _samples_of_epoch(resumed, 1)
+    assert sorted(epoch_1) == list(range(48))
+
+    fit(tmp_path / "b4", crash=9, every=2, epochs=2)
+    before = _samples_of_epoch((tmp_path / "b4.ids").read_text().splitlines(), 1, before_step=8)
+    model_type = functools.partial(TinyModel, batch_size=4)
+    _, _, resumed = fit(tmp_path / "b4", model_type=model_type, every=2, epochs=2)
+    assert [line.split()[1] for line in resumed[:2]] == ["4", "5"]  # batch 4 of size 4 on
+    assert sorted(before + _samples_of_epoch(resumed, 1)) == list(range(48))

@@ -1,5 +1,6 @@
 """End to end, real subprocesses: SIGKILL mid-epoch, start again, end bit-identical; disk full;
-several training loaders, an iterable dataset, worker-side randomness."""
+several training loaders, an iterable dataset, worker-side randomness; a batch size or world
+size changed between runs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_chec
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, StateRecord
 
 from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, Finished, run_process
+from lightning_tiny import SAMPLES
 
 SCRIPT = TINY_SCRIPT
 RUN_TIMEOUT = 90  # seconds per training subprocess; a hang fails the test instead of blocking CI
@@ -220,3 +222,50 @@ def test_worker_randomness_warns_once_and_a_stateful_dataloader_resumes_it_exact
         epochs=2,
     )
     assert all("random draws made inside" not in p.stderr for p in outputs)
+
+
+# -- changed settings between runs (issue 21: 13) ------------------------------------------------
+
+
+def _epoch_samples(id_files: list[Path], epoch: int, before_step: int | None = None) -> list[int]:
+    """The sample ids the id logs show for ``epoch`` (only batches before global step
+    ``before_step``: those a killed run trained before the checkpoint it is resumed from)."""
+    ids = []
+    for path in id_files:
+        for line in path.read_text().splitlines():
+            e, _, step, batch = line.split()
+            if int(e) == epoch and (before_step is None or int(step) < before_step):
+                ids += [int(i) for i in batch.split(",")]
+    return ids
+
+
+@pytest.mark.parametrize(
+    "first, second, kill",
+    [
+        (["--batch-size", "8"], ["--batch-size", "16"], 9),
+        (["--devices", "2"], ["--devices", "1"], 4),
+        (["--devices", "1"], ["--devices", "2"], 9),
+    ],
+    ids=["batch-8-to-16", "ranks-2-to-1", "ranks-1-to-2"],
+)
+def test_a_changed_batch_size_or_world_size_continues_the_epoch_in_samples(
+    tmp_path, first, second, kill
+):
+    """Killed mid-epoch 1 with step checkpoints every 2 steps, resumed with another batch size
+    or number of (gloo CPU) ranks: the epoch's samples, those trained before the checkpoint
+    plus those the resumed run trained, are exactly the dataset, none twice, none lost. (The
+    ranks share one seed, so their DistributedSamplers split one order.)"""
+    root = tmp_path / "run"
+    common = ["--epochs", "2", "--every-n-steps", "2", "--shared-seed"]
+    killed = run(
+        root, *common, *first, "--ids", str(tmp_path / "killed.ids"), "--kill-at-step", str(kill)
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = get_latest_checkpoint_number(root / "checkpoints")
+    resumed = run(root, *common, *second, "--ids", str(tmp_path / "resumed.ids"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    before = _epoch_samples(sorted(tmp_path.glob("killed.ids*")), 1, before_step=saved)
+    after = _epoch_samples(sorted(tmp_path.glob("resumed.ids*")), 1)
+    assert before and after
+    assert sorted(before + after) == list(range(SAMPLES))
+    assert "continues in samples" in resumed.stderr

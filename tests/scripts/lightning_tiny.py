@@ -7,6 +7,7 @@ As a script (run by the end-to-end, preemption and DDP tests)::
         [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES --fsize-at-step K]
         [--every-n-steps N] [--workers W] [--ids FILE] [--one-cycle] [--max-steps M]
         [--data KIND] [--batch-size B] [--accumulate A] [--augment] [--persistent-workers]
+        [--shared-seed]
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--shared-seed", action="store_true")
     parser.add_argument("--ids")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -262,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Under DDP each rank gets its own RNG stream (different dropout masks), as a resume must
     # restore every rank's own states; DDP broadcasts rank 0's initial weights.
-    L.seed_everything(SEED + rank, workers=True)
+    # --shared-seed: one seed for all ranks, so their DistributedSamplers (seeded from it)
+    # draw one order and split it, and the ranks' epochs together hold each sample once.
+    L.seed_everything(SEED if args.shared_seed else SEED + rank, workers=True)
     model = TinyModel(
         one_cycle=args.one_cycle,
         workers=args.workers,
