@@ -23,6 +23,7 @@ from lightning_bpk.errors import CheckpointResumeError
 __all__ = [
     "batches",
     "check_accumulation",
+    "check_unchanged",
     "geometry",
     "order_descriptor",
     "remaining_for_rank",
@@ -149,3 +150,17 @@ def check_accumulation(saved: int | None, now: int, batches: int, where: str) ->
         f"is not a boundary of windows of {now}, so the next optimizer step would accumulate "
         "only part of one. Resume with the saved value, or from an end-of-epoch checkpoint"
     )
+
+
+def check_unchanged(settings: dict[str, tuple[Any, Any]], data: str, where: str) -> None:
+    """Refuse a mid-epoch resume of training data that counts its position in its own batches
+    (``data`` describes it) when one of ``settings`` (name: ``(saved, now)``; a saved None is
+    unknown) changed, naming each with both values."""
+    changes = [(name, old, new) for name, (old, new) in settings.items() if old not in (None, new)]
+    if changes:
+        text = "; ".join(f"{name} was {old}, is now {new}" for name, old, new in changes)
+        raise CheckpointResumeError(
+            f"cannot continue {where} in the middle: {text}, and the training data ({data}) "
+            "counts its position in its own batches, not in samples. Resume with the saved "
+            "setting, or from an end-of-epoch checkpoint"
+        )

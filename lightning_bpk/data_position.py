@@ -50,7 +50,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk import _lightning_compat, _resample, trainer_state
+from lightning_bpk import _data_warnings, _lightning_compat, _resample, trainer_state
 from lightning_bpk.errors import CheckpointResumeError
 
 __all__ = [
@@ -207,6 +207,7 @@ class _StatefulLoader:
 
     def capture(self, within: int, epoch_end: bool) -> dict:
         position: dict[str, Any] = {"kind": self.kind, "batches": within, "epoch_end": epoch_end}
+        position["batch_size"] = getattr(self.loader, "batch_size", None)
         if epoch_end:  # its generators may live across epochs (torchdata's do)
             position["generators"] = [g.get_state() for g in _generators(self.loader)]
         else:
@@ -245,7 +246,14 @@ class _Wrapped:
     def capture(self, within: int, epoch_end: bool) -> dict:
         # at an epoch's end (or before the first pull) the next pass starts from here
         start = _snapshot(self.loader) if epoch_end or self.start is None else self.start
-        return {"kind": self.kind, "batches": within, "epoch_end": epoch_end, "start": start}
+        batch_size = getattr(self.loader, "batch_size", None)
+        return {
+            "kind": self.kind,
+            "batches": within,
+            "epoch_end": epoch_end,
+            "start": start,
+            "batch_size": batch_size,
+        }
 
 
 class _Tracker(_Wrapped):
@@ -417,17 +425,19 @@ class DataPosition:
             pending = None  # another kind of loader than at the save: nothing to carry over
         if kind == REPLAY and not isinstance(loader, DataLoader):
             self._loaders.append(None)
-            self._warn_once("unpositioned", _unpositioned_message(loader))
+            self._warn_once("unpositioned", _data_warnings.unpositioned_message(loader))
             return
         if kind == STATEFUL and pending is not None and not pending["epoch_end"]:
             self._rng_at_first_batch = self._rng  # its iterator draws differently
         if kind == SAMPLER and pending is not None and not pending["epoch_end"]:
             pending = self._in_samples(loader, pending)
+        elif pending is not None and not pending["epoch_end"]:
+            self._check_unchanged(loader, kind, pending)
         if count == 1:
             self._check_accumulation()
         self._loaders.append(_KINDS[kind](loader, pending, self._rng, self._group))
         if kind == REPLAY:
-            self._warn_once(REPLAY, _replay_message(loader))
+            self._warn_once(REPLAY, _data_warnings.replay_message(loader))
         if pending is not None:
             self._warn_workers(loader, kind, pending)
 
@@ -456,6 +466,18 @@ class DataPosition:
                 plan["batches"],
             )
         return dict(pending, resample=plan)
+
+    def _check_unchanged(self, loader: Any, kind: str, pending: dict) -> None:
+        """A loader positioned in batches of its own (``stateful``, ``replay``) cannot continue
+        its epoch on another batch size or world size (:func:`_resample.check_unchanged`)."""
+        _resample.check_unchanged(
+            {
+                "world size": ((self._position or {}).get("world_size"), self._group.world_size),
+                "batch_size": (pending.get("batch_size"), getattr(loader, "batch_size", None)),
+            },
+            f"{type(loader).__name__}, positioned by {kind}",
+            self._where,
+        )
 
     def _check_accumulation(self) -> None:
         """A changed ``accumulate_grad_batches``: see :func:`_resample.check_accumulation`."""
@@ -486,7 +508,9 @@ class DataPosition:
             return
         if kind == STATEFUL and _stateful(getattr(loader, "dataset", None)):
             return  # each worker's dataset state (its generators) is saved and restored
-        self._warn_once("workers", _workers_message(loader, workers, persistent, kind))
+        self._warn_once(
+            "workers", _data_warnings.workers_message(loader, workers, persistent, kind == STATEFUL)
+        )
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -512,6 +536,7 @@ class DataPosition:
             "epoch_end": epoch_end,
             "epoch": self._trainer.current_epoch,
             "accumulate": self._trainer.accumulate_grad_batches,
+            "world_size": self._trainer.world_size,
             "loaders": loaders,
             "rng": trainer_state.capture_rng(),
         }
@@ -543,61 +568,16 @@ class DataPosition:
             return
         if trainer.is_global_zero:
             log.warning(
-                "%s was saved by %d rank(s) and is resumed on %d: the rest of its epoch's "
-                "order is split over the new ranks; each rank continues with its own saved RNG "
-                "states (rank 0's on a new rank), so random draws such as dropout differ from "
-                "an uninterrupted run",
+                "%s was saved by %d rank(s) and is resumed on %d: saved mid-epoch, the rest of "
+                "its epoch's order is split over the new ranks; each rank continues with its "
+                "own saved RNG states (rank 0's on a new rank), so random draws such as dropout "
+                "differ from an uninterrupted run",
                 source,
                 len(ranks),
                 trainer.world_size,
             )
         own_rng = (position or ranks[0]).get("rng")
         self.resume_from(dict(ranks[0], rng=own_rng))
-
-
-def _replay_message(loader: Any) -> str:
-    dataset = type(getattr(loader, "dataset", loader)).__name__
-    return (
-        f"the training data (a DataLoader over {dataset}, an iterable dataset without "
-        "state_dict/load_state_dict) cannot be positioned without reading it: a resume in the "
-        "middle of an epoch reads the batches consumed before the save again and discards them "
-        "(the counters continue from the save, no batch is trained twice). That is exact only "
-        "if the dataset yields the same batches from the same RNG states, and it costs the time "
-        "to load them; give the dataset state_dict/load_state_dict and use torchdata's "
-        "StatefulDataLoader for an exact resume that reads nothing twice"
-    )
-
-
-def _unpositioned_message(loader: Any) -> str:
-    return (
-        f"the training data ({type(loader).__name__}) is neither a DataLoader nor has "
-        "state_dict/load_state_dict: a resume in the middle of an epoch starts it from its "
-        "beginning while the counters continue from the save, so the epoch's first batches are "
-        "seen twice and its last ones not at all; wrap it in a DataLoader or give it state"
-    )
-
-
-def _workers_message(loader: Any, workers: int, persistent: bool, kind: str) -> str:
-    later = (
-        ", and with persistent_workers=True every later epoch too (the workers keep the new seeds)"
-        if persistent
-        else ""
-    )
-    fix = (
-        "keep the dataset's randomness in its own generator and return that from the "
-        "dataset's state_dict/load_state_dict (StatefulDataLoader saves each worker's dataset "
-        "state)"
-        if kind == STATEFUL
-        else "use torchdata's StatefulDataLoader with a dataset that keeps its randomness in its "
-        "own state_dict/load_state_dict, or derive it from the sample index"
-    )
-    return (
-        f"resuming a {type(loader).__name__} with num_workers={workers}: random draws made "
-        "inside its worker processes (e.g. torch.rand augmentation in the dataset) are not "
-        "restored, so the resumed run's workers start from other seeds and the rest of this "
-        f"epoch's batches differ from an uninterrupted run's{later}. The order of the samples "
-        f"is exact. For exact batches, {fix}"
-    )
 
 
 def _ignore(state: Any) -> None:

@@ -271,3 +271,21 @@ def test_a_changed_accumulate_grad_batches_continues_only_at_a_window_boundary(t
     _, _, resumed = fit(tmp_path / "b4", model_type=model_type, every=2, epochs=2)
     assert [line.split()[1] for line in resumed[:2]] == ["4", "5"]  # batch 4 of size 4 on
     assert sorted(before + _samples_of_epoch(resumed, 1)) == list(range(48))
+
+
+def test_a_loader_with_its_own_state_refuses_another_batch_size_mid_epoch(tmp_path):
+    """A StatefulDataLoader counts its position in its own batches: resumed mid-epoch with
+    another batch size it would skip the wrong samples, so the resume is refused, naming the
+    setting with both values. (Crashed after step 10: checkpoint 9 is batch 3 of epoch 1.)"""
+    fit(
+        tmp_path / "run",
+        crash=10,
+        model_type=functools.partial(TinyModel, data="stateful"),
+        every=3,
+    )
+    with pytest.raises(CheckpointResumeError, match="batch_size was 8, is now 4"):
+        fit(
+            tmp_path / "run",
+            model_type=functools.partial(TinyModel, data="stateful", batch_size=4),
+            every=3,
+        )
