@@ -33,12 +33,13 @@ __all__ = [
     "intercept_train_dataloaders",
     "is_last_batch",
     "is_lightning_signal_handler",
-    "loops_state_dict",
     "release_resume_start",
     "release_train_dataloaders",
     "resume_swa_mid_epoch",
     "route_last_ckpt_path",
+    "shift_batch_progress",
     "timer_duration",
+    "train_combined_mode",
     "validation_follows",
 ]
 
@@ -77,11 +78,6 @@ def intercept_resume_start(
             connector._loaded_checkpoint = _pl_migrate_checkpoint(checkpoint, path)
 
     connector.resume_start = one_shot  # type: ignore[method-assign]
-
-
-def loops_state_dict(trainer: pl.Trainer) -> dict[str, Any]:
-    """The loops' state as ``dump_checkpoint`` stores it under ``"loops"`` (progress counters)."""
-    return trainer._checkpoint_connector._get_loops_state_dict()
 
 
 def release_resume_start(trainer: pl.Trainer) -> None:
@@ -157,6 +153,31 @@ def release_train_dataloaders(trainer: pl.Trainer) -> None:
     """Undo :func:`intercept_train_dataloaders`."""
     if "setup_data" in vars(trainer.fit_loop):
         del trainer.fit_loop.setup_data
+
+
+def shift_batch_progress(trainer: pl.Trainer, delta: int) -> None:
+    """Move the training epoch loop's batch counters (``batch_progress``: total and current)
+    by ``delta`` batches: in the checkpoint Lightning is about to restore when it has not
+    restored its loops yet (the data was set up early, for ``estimated_stepping_batches``),
+    else in the live loop."""
+    loaded = trainer._checkpoint_connector._loaded_checkpoint
+    if loaded:
+        progress = loaded["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+        for counters in (progress["total"], progress["current"]):
+            for key in ("ready", "started", "processed", "completed"):
+                counters[key] += delta
+        return
+    live = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (live.total, live.current):
+        for key in ("ready", "started", "processed", "completed"):
+            setattr(tracker, key, getattr(tracker, key) + delta)
+
+
+def train_combined_mode(trainer: pl.Trainer) -> str:
+    """The mode of the ``CombinedLoader`` the fit loop trains from (``max_size_cycle`` when
+    ``train_dataloader`` returned a loader, a list or a dict)."""
+    loader = trainer.fit_loop._combined_loader
+    return "max_size_cycle" if loader is None else str(loader._mode)
 
 
 def validation_follows(trainer: pl.Trainer) -> bool:

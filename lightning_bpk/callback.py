@@ -48,10 +48,10 @@ checkpoint is loaded, before ``configure_optimizers`` (which may set the data up
 ``estimated_stepping_batches``), and the data resumes with the next batch of the same order, its
 consumed indices skipped without loading their samples. Loop counters, ``global_step`` and
 per-step schedulers are Lightning's own, saved mid-epoch as they were: the continued run is
-bit-identical to one that never stopped. Where that is impossible (an iterable dataset without
-state) one warning says so and a mid-epoch checkpoint holds the loop counters of the start of its
-epoch instead, which that resume replays; step-numbered saves then wait until the replay passes
-the checkpoint it resumed from.
+bit-identical to one that never stopped. Each loader of a dict, list or ``CombinedLoader`` is
+positioned on its own; an iterable dataset without state is read again up to the save point and
+the batches consumed before it are discarded (one warning says so: exact only if the dataset
+yields the same batches again), the counters continuing from the save all the same.
 
 **Never saving over another run.** At ``on_train_start`` rank 0 looks for complete checkpoints
 numbered from the epoch the run starts at on (other than the one it resumed from), which its
@@ -89,7 +89,6 @@ none, continues it, and the Timer stops it when the total reaches the new limit.
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import math
 import os
@@ -131,7 +130,7 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.data_position import POSITION_KEY, DataPosition
-from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
@@ -192,15 +191,6 @@ def _untouched(error: BaseException) -> str:
             return ""
         cause = cause.__cause__ or cause.__context__
     return "; earlier checkpoints are untouched"
-
-
-class CheckpointResumeError(LightningBpkError, RuntimeError):
-    """``fit`` cannot start from the checkpoints as they are; nothing was changed on disk.
-
-    gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
-    save over complete checkpoints it did not resume past (see ``overwrite``), or the checkpoint
-    holds the state of other optimizer or scheduler classes than the module configures.
-    """
 
 
 def _identity(path: Any) -> str:
@@ -434,7 +424,6 @@ class BurnpackCheckpoint(Checkpoint):
         self._position = DataPosition()
         self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
         self._fit_started = False
-        self._boundary_loops: dict | None = None  # loop state at the start of this epoch
         self._preempt_requested = False
         self._preempt_agreed = False  # all ranks agreed; acted on at the next step boundary
         self._due: int | None = None  # batches consumed when a save fell due after validation
@@ -510,7 +499,6 @@ class BurnpackCheckpoint(Checkpoint):
         self._reserved = False
         self._fit_started = False
         self._classes = None
-        self._boundary_loops = None
         self._preempt_agreed = self._requeue_agreed = False
         self._due = None
         self._replay_floor = -1
@@ -620,25 +608,12 @@ class BurnpackCheckpoint(Checkpoint):
         # This rank's RNG states and data position, restored now: before configure_optimizers
         # (which may read estimated_stepping_batches, and so build and iterate the data) and
         # before anything else can draw from them.
+        rng = checkpoint.get(trainer_state.RNG_KEY)
         ranks = checkpoint.get(POSITION_KEY)
-        if isinstance(ranks, list) and len(ranks) == trainer.world_size:
-            self._position.resume_from(ranks[trainer.global_rank])
-        else:
-            if isinstance(ranks, list) and trainer.is_global_zero:
-                log.warning(
-                    "checkpoint %s was saved by %d ranks and is resumed on %d: every rank "
-                    "continues with rank 0's RNG states and the data restarts its epoch",
-                    trainer.ckpt_path,
-                    len(ranks),
-                    trainer.world_size,
-                )
-            rng = checkpoint.get(trainer_state.RNG_KEY)
-            self._position.resume_from(None if rng is None else {"rng": rng})
+        self._position.resume_from_ranks(ranks, rng, trainer, f"checkpoint {trainer.ckpt_path}")
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
             self._check_classes(trainer)
-        loops = checkpoint.get("loops")
-        self._boundary_loops = copy.deepcopy(loops) if loops is not None else None
         preempted = checkpoint.get(trainer_state.PREEMPTED_KEY)
         self._resumed_batches = 0  # batches of the current epoch the restored run consumed
         if preempted:
@@ -926,7 +901,6 @@ class BurnpackCheckpoint(Checkpoint):
             self.last_saved_number == number and self._saved_step == trainer.global_step
         ):
             self._save(trainer, number, preempted=preempted, flush=preempted)
-        self._boundary_loops = copy.deepcopy(_lightning_compat.loops_state_dict(trainer))
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
@@ -965,17 +939,12 @@ class BurnpackCheckpoint(Checkpoint):
         finished = _finished(trainer, epoch_end)
         if finished is not None:
             extra[FINISHED_KEY] = finished
-        if not epoch_end:
-            replay = not self._position.exact
+        if not epoch_end:  # every loader is positioned: the loop counters are as they are
             extra[trainer_state.PREEMPTED_KEY] = {
                 "epoch": trainer.current_epoch,
                 "batches": consumed,
-                "replay": replay,
+                "replay": False,
             }
-            if replay:  # the data restarts its epoch: so do the loop counters
-                checkpoint.pop("loops")
-                if self._boundary_loops is not None:
-                    checkpoint["loops"] = self._boundary_loops
         forced = preempted or finished is not None or not epoch_end
         error: BaseException | None = None
         if trainer.is_global_zero:

@@ -43,8 +43,20 @@ MagicError
 
 from __future__ import annotations
 
-__all__ = ["LightningBpkError"]
+__all__ = ["CheckpointResumeError", "LightningBpkError"]
 
 
 class LightningBpkError(Exception):
     """Base class of every error lightning-bpk raises on purpose (see the module docstring)."""
+
+
+class CheckpointResumeError(LightningBpkError, RuntimeError):
+    """``fit`` cannot start from the checkpoints as they are; nothing was changed on disk.
+
+    gin's ``override_number`` names a checkpoint that is missing or incomplete, the run would
+    save over complete checkpoints it did not resume past (see ``overwrite``), the checkpoint
+    holds the state of other optimizer or scheduler classes than the module configures, or the
+    training data cannot continue its epoch under a changed setting (batch size, world size,
+    ``accumulate_grad_batches``). Raised from :mod:`lightning_bpk.callback` and
+    :mod:`lightning_bpk.data_position`; importable from either, and from ``lightning_bpk``.
+    """

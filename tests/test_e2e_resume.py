@@ -1,4 +1,6 @@
-"""End to end, real subprocesses: SIGKILL mid-epoch, start again, end bit-identical; disk full."""
+"""End to end, real subprocesses: SIGKILL mid-epoch, start again, end bit-identical; disk full;
+several training loaders, an iterable dataset, worker-side randomness; a batch size or world
+size changed between runs."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import pytest
 import torch
 
 from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_checkpoint
-from lightning_bpk.records import ModuleRecord
+from lightning_bpk.records import ModuleRecord, OptimizerRecord, StateRecord
 
 from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, Finished, run_process
+from lightning_tiny import SAMPLES
 
 SCRIPT = TINY_SCRIPT
 RUN_TIMEOUT = 90  # seconds per training subprocess; a hang fails the test instead of blocking CI
@@ -108,3 +111,160 @@ def test_file_size_limit_fails_the_save_and_keeps_earlier_checkpoints(tmp_path):
         "sentinel_checkpoint_complete.0",
     ]
     assert verify_checkpoint(checkpoints, 0) == []
+
+
+# -- several training loaders, an iterable dataset, worker-side randomness (issue 21: 8, 15) -----
+
+
+def run_data(root: Path, kind: str, *args: str, epochs: int = 3) -> Finished:
+    """lightning_tiny with ``--data kind`` and step checkpoints every 5 steps."""
+    command = [sys.executable, SCRIPT, "--root", root, "--epochs", epochs, "--data", kind]
+    command += ["--every-n-steps", "5", *args]
+    return run_process(command, timeout=RUN_TIMEOUT)
+
+
+def assert_bitwise(expected_path: Path, got_path: Path) -> None:
+    expected, got = params(expected_path), params(got_path)
+    assert list(got) == list(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def adam_step_and_global_step(checkpoints: Path, number: int) -> tuple[float, int]:
+    directory = checkpoints / f"ckpt.{number}"
+    state = OptimizerRecord.load(directory / "optim.bpk").state_dict()["state"]
+    steps = {float(s["step"]) for s in state.values()}
+    assert len(steps) == 1, steps  # every parameter stepped as often
+    return steps.pop(), StateRecord.load(directory / "trainer.bpk").value["global_step"]
+
+
+def _stopped_then_resumed(
+    tmp_path: Path, kind: str, stops: list[list[str]], *extra: str, epochs: int = 3
+):
+    """An uninterrupted run and one stopped at each of ``stops`` (``--kill-at-step K`` or
+    ``--term-at-step K``) and started again to the end; both end bitwise equal, each restart
+    sees the reference's batches from its checkpoint's step on, and every checkpoint's Adam
+    step count is its global step."""
+    out = ["--out", str(tmp_path / "ref.bpk")]
+    ref = run_data(
+        tmp_path / "ref", kind, "--ids", str(tmp_path / "ref.ids"), *extra, *out, epochs=epochs
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    root, ids = tmp_path / "run", tmp_path / "run.ids"
+    checkpoints, outputs = root / "checkpoints", []
+    for stop in [*stops, ["--out", str(tmp_path / "run.bpk")]]:
+        latest = get_latest_checkpoint_number(checkpoints) if root.exists() else -1
+        before = len(ids.read_text().splitlines()) if ids.exists() else 0
+        process = run_data(root, kind, "--ids", str(ids), *extra, *stop, epochs=epochs)
+        expected = -signal.SIGKILL if stop[0] == "--kill-at-step" else 0
+        assert process.returncode == expected, process.stderr[-3000:]
+        lines = ids.read_text().splitlines()[before:]
+        assert lines == _lines_from(tmp_path / "ref.ids", max(latest, 0))[: len(lines)]
+        outputs.append(process)
+    assert_bitwise(tmp_path / "ref.bpk", tmp_path / "run.bpk")
+    numbers = sorted(int(p.name.split(".")[1]) for p in checkpoints.glob("ckpt.*"))
+    for number in numbers:
+        adam, global_step = adam_step_and_global_step(checkpoints, number)
+        assert adam == global_step == number, number
+    return outputs
+
+
+def test_a_dict_of_train_loaders_killed_mid_epoch_continues_bitwise(tmp_path):
+    """A dict of two loaders (6 and 3 batches per epoch: Lightning's max_size_cycle) killed
+    after step 11: checkpoint 10 is batch 4 of epoch 1, where the shorter loader is in its
+    second pass. It used to be replayed from the epoch's start, with Adam's step count ahead of
+    the global step, and then refused to save over checkpoint 10. (The CombinedLoader modes:
+    test_data_position.)"""
+    _stopped_then_resumed(tmp_path, "dict", [["--kill-at-step", "11"]], epochs=2)
+
+
+def test_iterable_dataset_killed_and_rerun_twice_continues_without_collisions(tmp_path):
+    """An IterableDataset without state, SIGKILLed after step 8 (checkpoint 5, mid-epoch 0),
+    then SIGTERMed after step 9 (saved after step 10, mid-epoch 1), then to the end: every
+    re-run of the same command continues (no CheckpointResumeError), no checkpoint number is
+    saved twice, Adam's step count is the global step in every checkpoint, and, as this dataset
+    draws its order from the global RNG, the end is bitwise the uninterrupted run's."""
+    first, second, last = _stopped_then_resumed(
+        tmp_path, "iterable", [["--kill-at-step", "8"], ["--term-at-step", "9"]], epochs=2
+    )
+    for process in (first, second, last):
+        assert process.stderr.count("cannot be positioned without reading it") == 1
+    assert "(global step 5) after checkpoint 5" in second.stderr
+    assert "restored=10" in last.stdout and f"step={2 * BATCHES_PER_EPOCH}" in last.stdout
+
+
+def test_worker_randomness_warns_once_and_a_stateful_dataloader_resumes_it_exactly(
+    tmp_path, reference
+):
+    """torch.rand augmentation in 2 DataLoader workers: a plain DataLoader killed mid-epoch
+    resumes with the same sample order and one warning that the batches differ; torchdata's
+    StatefulDataLoader over a dataset whose generator is in its state_dict is bitwise exact."""
+    root, ids = tmp_path / "plain", tmp_path / "plain.ids"
+    common = ["--workers", "2", "--augment", "--ids", str(ids)]
+    killed = run_data(
+        root, "plain", *common, "--kill-at-step", "3", "--every-n-steps", "2", epochs=1
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert "random draws made inside its worker processes" not in killed.stderr  # not resumed
+    before = len(ids.read_text().splitlines())
+    resumed = run_data(root, "plain", *common, "--every-n-steps", "2", epochs=1)  # from 2
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("random draws made inside its worker processes") == 1
+    assert "torch.rand augmentation" in resumed.stderr and "StatefulDataLoader" in resumed.stderr
+    lines = ids.read_text().splitlines()[before:]
+    assert lines == _lines_from(reference / "ref.ids", 2)[: len(lines)]  # the order is exact
+
+    outputs = _stopped_then_resumed(
+        tmp_path / "stateful",
+        "stateful",
+        [["--kill-at-step", "4"]],
+        *["--workers", "2", "--augment", "--every-n-steps", "3"],
+        epochs=1,
+    )
+    assert all("random draws made inside" not in p.stderr for p in outputs)
+
+
+# -- changed settings between runs (issue 21: 13) ------------------------------------------------
+
+
+def _epoch_samples(id_files: list[Path], epoch: int, before_step: int | None = None) -> list[int]:
+    """The sample ids the id logs show for ``epoch`` (only batches before global step
+    ``before_step``: those a killed run trained before the checkpoint it is resumed from)."""
+    ids = []
+    for path in id_files:
+        for line in path.read_text().splitlines():
+            e, _, step, batch = line.split()
+            if int(e) == epoch and (before_step is None or int(step) < before_step):
+                ids += [int(i) for i in batch.split(",")]
+    return ids
+
+
+@pytest.mark.parametrize(
+    "first, second, kill",
+    [
+        (["--batch-size", "8"], ["--batch-size", "16"], 9),
+        (["--devices", "2"], ["--devices", "1"], 4),
+    ],
+    ids=["batch-8-to-16", "ranks-2-to-1"],
+)
+def test_a_changed_batch_size_or_world_size_continues_the_epoch_in_samples(
+    tmp_path, first, second, kill
+):
+    """Killed mid-epoch 1 with step checkpoints every 2 steps, resumed with another batch size
+    or number of (gloo CPU) ranks: the epoch's samples, those trained before the checkpoint
+    plus those the resumed run trained, are exactly the dataset, none twice, none lost. (The
+    ranks share one seed, so their DistributedSamplers split one order.)"""
+    root = tmp_path / "run"
+    common = ["--epochs", "2", "--every-n-steps", "2", "--shared-seed"]
+    killed = run(
+        root, *common, *first, "--ids", str(tmp_path / "killed.ids"), "--kill-at-step", str(kill)
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = get_latest_checkpoint_number(root / "checkpoints")
+    resumed = run(root, *common, *second, "--ids", str(tmp_path / "resumed.ids"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    before = _epoch_samples(sorted(tmp_path.glob("killed.ids*")), 1, before_step=saved)
+    after = _epoch_samples(sorted(tmp_path.glob("resumed.ids*")), 1)
+    assert before and after
+    assert sorted(before + after) == list(range(SAMPLES))
+    assert "continues in samples" in resumed.stderr

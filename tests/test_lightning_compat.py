@@ -24,11 +24,9 @@ class _Probe(L.Callback):
 
     def __init__(self) -> None:
         self.dumped: dict = {}
-        self.loops: dict = {}
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.dumped = compat.dump_checkpoint(trainer)
-        self.loops = compat.loops_state_dict(trainer)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +43,6 @@ def test_dump_checkpoint_is_lightnings_full_dict(fitted) -> None:
     _, probe = fitted
     for key in ("epoch", "global_step", "loops", "state_dict", "optimizer_states", "callbacks"):
         assert key in probe.dumped, key
-
-
-def test_loops_state_dict_is_what_dump_checkpoint_stores(fitted) -> None:
-    _, probe = fitted
-    assert probe.loops.keys() == probe.dumped["loops"].keys()
-    assert "fit_loop" in probe.loops
 
 
 def test_resume_start_interception_loads_our_dict_once(fitted, tmp_path: Path) -> None:

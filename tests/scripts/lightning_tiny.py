@@ -7,6 +7,8 @@ As a script (run by the end-to-end, preemption and DDP tests)::
         [--term-rank R] [--devices 2] [--out FILE] [--fsize-limit BYTES --fsize-at-step K]
         [--every-n-steps N] [--workers W] [--ids FILE] [--one-cycle] [--max-steps M]
         [--swa EPOCH] [--ema] [--io-plugin] [--async-save] [--auto-steps] [--max-time SECONDS]
+        [--data KIND] [--batch-size B] [--accumulate A] [--augment] [--persistent-workers]
+        [--shared-seed]
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
@@ -18,6 +20,14 @@ under DDP): every sample carries a unique id, so a resumed run's data order can 
 :class:`EmaWeights` callback (``--out`` then also writes its copy to ``FILE.ema``),
 ``--io-plugin`` BurnpackCheckpointIO beside the callback, ``--async-save`` and ``--auto-steps``
 (``every_n_train_steps="auto"``) the callback's options, ``--max-time`` Lightning's ``max_time``.
+``--data`` chooses the training data (:data:`DATA_KINDS`): ``plain`` (the shuffled DataLoader),
+``dict`` (that loader and a second, shorter one, ids from 1000 on, as a dict: Lightning's
+``max_size_cycle``), ``max_size_cycle`` / ``min_size`` / ``max_size`` (the two in a
+``CombinedLoader`` of that mode), ``iterable`` (an ``IterableDataset`` shuffling itself from the
+global RNG, without state) or ``stateful`` (torchdata's ``StatefulDataLoader``). ``--augment``
+adds ``torch.rand`` noise to every sample where it is loaded (in the workers, with
+``--workers``); with ``--data stateful`` the noise comes from the dataset's own generator,
+which its ``state_dict`` holds.
 """
 
 from __future__ import annotations
@@ -28,38 +38,109 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 SAMPLES = 48  # 6 batches of 8 per epoch: small enough for seconds, enough for mid-epoch kills
 BATCH_SIZE = 8
 FEATURES = 6
 SEED = 1234
+SECOND_SAMPLES, SECOND_IDS = 24, 1000  # the second loader of --data dict/CombinedLoader
+DATA_KINDS = ("plain", "dict", "max_size_cycle", "min_size", "max_size", "iterable", "stateful")
+
+
+class Augmented(Dataset):
+    """A map-style dataset adding ``torch.rand`` noise to each sample's features as it is
+    loaded (in a worker process when the loader has workers)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y, i = self.data[index]
+        return x + self.noise(), y, i
+
+    def noise(self) -> torch.Tensor:
+        return torch.rand(FEATURES)
+
+
+class StatefulAugmented(Augmented):
+    """Its noise comes from its own generator (seeded from the worker's seed when first used),
+    which ``state_dict`` holds: torchdata's StatefulDataLoader saves each worker's copy."""
+
+    generator: torch.Generator | None = None
+
+    def _generator(self) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(torch.initial_seed())
+        return self.generator
+
+    def noise(self) -> torch.Tensor:
+        return torch.rand(FEATURES, generator=self._generator())
+
+    def state_dict(self) -> dict:
+        return {"generator": self._generator().get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generator().set_state(state["generator"])
+
+
+class Stream(IterableDataset):
+    """Yields a dataset's samples in an order drawn from the global torch RNG at each pass."""
+
+    def __init__(self, data: Dataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        order = torch.randperm(len(self.data)).tolist()  # type: ignore[arg-type]
+        return (self.data[i] for i in order)
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
 
 
 class TinyModel(L.LightningModule):
     """Linear -> ReLU -> Dropout -> Linear classifier with Adam and a per-epoch StepLR."""
 
     def __init__(
-        self, hidden: int = 16, lr: float = 0.05, one_cycle: bool = False, workers: int = 0
+        self,
+        hidden: int = 16,
+        lr: float = 0.05,
+        one_cycle: bool = False,
+        workers: int = 0,
+        data: str = "plain",
+        batch_size: int = BATCH_SIZE,
+        augment: bool = False,
+        persistent_workers: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters("hidden", "lr")
         self.one_cycle, self.workers = one_cycle, workers
+        self.data, self.batch_size, self.augment = data, batch_size, augment
+        self.persistent_workers = persistent_workers
         self.net = nn.Sequential(
             nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3)
         )
         self.on_step = None  # optional callable(global_step), used to kill/signal mid-epoch
         self.ids_file: Path | None = None  # where each batch's sample ids are appended
 
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y, ids = batch
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        parts = list(batch.values()) if isinstance(batch, dict) else [batch]
+        if isinstance(batch, list) and isinstance(batch[0], list):  # a CombinedLoader's
+            parts = batch
+        parts = [part for part in parts if part is not None]  # max_size: an exhausted loader
+        x, y, ids = (torch.cat(column) for column in zip(*parts, strict=True))
         if self.ids_file is not None:
             with self.ids_file.open("a") as f:
                 line = ",".join(str(i) for i in ids.tolist())
@@ -86,21 +167,39 @@ class TinyModel(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
-    def _data(self, seed: int, n: int) -> TensorDataset:
+    def _data(self, seed: int, n: int, first_id: int = 0) -> TensorDataset:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, FEATURES, generator=g)
         y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-        return TensorDataset(x, y, torch.arange(n))  # the third column: a unique sample id
+        ids = torch.arange(first_id, first_id + n)  # the third column: a unique sample id
+        return TensorDataset(x, y, ids)
 
-    def train_dataloader(self) -> DataLoader:
+    def _loader(self, dataset: Dataset, **options: Any) -> DataLoader:
         workers = self.workers
-        return DataLoader(
-            self._data(0, SAMPLES),
-            batch_size=BATCH_SIZE,
-            shuffle=True,
-            num_workers=workers,
-            multiprocessing_context="fork" if workers else None,
-        )
+        options.update(batch_size=self.batch_size, num_workers=workers)
+        if workers:
+            options.update(
+                multiprocessing_context="fork", persistent_workers=self.persistent_workers
+            )
+        if self.data == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(dataset, **options)
+        return DataLoader(dataset, **options)
+
+    def train_dataloader(self) -> Any:
+        data: Dataset = self._data(0, SAMPLES)
+        if self.augment:
+            data = StatefulAugmented(data) if self.data == "stateful" else Augmented(data)
+        if self.data == "iterable":
+            return self._loader(Stream(data))
+        first = self._loader(data, shuffle=True)
+        if self.data in ("plain", "stateful"):
+            return first
+        second = self._loader(self._data(2, SECOND_SAMPLES, SECOND_IDS), shuffle=True)
+        if self.data == "dict":
+            return {"first": first, "second": second}
+        return CombinedLoader([first, second], mode=self.data)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._data(1, 16), batch_size=BATCH_SIZE)
@@ -177,6 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--one-cycle", action="store_true")
+    parser.add_argument("--data", choices=DATA_KINDS, default="plain")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--augment", action="store_true")
+    parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--shared-seed", action="store_true")
     parser.add_argument("--ids")
     parser.add_argument("--out")
     # -- callbacks, plugins and limits beside the checkpoint callback (engineer cb's block) --
@@ -198,8 +303,17 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Under DDP each rank gets its own RNG stream (different dropout masks), as a resume must
     # restore every rank's own states; DDP broadcasts rank 0's initial weights.
-    L.seed_everything(SEED + rank, workers=True)
-    model = TinyModel(one_cycle=args.one_cycle, workers=args.workers)
+    # --shared-seed: one seed for all ranks, so their DistributedSamplers (seeded from it)
+    # draw one order and split it, and the ranks' epochs together hold each sample once.
+    L.seed_everything(SEED if args.shared_seed else SEED + rank, workers=True)
+    model = TinyModel(
+        one_cycle=args.one_cycle,
+        workers=args.workers,
+        data=args.data,
+        batch_size=args.batch_size,
+        augment=args.augment,
+        persistent_workers=args.persistent_workers,
+    )
     if args.ids:
         model.ids_file = Path(args.ids + (f".rank{rank}" if args.devices > 1 else ""))
 
@@ -234,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_time is not None:
         extra["max_time"] = timedelta(seconds=args.max_time)
     epochs = args.epochs if args.max_steps == -1 else -1
+    extra["accumulate_grad_batches"] = args.accumulate
     trainer = make_trainer(args.root, epochs, callbacks, max_steps=args.max_steps, **extra)
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
