@@ -281,12 +281,12 @@ class CrashingFileSystem(MemoryFileSystem):
         """The files as they were when the crash came (a no-op if none came)."""
         if cls.at_crash is None:
             return
-        files, dirs = cls.at_crash
+        (files, dirs), cls.crash_at, cls.at_crash = cls.at_crash, None, None
         cls.store.clear()
+        fs = cls()
         for path, data in files.items():
-            MemoryFileSystem.pipe_file(cls(), path, data)
+            fs.pipe_file(path, data)
         cls.pseudo_dirs[:] = dirs
-        cls.crash_at = None
 
 
 def _crashing(name: str) -> Any:
