@@ -15,6 +15,7 @@ helper serves both.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 SENTINEL = "sentinel_checkpoint_complete"
 BACKENDS = ("local", "memory")
+_SENTINEL_NAME = re.compile(re.escape(SENTINEL) + r"\.(0|[1-9][0-9]*)")  # one spelling a number
 
 
 def tensors_payload(n: int) -> dict[str, Any]:
@@ -96,8 +98,8 @@ class Where:
 
 def complete_numbers(where: Where) -> list[int]:
     """The numbers of every sentinel in the directory."""
-    stem = f"{SENTINEL}."
-    return sorted(int(n[len(stem) :]) for n in where.names() if n.startswith(stem))
+    found = (_SENTINEL_NAME.fullmatch(name) for name in where.names())
+    return sorted(int(m.group(1)) for m in found if m is not None)
 
 
 def leftovers(where: Where) -> list[str]:
@@ -107,7 +109,7 @@ def leftovers(where: Where) -> list[str]:
         name
         for name in where.names()
         if not name.startswith(".lightning_bpk")
-        and not name.startswith(f"{SENTINEL}.")
+        and not _SENTINEL_NAME.fullmatch(name)
         and name.split("/")[0] not in data
     ]
 

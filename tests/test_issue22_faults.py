@@ -12,8 +12,9 @@ On both backends, for a new N and for a re-save of the newest N:
 
 - a save that raises raises an I/O error (an ``OSError``, such as ``StorageError`` or
   ``BurnpackIOError``, or a ``RecordError`` of kind ``"io"`` naming the record) whose chain
-  names the injected failure, and every checkpoint saved before it is complete, verifies
-  and loads its own data (for a re-save: the old N's);
+  names the injected failure; the sentinels are the ones there were, nothing is left that a
+  search warns about, and every checkpoint saved before it is complete, verifies and loads its
+  own data (for a re-save: the old N's);
 - a save that returns committed, and a failure after the commit (dropping the superseded copy,
   garbage collection) is a :class:`CheckpointWarning`, never an exception: a save that raises
   has not replaced anything;
@@ -185,7 +186,12 @@ def test_a_failure_at_every_call_keeps_every_earlier_checkpoint(
                 assert failed.kind == "io", (call, _chain(failed))
                 assert not isinstance(failed, RecordChecksumError), (call, _chain(failed))
             assert "injected" in _chain(failed), (call, _chain(failed))
-            assert get_latest_checkpoint_number(where.base, verify=True) == 2, call
+            # no sentinel was added or lost, and nothing the search must warn about was left
+            assert b.complete_numbers(where) == [0, 1, 2], (call, where.names())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", CheckpointWarning)
+                assert get_latest_checkpoint_number(where.base, verify=True) == 2, call
+                assert get_latest_checkpoint_number(where.base) == 2, call
             for m in range(3):  # every earlier checkpoint, the old N of a re-save included
                 assert verify_checkpoint(where.base, m) == [], (call, m)
                 loaded = c.load_checkpoint(m)
