@@ -19,6 +19,12 @@ On both backends, for a new N and for a re-save of the newest N:
   garbage collection) is a :class:`CheckpointWarning`, never an exception: a save that raises
   has not replaced anything;
 - either way, the next save succeeds and leaves nothing behind but checkpoints.
+
+On main before issue 22 lands, the local ``resave`` rows fail: when removing the old copy of N
+fails (an ``os.unlink`` after the new sentinel is written), ``save_checkpoint`` raises although
+it committed the new N, so a caller is told the save failed while N was replaced. They are
+expected to pass once the re-save drops the superseded copy as a warning, as garbage
+collection does and as the object-store commit does.
 """
 
 from __future__ import annotations

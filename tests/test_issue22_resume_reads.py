@@ -16,8 +16,11 @@ The bounds asserted, per entry-point call:
 - the CLI's ``ls`` and ``verify`` of a directory of ``K`` checkpoints list at most ``K + 2``
   times (the directory, each checkpoint's data, one spare).
 
-On main before issue 22, an object-store resume read each sentinel three times and listed six
-times: three entry points each built their own view of the checkpoint.
+On main before issue 22 (expected to fail there, to pass once one resume choice returns the
+number and the data it read): the callback's resume reads the chosen sentinel three times on
+both backends (and lists 8 times locally, 9 on an object store); ``BurnpackCheckpointIO`` lists
+an object-store directory 4 times; the CLI lists each data directory twice on an object store
+and four times locally.
 """
 
 from __future__ import annotations
