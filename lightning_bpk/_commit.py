@@ -139,8 +139,10 @@ def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[s
     """Step 2: the scratch names a crashed save of this checkpointer left (staging
     directories, sentinel scratch files), never ``keep``."""
     data = re.escape(names.prefix) + r"\." + NUMBER_PATTERN
-    data += f"(?:{re.escape(VERSION_MARK)}[0-9a-f]+)?(?:\\.dcp)?" + _SCRATCH
-    sentinel = re.escape(sentinel_stem(names.identifier)) + r"\." + NUMBER_PATTERN + _SCRATCH
+    data += f"(?:{re.escape(VERSION_MARK)}[0-9a-f]+)?(?:\\.dcp)?(?:{_SCRATCH})+"
+    # a create-only sentinel is staged as a scratch file written through its own scratch file
+    sentinel = re.escape(sentinel_stem(names.identifier)) + r"\." + NUMBER_PATTERN
+    sentinel += f"(?:{_SCRATCH})+"
     pattern = re.compile(f"{data}|{sentinel}")
     return [name for name in listing if pattern.fullmatch(name) and name != keep]
 
