@@ -106,20 +106,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import (
-    _gin,
-    _lightning_compat,
-    _run_end,
-    object_checkpoints,
-    sharded,
-    slurm,
-    storage,
-    trainer_state,
-)
-from lightning_bpk._run_end import describe as _describe
-from lightning_bpk._run_end import finished as _finished
-from lightning_bpk._run_end import still_finished as _still_finished
-from lightning_bpk.async_save import AsyncCheckpointSaver
+from lightning_bpk import _gin, object_checkpoints, sharded, storage, trainer_state
 from lightning_bpk.checkpointer import (
     RUN_SUBDIRECTORY,
     Checkpointer,
@@ -129,9 +116,14 @@ from lightning_bpk.checkpointer import (
     summarise,
     verify_checkpoint,
 )
-from lightning_bpk.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.lightning import _compat, slurm, triggers
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
+from lightning_bpk.lightning.triggers import describe as _describe
+from lightning_bpk.lightning.triggers import finished as _finished
+from lightning_bpk.lightning.triggers import still_finished as _still_finished
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 __all__ = [
@@ -236,9 +228,9 @@ def _take_last(trainer: pl.Trainer) -> bool:
 
 def _others(handler: object) -> list[Callable[..., Any]]:
     """The callables a previously installed handler runs, without Lightning's own ones."""
-    handlers = _lightning_compat.composed_signal_handlers(handler)
+    handlers = _compat.composed_signal_handlers(handler)
     return [
-        h for h in handlers if callable(h) and not _lightning_compat.is_lightning_signal_handler(h)
+        h for h in handlers if callable(h) and not _compat.is_lightning_signal_handler(h)
     ]
 
 
@@ -261,7 +253,7 @@ def _ignore_at_exit(signums: Sequence[int]) -> None:
 
 def _stop_ignoring(trainer: pl.Trainer, signums: Sequence[int]) -> None:
     """A new fit in a process that survived a preemption stop: the defaults are back."""
-    originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+    originals = _compat.handlers_restored_at_teardown(trainer)
     for signum in signums:
         if originals.get(signum) is _ignore_while_stopping:
             originals[signum] = signal.SIG_DFL
@@ -440,7 +432,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._stopping = False  # a preemption stop is under way: the process is about to exit
         self._previous_handlers: dict[int, Any] = {}
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
-        _lightning_compat.route_last_ckpt_path(_take_last)
+        _compat.route_last_ckpt_path(_take_last)
 
     @property
     def step_numbered(self) -> bool:
@@ -449,7 +441,7 @@ class BurnpackCheckpoint(Checkpoint):
 
     @property
     def state_key(self) -> str:
-        return _lightning_compat.generate_state_key(
+        return _compat.generate_state_key(
             self,
             dirpath=None if self.dirpath is None else str(self.dirpath),
             checkpoint_file_prefix=self.checkpoint_file_prefix,
@@ -593,12 +585,12 @@ class BurnpackCheckpoint(Checkpoint):
                 return path, trainer_state.from_records(data, str(path))
             return path, trainer_state.load(path, self.storage_options)
 
-        _lightning_compat.intercept_resume_start(trainer, resume_start)
+        _compat.intercept_resume_start(trainer, resume_start)
 
     def _refuse_member_of_checkpoint(self, path: Any) -> None:
         """``ckpt_path`` names a file inside a checkpoint directory (``ckpt.3/model.bpk``):
         Lightning's reader would fail on it without naming it; stop, naming the directory."""
-        problem = _run_end.member_of_checkpoint(path, self.storage_options)
+        problem = triggers.member_of_checkpoint(path, self.storage_options)
         if problem is not None:
             raise CheckpointResumeError(problem)
 
@@ -705,7 +697,7 @@ class BurnpackCheckpoint(Checkpoint):
                 trainer.global_step,
                 self.restored_number,
             )
-        if self.restored_number is not None and _lightning_compat.resume_swa_mid_epoch(trainer):
+        if self.restored_number is not None and _compat.resume_swa_mid_epoch(trainer):
             log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
         self._last_save_time = time.monotonic()
         self._saved_step = trainer.global_step  # intervals count from here
@@ -803,7 +795,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._due = batch_idx + 1
         if self._epoch_ends_here(trainer):
             return  # on_train_epoch_end saves, after the validation that follows this batch
-        if _lightning_compat.validation_follows(trainer):
+        if _compat.validation_follows(trainer):
             return  # on_validation_end saves, so the resumed run does not validate again
         self._save_due(trainer)
 
@@ -831,7 +823,7 @@ class BurnpackCheckpoint(Checkpoint):
     @staticmethod
     def _epoch_ends_here(trainer: pl.Trainer) -> bool:
         max_steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
-        last = _lightning_compat.is_last_batch(trainer)
+        last = _compat.is_last_batch(trainer)
         return bool(last or max_steps or trainer.should_stop)
 
     def _rank0_due(self, trainer: pl.Trainer) -> bool:
@@ -924,7 +916,7 @@ class BurnpackCheckpoint(Checkpoint):
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
-        checkpoint = _lightning_compat.dump_checkpoint(trainer)
+        checkpoint = _compat.dump_checkpoint(trainer)
         staged: Any = {}  # sharded.save_shards' result on rank 0
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
@@ -1068,7 +1060,7 @@ class BurnpackCheckpoint(Checkpoint):
         instead (and :func:`_ignore_at_exit` covers interpreter finalization). Handlers the user
         installed come back as they were.
         """
-        originals = _lightning_compat.handlers_restored_at_teardown(trainer)
+        originals = _compat.handlers_restored_at_teardown(trainer)
         signums = [s for s in self._previous_handlers if originals.get(s) == signal.SIG_DFL]
         for signum in signums:
             originals[signum] = _ignore_while_stopping
@@ -1105,5 +1097,5 @@ class BurnpackCheckpoint(Checkpoint):
         self._restore_signal_handlers()
         self._position.detach(trainer)
         # fit may have failed before Lightning restored anything
-        _lightning_compat.release_resume_start(trainer)
+        _compat.release_resume_start(trainer)
         self._flush()  # the last checkpoint is complete when fit returns

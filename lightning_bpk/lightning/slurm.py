@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_bpk import _lightning_compat
+from lightning_bpk.lightning import _compat
 
 __all__ = ["job_id", "log_restart", "requeue", "requeue_signal", "restart_count"]
 
@@ -41,7 +41,7 @@ def requeue_signal(trainer: pl.Trainer) -> int | None:
     Not ``None`` only when Lightning detected SLURM for ``trainer`` with
     ``SLURMEnvironment(auto_requeue=True)`` (the default).
     """
-    environment = _lightning_compat.cluster_environment(trainer)
+    environment = _compat.cluster_environment(trainer)
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None

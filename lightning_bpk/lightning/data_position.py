@@ -50,7 +50,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk import _data_warnings, _lightning_compat, _resample, trainer_state
+from lightning_bpk import _resample, trainer_state
+from lightning_bpk.lightning import _compat, _data_warnings
 from lightning_bpk.errors import CheckpointResumeError
 
 __all__ = [
@@ -398,11 +399,11 @@ class DataPosition:
     def attach(self, trainer: pl.Trainer) -> None:
         """Take over the training loaders Lightning sets up from now on (this trainer only)."""
         self._trainer = trainer
-        _lightning_compat.intercept_train_dataloaders(trainer, self._install)
+        _compat.intercept_train_dataloaders(trainer, self._install)
 
     def detach(self, trainer: pl.Trainer) -> None:
         """Undo :meth:`attach`."""
-        _lightning_compat.release_train_dataloaders(trainer)
+        _compat.release_train_dataloaders(trainer)
 
     def _install(self, loader: Any, count: int) -> None:
         if count == 1:  # a new set-up of the training data: the saved position applies once
@@ -453,7 +454,7 @@ class DataPosition:
                 "saved settings, or from an end-of-epoch checkpoint"
             )
         assert self._trainer is not None
-        _lightning_compat.shift_batch_progress(self._trainer, plan["batches"] - pending["batches"])
+        _compat.shift_batch_progress(self._trainer, plan["batches"] - pending["batches"])
         self._resumed_at = plan["batches"]
         if self._trainer.global_rank == 0:
             log.info(
@@ -518,7 +519,7 @@ class DataPosition:
         """This rank's position after ``consumed`` batches of the current epoch (or at its end)."""
         mode = "max_size_cycle"
         if len(self._loaders) > 1 and self._trainer is not None:
-            mode = _lightning_compat.train_combined_mode(self._trainer)
+            mode = _compat.train_combined_mode(self._trainer)
         batches = 0 if epoch_end else consumed
         lengths = [_length(slot.loader) for slot in self._loaders if slot is not None]
         prefetched = float("inf") in lengths

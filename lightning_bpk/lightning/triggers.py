@@ -18,7 +18,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
 
-from lightning_bpk import _lightning_compat, storage
+from lightning_bpk import storage
+from lightning_bpk.lightning import _compat
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
 
@@ -50,7 +51,7 @@ def _timer(trainer: pl.Trainer) -> Timer | None:
 
 def _max_time(timer: Timer) -> float | None:
     """The Timer's duration in seconds (``None``: no limit)."""
-    return _lightning_compat.timer_duration(timer)
+    return _compat.timer_duration(timer)
 
 
 def still_finished(trainer: pl.Trainer, finished: dict, checkpoint: dict) -> bool:
