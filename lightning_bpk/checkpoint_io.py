@@ -36,7 +36,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 
 from lightning_bpk import storage, trainer_state
-from lightning_bpk.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 
 __all__ = [
     "BurnpackCheckpointIO",

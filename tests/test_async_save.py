@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.async_save import (
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.lightning.async_save import (
     _WRITER_THREAD_NAME,
     AsyncCheckpointSaver,
     _freeze,
     _StagingArea,
 )
-from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
 
 pytestmark = pytest.mark.timeout(60)

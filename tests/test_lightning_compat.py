@@ -1,4 +1,4 @@
-"""Each touch of Lightning's private API (lightning_bpk/_lightning_compat.py), checked against the
+"""Each touch of Lightning's private API (lightning_bpk/lightning/_compat.py), checked against the
 installed Lightning: if an upgrade renames or reshapes one, the test named after it fails."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.trainer.connectors import signal_connector
 
-from lightning_bpk import _lightning_compat as compat
+from lightning_bpk.lightning import _compat as compat
 
 from lightning_tiny import TinyModel, make_trainer
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lightning_bpk import trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint, _ignore_while_stopping
+from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.lightning.preemption import _ignore_while_stopping
 from lightning_bpk.records import ModuleRecord, StateRecord
 
 from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, run_process

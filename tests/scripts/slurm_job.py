@@ -39,7 +39,7 @@ class PauseForSignal(L.Callback):
         if trainer.is_global_zero:
             self.marker.touch()
         deadline = time.monotonic() + PAUSE_LIMIT
-        while not self.flag_holder._preempt_requested and time.monotonic() < deadline:
+        while not self.flag_holder.preemption.requested and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

@@ -1,0 +1,300 @@
+"""Asynchronous checkpoint saves: the training thread only copies tensors into reused buffers.
+
+A synchronous save blocks training for the whole durable write (about 0.4-0.9 s per GiB on a
+virtio disk, more with first-touch memory). :class:`AsyncCheckpointSaver` splits it in two:
+
+1. **on the caller's thread**, each record's content (``Record.to_content``: tensors, scalars,
+   string metadata, all computed from the live objects now) is frozen: every tensor is copied
+   into a *staging buffer* owned by the saver. The buffers are allocated on the first save and
+   reused by every later one (keyed by data key and tensor name; one is reallocated only when
+   that tensor's shape or dtype changes), so a save costs a memory copy, never a fresh clone of
+   the model (which on these VMs costs ~10x more: fresh memory is slow to fault in);
+2. **on one background writer thread**, the frozen records go through the unchanged synchronous
+   path, e.g. :meth:`Checkpointer.save_checkpoint`: data written and fsynced, then the sentinel,
+   then garbage collection, in that order. A sentinel therefore never names data that is not yet
+   durable, and old checkpoints are only collected after the new one is complete.
+
+Rules, each one a failure mode seen in other libraries:
+
+- **At most one save in flight.** A new save first waits for the previous one (its staging
+  buffers are about to be overwritten), so saves are serialized and never reorder.
+- **Errors are never swallowed.** An exception of the background write is re-raised, unchanged
+  (with a note saying which save it came from), by the next :meth:`save_checkpoint`, by
+  :meth:`wait` or by :meth:`close`, whichever comes first.
+- **Snapshots are never torn.** Everything the writer reads is a copy taken before ``save_*``
+  returned, so optimizer steps taken while the write runs cannot leak into the checkpoint.
+- **Nothing is lost at the end.** :meth:`close` (and leaving a ``with`` block) waits for the
+  write in flight and re-raises its error; call it before reading what was saved.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from lightning_bpk.checkpointer import Checkpointer
+    >>> from lightning_bpk.records import ModuleRecord
+    >>> net = torch.nn.Linear(2, 2)
+    >>> checkpointer = Checkpointer(tempfile.mkdtemp())
+    >>> with AsyncCheckpointSaver() as saver:
+    ...     saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
+    ...     with torch.no_grad():
+    ...         _ = net.weight.add_(1.0)  # training goes on; the snapshot is already taken
+    >>> saved = checkpointer.load_checkpoint(0)["model"].tensors["weight"]
+    >>> torch.equal(saved + 1.0, net.weight)
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_bpk import burnpack
+from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.records.base import Record, StateRecord
+
+__all__ = [
+    "AsyncCheckpointSaver",
+]
+
+# Name of the writer thread (visible in py-spy, faulthandler dumps and thread listings).
+_WRITER_THREAD_NAME = "lightning_bpk-async-save"
+# Staging owner of :meth:`AsyncCheckpointSaver.save_record` snapshots, whatever their path.
+_RECORD_OWNER = "<record>"
+
+
+class _StagingArea:
+    """CPU buffers that snapshots are copied into, allocated once and reused.
+
+    Buffers are keyed by ``(owner, tensor name)``; a buffer is replaced only when the tensor's
+    shape or dtype changes, and buffers no snapshot used last time are dropped by :meth:`prune`.
+
+    >>> area = _StagingArea()
+    >>> a = area.copy("model", "w", torch.ones(3)); b = area.copy("model", "w", torch.zeros(3))
+    >>> a is b, area.allocations, b.tolist()
+    (True, 1, [0.0, 0.0, 0.0])
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._used: set[tuple[str, str]] = set()
+        self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
+
+    def copy(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the buffer."""
+        key = (owner, name)
+        source = tensor.detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            self._buffers[key] = buffer
+            self.allocations += 1
+        buffer.copy_(source)
+        self._used.add(key)
+        return buffer
+
+    def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype]]) -> None:
+        """Allocate and fault in buffers for ``(owner, name, shape, dtype)`` ahead of the first
+        snapshot (fresh memory is slow to touch; see :meth:`AsyncCheckpointSaver.reserve`)."""
+        for owner, name, shape, dtype in wanted:
+            buffer = self._buffers.get((owner, name))
+            if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
+                buffer = torch.empty(shape, dtype=dtype, device="cpu")
+                buffer.zero_()  # touch every page now, not during the first save
+                self._buffers[(owner, name)] = buffer
+                self.allocations += 1
+
+    def prune(self) -> None:
+        """Free buffers the snapshots since the last prune did not use (removed tensors)."""
+        for key in set(self._buffers) - self._used:
+            del self._buffers[key]
+        self._used = set()
+
+    def clear(self) -> None:
+        """Free every buffer (the next save allocates them again)."""
+        self._buffers.clear()
+        self._used = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class _StagedRecord(Record):
+    """A record's content frozen at snapshot time; saved as a record of the original kind."""
+
+    def __init__(
+        self,
+        kind: str,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        metadata: Mapping[str, str],
+    ) -> None:
+        # instance attribute: this class registers no kind of its own
+        self.kind = kind  # type: ignore[misc]
+        self._frozen = (tensors, scalars, metadata)
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        return self._frozen
+
+
+def _freeze_entry(area: _StagingArea, owner: str, name: str, value: Any) -> Any:
+    """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging."""
+    if isinstance(value, torch.Tensor):
+        return area.copy(owner, name, value)
+    if not isinstance(value, burnpack.TensorEntry):
+        return value  # not a tensor: the writer reports it as the synchronous path would
+    data = value.data
+    if callable(data) and not isinstance(data, torch.Tensor):
+        data = data()  # a deferred provider reads live state: call it now, not on the writer
+    if isinstance(data, torch.Tensor):
+        data = area.copy(owner, name, data)
+    elif not isinstance(data, bytes):
+        data = bytes(data)  # bytearray/memoryview may change under the writer
+    return burnpack.TensorEntry(
+        value.dtype, value.shape, data, param_id=value.param_id, nbytes=value.nbytes
+    )
+
+
+def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
+    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area``.
+
+    The result shares no mutable memory with ``value``: tensors live in staging buffers,
+    scalars and strings are immutable.
+    """
+    record = value if isinstance(value, Record) else StateRecord(value)
+    tensors, scalars, metadata = record.to_content()
+    frozen = {name: _freeze_entry(area, owner, name, t) for name, t in tensors.items()}
+    return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+
+
+class AsyncCheckpointSaver:
+    """Runs saves on one background thread after snapshotting their data into staging buffers.
+
+    See the module docstring for the guarantees. Not thread-safe itself: call it from one
+    thread (the training loop). ``close`` frees the staging buffers; the saver can be used
+    again afterwards (buffers and thread are created on demand).
+    """
+
+    def __init__(self) -> None:
+        self.staging = _StagingArea()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._pending_what = ""
+        self._lock = threading.Lock()  # guards _executor/_pending against a concurrent close()
+
+    # -- submitting --------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        checkpointer: Checkpointer,
+        iteration_number: int,
+        data: Mapping[str, Any],
+        on_saved: Callable[[Path | str], None] | None = None,
+    ) -> None:
+        """Snapshot ``data`` now and save it as ``iteration_number`` in the background.
+
+        Same arguments and checkpoint as :meth:`Checkpointer.save_checkpoint`. Waits for the
+        previous save first and re-raises its error, if it failed. An iteration the checkpointer
+        would skip (``checkpoint_frequency``) is skipped here too, without copying anything.
+        ``on_saved(path)`` runs on the writer thread once the checkpoint is complete (its
+        sentinel committed), e.g. to log it; not after a failed write.
+        """
+        self.wait()
+        if iteration_number % checkpointer.checkpoint_frequency:
+            return
+        staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
+        self.staging.prune()
+        what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
+
+        def save() -> Path | str | None:
+            path = checkpointer.save_checkpoint(iteration_number, staged)
+            if path is not None and on_saved is not None:
+                on_saved(path)
+            return path
+
+        self._submit(what, save)
+
+    def reserve(self, data: Mapping[str, Any]) -> None:
+        """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
+        ``data`` needs, on the writer thread, so the first save costs the training thread a
+        copy only. Returns at once; the next save waits for it (as for any write in flight)."""
+        self.wait()
+        wanted = []
+        for key, value in data.items():
+            record = value if isinstance(value, Record) else StateRecord(value)
+            for name, entry in record.to_content()[0].items():
+                tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
+                if isinstance(tensor, torch.Tensor):
+                    wanted.append((key, name, tuple(tensor.shape), tensor.dtype))
+        self._submit("staging buffers", self.staging.reserve, wanted)
+
+    def save_record(
+        self,
+        record: Any,
+        path: str | os.PathLike[str],
+        write: Callable[[Record, str | os.PathLike[str]], Any] | None = None,
+    ) -> None:
+        """Snapshot ``record`` (or plain data) now and write it to ``path`` in the background
+        with ``write(snapshot, path)`` (default ``Record.save``: atomic, fsynced). Waits for the
+        previous save first."""
+        self.wait()
+        # One owner for every path: Lightning names each file anew (epoch=3-step=16.ckpt), and
+        # keying by path would reallocate every buffer on every save.
+        staged = _freeze(self.staging, _RECORD_OWNER, record)
+        self.staging.prune()
+        self._submit(f"record {path}", write or Record.save, staged, path)
+
+    def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=_WRITER_THREAD_NAME)
+            self._pending = self._executor.submit(fn, *args)
+            self._pending_what = what
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """True while a save is being written."""
+        pending = self._pending
+        return pending is not None and not pending.done()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is durable; return what it returned.
+
+        Re-raises the save's exception, once: a failure is reported exactly one time.
+        """
+        with self._lock:
+            pending, what = self._pending, self._pending_what
+            self._pending = None
+        if pending is None:
+            return None
+        error = pending.exception()
+        if error is not None:
+            error.add_note(f"(raised by the asynchronous save of {what})")
+            raise error
+        return pending.result()
+
+    def close(self) -> None:
+        """Wait for the write in flight, stop the writer thread, free the staging buffers, and
+        re-raise the write's error if it failed."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+            self.staging.clear()
+
+    def __enter__(self) -> AsyncCheckpointSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

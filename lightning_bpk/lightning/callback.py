@@ -1,0 +1,452 @@
+"""``BurnpackCheckpoint``, the callback: its settings, setup and resume, and where a save goes.
+
+What it does for a run (saving, resuming, preemption, a finished run) is told in
+:mod:`lightning_bpk.callback`, the public path it is imported from. Each other concern is an
+object the callback holds, in a module beside this one that needs no ``Trainer`` to test:
+
+- ``triggers``: :class:`~lightning_bpk.lightning.triggers.SaveTriggers` decides when a step or
+  time save falls due (``"auto"`` too), and whether the run is finished;
+- ``preemption``: :class:`~lightning_bpk.lightning.preemption.Preemption` turns a signal into a
+  flag, and stops with exit status 0 after the save;
+- ``ranks``: :class:`~lightning_bpk.lightning.ranks.Ranks` makes every rank take the same
+  decision (the flags, the due save, a failed write);
+- ``dispatch``: :class:`~lightning_bpk.lightning.dispatch.CheckpointDispatch`, which the class
+  inherits, chooses the checkpoint to resume from, loads it, and saves;
+- ``_resume``: the checks around a resume (a file of a checkpoint as ``ckpt_path``, other
+  optimizer classes, checkpoints the run would save over).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+
+from lightning_bpk import _gin, storage, trainer_state
+from lightning_bpk.checkpointer import RUN_SUBDIRECTORY, check_settings
+from lightning_bpk.errors import CheckpointResumeError
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.lightning import _compat, _resume, slurm
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
+from lightning_bpk.lightning.dispatch import CheckpointDispatch, CheckpointSaveError
+from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS, Preemption
+from lightning_bpk.lightning.ranks import Ranks
+from lightning_bpk.lightning.triggers import (
+    FINISHED_KEY,
+    SaveTriggers,
+    describe,
+    epoch_ends_here,
+    finished,
+    still_finished,
+)
+
+__all__ = [
+    "FINISHED_KEY",
+    "PREEMPTION_SIGNALS",
+    "BurnpackCheckpoint",
+    "CheckpointResumeError",
+    "CheckpointSaveError",
+]
+
+log = logging.getLogger("lightning_bpk")
+
+
+def _take_last(trainer: pl.Trainer) -> bool:
+    """``fit(ckpt_path="last")`` where Lightning found no file of its own: a BurnpackCheckpoint
+    that resumes takes it as "its newest complete checkpoint" (and says which, in setup)."""
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    takers = [c for c in callbacks if isinstance(c, BurnpackCheckpoint) and c.resume]
+    for callback in takers:
+        callback._last_requested = True
+    return bool(takers)
+
+
+@_gin.configurable("lightning_bpk")
+class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
+    """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
+
+    Args:
+        dirpath: where checkpoints go; ``None`` means ``{trainer.default_root_dir}/checkpoints``.
+            A URL (``s3://bucket/run``, ``gs://...``) stores them there (see "Checkpoints on
+            object storage" in the docs); the store is checked in ``setup``, before training.
+        checkpoint_file_prefix: data directories are ``{prefix}.{N}``.
+        sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{N}``.
+        checkpoint_frequency: save the epochs that are multiples of this.
+        checkpoint_duration: keep the last this many saved checkpoints.
+        keep_every: also keep every ``keep_every``-th saved checkpoint forever (milestones).
+            These five go to the :class:`~lightning_bpk.checkpointer.Checkpointer`.
+        resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
+            ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
+            one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
+        overwrite: let this run replace complete checkpoints in ``dirpath`` that it did not
+            resume past, i.e. numbered from the epoch it starts at: needed to start over
+            (``resume=False``) in a directory with checkpoints, or to go back to an older one
+            (``ckpt_path``, ``override_number``). Those checkpoints are removed, with a warning
+            in the log, before the first training step, so the directory never mixes two runs.
+            With the default ``False``, ``fit`` stops there with
+            :class:`CheckpointResumeError` naming them, before anything is saved.
+        verify: check every byte of the chosen checkpoint before resuming from it (falling
+            back to older ones); ``False`` checks sentinels and file sizes only.
+        preemption_signals: signals that trigger a save-and-stop (empty: none), as numbers,
+            ``signal.Signals`` or names (``"SIGTERM"``), kept as plain ints; under SLURM
+            with auto-requeue, the environment's ``requeue_signal`` too.
+        every_n_train_steps: also save every this many optimizer steps (global steps), as
+            Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
+            ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
+            a save costs the training thread, and saves as often as keeps that cost under
+            ``max_overhead`` of training time (re-measured at every save, logged when it
+            changes; ``train_time_interval`` still bounds the time between saves). Each fit,
+            a resumed one too, measures anew: its first save comes 10 steps after it starts.
+        max_overhead: the share of training time ``"auto"`` may spend in saves.
+        train_time_interval: also save when this much wall-clock time passed since the last
+            save (rank 0's clock decides, all ranks follow); numbered by global step too.
+        async_save: write checkpoints on a background thread
+            (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
+            a copy into reused staging buffers (and for building the records, ~3 ms of Python
+            for a small model). The buffers of the model and optimizer state are allocated and
+            faulted in on that thread right after the first optimizer step (when the optimizer
+            state exists), so the first save costs a copy too; a save joins that reservation
+            before copying. The checkpoint becomes complete (sentinel) once
+            its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
+            save or at teardown; a preemption save and teardown wait for the write. With a URL
+            ``dirpath`` this is "upload behind": the upload and commit run on that thread.
+        storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
+        auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
+            default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
+            ``scontrol requeue`` once the preemption checkpoint is complete
+            (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
+        distributed_save: with replicated state (DDP), every rank writes a share of the model
+            and optimizer tensors (torch DCP through :mod:`lightning_bpk.sharded`), so a save's
+            wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
+            rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
+
+    Example::
+
+        >>> cb = BurnpackCheckpoint(dirpath="/tmp/run/ckpt", keep_every=5)
+        >>> cb.checkpoint_frequency, cb.resume
+        (1, True)
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
+        checkpoint_frequency: int = 1,
+        checkpoint_duration: int = 4,
+        keep_every: int | None = None,
+        resume: bool = True,
+        overwrite: bool = False,
+        verify: bool = True,
+        preemption_signals: Sequence[int | str] = PREEMPTION_SIGNALS,
+        async_save: bool = False,
+        every_n_train_steps: int | str | None = None,
+        train_time_interval: timedelta | None = None,
+        max_overhead: float = 0.02,
+        auto_requeue: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        distributed_save: bool = False,
+    ) -> None:
+        super().__init__()
+        self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
+        if self.step_numbered and checkpoint_frequency != 1:
+            raise ValueError(
+                "checkpoint_frequency selects epochs; with every_n_train_steps or "
+                "train_time_interval checkpoints are numbered by global step, so leave it at 1"
+            )
+        # Refused here rather than when fit starts (the Checkpointer checks the same).
+        check_settings(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_frequency,
+            checkpoint_duration,
+            keep_every,
+        )
+        # never Path(url): Path("s3://b/run") is the local folder "s3:/b/run"
+        self.dirpath = None if dirpath is None else storage.location(dirpath)
+        self.storage_options = storage_options
+        self.checkpoint_file_prefix = checkpoint_file_prefix
+        self.sentinel_file_identifier = sentinel_file_identifier
+        self.checkpoint_frequency = checkpoint_frequency
+        self.checkpoint_duration = checkpoint_duration
+        self.keep_every = keep_every
+        self.resume = resume
+        self.overwrite = overwrite
+        self.verify = verify
+        self.preemption = Preemption(preemption_signals)
+        self.async_save = async_save
+        self.auto_requeue = auto_requeue
+        self.distributed_save = distributed_save
+        self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
+        self._ranks = None  # this fit's ranks (setup)
+        self.checkpointer = None
+        self.restored_number = None  # the checkpoint this fit resumed from
+        self.last_saved_number = None
+        self._resume_number = -1
+        self._preloaded = None  # what rank 0 read choosing the resume
+        self._position = DataPosition()
+        self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
+        self._fit_started = False
+        self._replay_floor = -1  # step-numbered saves up to this number repeat a replayed epoch
+        self._finished: str | None = None  # why a resumed run has nothing left to train
+        self._resumed_batches = 0
+        self._reserved = False  # the async saver's staging buffers were requested
+        self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+        _compat.route_last_ckpt_path(_take_last)
+
+    # The trigger and signal settings live with the objects that act on them.
+    every_n_train_steps = property(lambda self: self.triggers.every_n_train_steps)
+    train_time_interval = property(lambda self: self.triggers.train_time_interval)
+    max_overhead = property(lambda self: self.triggers.max_overhead)
+    auto_interval = property(
+        lambda self: self.triggers.auto_interval, doc='What ``"auto"`` chose last (rank 0).'
+    )
+    preemption_signals = property(lambda self: self.preemption.signals)
+
+    @property
+    def state_key(self) -> str:
+        return _compat.generate_state_key(
+            self,
+            dirpath=None if self.dirpath is None else str(self.dirpath),
+            checkpoint_file_prefix=self.checkpoint_file_prefix,
+        )
+
+    # -- setup and resume ----------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        dirpath = self.dirpath or storage.join(
+            storage.location(trainer.default_root_dir), RUN_SUBDIRECTORY
+        )
+        dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
+        # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
+        choice: tuple[int, str | None] = (-1, None)
+        failure: Exception | None = None
+        self._preloaded = None
+        if self.resume and trainer.is_global_zero:
+            try:
+                choice = self._choose_resume(dirpath)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                failure = e
+                choice = (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
+        number, error = trainer.strategy.broadcast(choice)
+        if failure is not None:
+            raise failure  # rank 0 keeps the original error (a StorageError naming the URL)
+        if error is not None:
+            raise CheckpointResumeError(error)
+        if self._last_requested and trainer.is_global_zero:
+            log.info(
+                'ckpt_path="last": %s',
+                f"the newest complete checkpoint in {dirpath} is {number}"
+                if number >= 0
+                else f"no complete checkpoint in {dirpath} yet; training starts from scratch",
+            )
+        self._last_requested = False
+        if trainer.is_global_zero:
+            self.checkpointer = self._make_checkpointer(dirpath)
+            # this run owns the directory until another one takes over (lightning_bpk.lease)
+            self.checkpointer.take_over()
+        trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
+        if not trainer.is_global_zero:
+            self.checkpointer = self._make_checkpointer(dirpath)
+        self._ranks = Ranks.of(trainer)
+        self._position = DataPosition()
+        self._position.attach(trainer)
+        self._reserved = False
+        self._fit_started = False
+        self._classes = None
+        self.preemption.reset()
+        self.triggers.due = None
+        self._replay_floor = -1
+        self._finished = None
+        self.restored_number = None
+        self._resume_number = number
+        requeue = slurm.requeue_signal(trainer) if self.auto_requeue else None
+        self.preemption.requeue_signal = requeue
+        self._intercept_resume(trainer)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # This rank's RNG states and data position, restored now: before configure_optimizers
+        # (which may read estimated_stepping_batches, and so build and iterate the data) and
+        # before anything else can draw from them.
+        rng = checkpoint.get(trainer_state.RNG_KEY)
+        ranks = checkpoint.get(POSITION_KEY)
+        self._position.resume_from_ranks(ranks, rng, trainer, f"checkpoint {trainer.ckpt_path}")
+        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self._check_classes(trainer)
+        # batches of the current epoch the restored run consumed (0: none, or replayed)
+        where, batches = _resume.restored_at(checkpoint)
+        self._resumed_batches = batches or 0
+        if batches is not None and self.step_numbered and self.restored_number is not None:
+            self._replay_floor = self.restored_number
+        ended = checkpoint.get(FINISHED_KEY)
+        if (
+            ended
+            and self.restored_number is not None
+            and still_finished(trainer, ended, checkpoint)
+        ):
+            self._finished = describe(ended)
+        if trainer.is_global_zero:
+            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_started = True
+        self._check_classes(trainer)
+        if self._finished is not None:
+            # Lightning's fit loop stops before its first batch when should_stop is set.
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                log.info(
+                    "the run in %s already finished at checkpoint %s (%s); nothing to train "
+                    "(resume=False or another directory trains again)",
+                    self.checkpointer.base_directory if self.checkpointer else "?",
+                    self.restored_number,
+                    self._finished,
+                )
+
+    def _check_classes(self, trainer: pl.Trainer) -> None:
+        """Refuse other optimizer or scheduler classes (once, at the first chance)."""
+        classes, self._classes = self._classes, None
+        if classes is not None:
+            _resume.check_classes(trainer, classes)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        error = None
+        if trainer.is_global_zero:
+            try:
+                error = self._check_newer(trainer)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                base = self.checkpointer.base_directory if self.checkpointer else "?"
+                error = f"cannot check {base} before training: {e}"
+        error = trainer.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointResumeError(error)
+        if trainer.is_global_zero and self.restored_number is not None:
+            log.info(
+                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
+                trainer.current_epoch,
+                f", batch {self._resumed_batches}" if self._resumed_batches else "",
+                trainer.global_step,
+                self.restored_number,
+            )
+        if self.restored_number is not None and _compat.resume_swa_mid_epoch(trainer):
+            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
+        self.triggers.fit_started(trainer.global_step)
+        if trainer.is_global_zero:
+            path = trainer.ckpt_path
+            slurm.log_restart(None if path is None else str(path))
+        self.preemption.install(_compat.handlers_restored_at_teardown(trainer))
+
+    def _check_newer(self, trainer: pl.Trainer) -> str | None:
+        """Rank 0, before the first step: the checkpoints this run would save over (see
+        :func:`~lightning_bpk.lightning._resume.newer_checkpoints`)."""
+        assert self.checkpointer is not None
+        # the number of this run's first save is at least its starting epoch or global step
+        start = trainer.global_step if self.step_numbered else trainer.current_epoch
+        name = f"global step {start}" if self.step_numbered else f"epoch {start}"
+        return _resume.newer_checkpoints(
+            trainer, self.checkpointer, start, name, self.overwrite, self.verify, self._names()
+        )
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.triggers.batch_started(trainer.global_step)
+        self._position.before_batch()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._saver is not None and not self._reserved and trainer.global_step > 0:
+            self._reserve_staging(trainer)
+        triggers, step = self.triggers, trainer.global_step
+        assert self._ranks is not None  # made in setup
+        rank0_due = trainer.is_global_zero and triggers.rank0_due(step)
+        preempt, timed = self._ranks.agree_all([self.preemption.flag(), int(rank0_due)])
+        self.preemption.agree(preempt)
+        if not triggers.stepped(step):
+            return  # inside gradient accumulation: saves happen at optimizer-step boundaries
+        if not (self.preemption.agreed or timed or triggers.step_due(step)):
+            return
+        triggers.due = batch_idx + 1
+        if epoch_ends_here(trainer):
+            return  # on_train_epoch_end saves, after the validation that follows this batch
+        if _compat.validation_follows(trainer):
+            return  # on_validation_end saves, so the resumed run does not validate again
+        self._save_due(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        due = self.triggers.due is not None and not trainer.sanity_checking
+        if due and not epoch_ends_here(trainer):
+            self._save_due(trainer)
+
+    def _save_due(self, trainer: pl.Trainer) -> None:
+        """Save the mid-epoch checkpoint that fell due (and stop, if preempted)."""
+        consumed, self.triggers.due = self.triggers.due, None
+        assert consumed is not None
+        epoch = trainer.current_epoch
+        number = trainer.global_step if self.step_numbered else epoch
+        preempted = self.preemption.agreed
+        self._save(trainer, number, consumed=consumed, preempted=preempted, flush=preempted)
+        if preempted:
+            self._stop(trainer, f"after batch {consumed - 1} of epoch {epoch}")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        assert self._ranks is not None  # made in setup
+        self.preemption.agree(self._ranks.agree_all([self.preemption.flag()])[0])
+        preempted = self.preemption.agreed
+        ended = finished(trainer, epoch_end=True)
+        if self.step_numbered:
+            due = self.triggers.due is not None or preempted or ended is not None
+            number = trainer.global_step
+        else:
+            due = preempted or ended is not None or epoch % self.checkpoint_frequency == 0
+            number = epoch
+        self.triggers.due = None
+        saved_here = self.last_saved_number == number
+        if due and not (saved_here and self.triggers.saved_step == trainer.global_step):
+            self._save(trainer, number, preempted=preempted, flush=preempted)
+        if preempted:
+            self._stop(trainer, f"at the end of epoch {epoch}")
+
+    def _stop(self, trainer: pl.Trainer, where: str) -> None:
+        """Stop after the preemption save (complete and flushed on every rank by now)."""
+        number, path = self.last_saved_number, None
+        if self.preemption.requeue_agreed and self.checkpointer and number is not None:
+            path = str(self.checkpointer.checkpoint_path(number))
+        self.preemption.stop(trainer.is_global_zero, number, path, where)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.preemption.on_exception(_compat.handlers_restored_at_teardown(trainer), exception)
+        try:
+            self._flush()
+        except CheckpointSaveError as e:  # reported with, not instead of, the training error
+            log.error("%s", e)
+            exception.add_note(str(e))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.preemption.restore()
+        self._position.detach(trainer)
+        # fit may have failed before Lightning restored anything
+        _compat.release_resume_start(trainer)
+        self._flush()  # the last checkpoint is complete when fit returns
