@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from lightning_bpk import burnpack
 from lightning_bpk.errors import StorageError
@@ -48,6 +48,8 @@ __all__ = [
     "CheckpointReport",
     "CheckpointView",
     "CheckpointWarning",
+    "Resume",
+    "choose_resume",
     "has_key",
     "latest",
     "list_checkpoints",
@@ -465,19 +467,29 @@ def latest(
     return -1
 
 
-def load_newest(
+class Resume(NamedTuple):
+    """The resume choice: checkpoint ``number`` (-1: none), the data it holds as it was read
+    while choosing (None for a sharded checkpoint, whose ranks read their own parts, and when
+    there is none), and where its data lies (None when there is none)."""
+
+    number: int
+    data: dict[str, Any] | None
+    location: Path | str | None
+
+
+def choose_resume(
     store: Store,
     identifier: str,
     prefix: str | None,
     required_keys: Sequence[str],
     at_most: int,
     unloaded: Sequence[str] = (),
-) -> tuple[int, dict[str, Any] | None]:
+) -> Resume:
     """The resume choice, on every backend: the newest checkpoint ``<= at_most`` that passes the
     quick checks and loads, every byte verified as it is read (head digests, tensor checksums),
-    with the data it holds; ``(-1, None)`` when none does. A damaged one is skipped with a
-    :class:`CheckpointWarning`, falling back to the one before. One listing; each sentinel read
-    once; each file read once.
+    with the data it holds. A damaged one is skipped with a :class:`CheckpointWarning`, falling
+    back to the one before. One listing of the directory and one of the chosen data; each
+    sentinel read once; each file read once.
 
     A checkpoint holding one of the ``unloaded`` keys (a sharded checkpoint's index: every rank
     then reads its own part) is verified in full instead and comes with ``None``.
@@ -489,14 +501,15 @@ def load_newest(
         if not problems:
             try:
                 manifest = view.read_manifest()
+                where = location(store.url_of(view.data_name(manifest)))
                 if manifest is not None and any(k in manifest.files for k in unloaded):
                     problems = view.problems(full=True, required_keys=required_keys)
                     if not problems:
-                        return n, None
+                        return Resume(n, None, where)
                 else:
                     data = view.load(None)
                     if data is not None:
-                        return n, data
+                        return Resume(n, data, where)
                     problems = [f"{view.sentinel}: its data is gone"]
             except StorageError:
                 raise  # not damage: the store failed after its retries
@@ -507,4 +520,17 @@ def load_newest(
             CheckpointWarning,
             stacklevel=3,
         )
-    return -1, None
+    return Resume(-1, None, None)
+
+
+def load_newest(
+    store: Store,
+    identifier: str,
+    prefix: str | None,
+    required_keys: Sequence[str],
+    at_most: int,
+    unloaded: Sequence[str] = (),
+) -> tuple[int, dict[str, Any] | None]:
+    """:func:`choose_resume`'s number and data."""
+    choice = choose_resume(store, identifier, prefix, required_keys, at_most, unloaded)
+    return choice.number, choice.data

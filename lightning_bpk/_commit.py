@@ -217,7 +217,11 @@ def commit(
         try:
             files = _stage(names, staged, data, described or {})
             store.publish(staged.key, staged.name)
-            _confirm(names, staged, files)
+            try:
+                _confirm(names, staged, files)
+            except StorageError:
+                _check(lease)  # files gone because the directory is (DirectoryGoneError)?
+                raise
             _check(lease)
             manifest = encode(n, Manifest(staged.name, files))
             state = "unknown"

@@ -87,12 +87,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import gin
+
 from lightning_bpk import _commit, _gin
 from lightning_bpk._checkpoint import (
     CheckpointEntry,
     CheckpointReport,
     CheckpointView,
     CheckpointWarning,
+    Resume,
+    choose_resume,
     has_key,
     latest,
     list_checkpoints,
@@ -140,9 +144,12 @@ __all__ = [
     "CheckpointReport",
     "CheckpointWarning",
     "Checkpointer",
+    "Resume",
     "Retention",
     "Staged",
+    "bound_override_number",
     "check_settings",
+    "choose_resume",
     "get_latest_checkpoint_number",
     "has_key",
     "list_checkpoints",
@@ -158,7 +165,8 @@ __all__ = [
 _TAKE_OVER_WAIT = 10.0
 
 # gin's selectors stay those of this module's real name (see lightning_bpk._gin)
-_gin_configurable = _gin.configurable("lightning_bpk.checkpointer")
+_GIN_MODULE = "lightning_bpk.checkpointer"
+_gin_configurable = _gin.configurable(_GIN_MODULE)
 
 
 def _store(base_directory: str | os.PathLike[str], options: Mapping[str, Any] | None) -> Store:
@@ -203,6 +211,15 @@ def get_latest_checkpoint_number(
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
     store = _store(base_directory, storage_options)
     return latest(store, identifier, prefix, verify, tuple(required_keys))
+
+
+def bound_override_number() -> int | None:
+    """What gin binds :func:`get_latest_checkpoint_number`'s ``override_number`` to (None:
+    nothing), known without touching the filesystem."""
+    try:
+        return gin.query_parameter(f"{_GIN_MODULE}.get_latest_checkpoint_number.override_number")
+    except ValueError:
+        return None
 
 
 def verify_checkpoint(
@@ -425,16 +442,16 @@ class Checkpointer:
             self.store, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
         )
 
-    def load_newest(
+    def choose_resume(
         self,
         required_keys: Sequence[str] = (),
         at_most: int | None = None,
         unloaded: Sequence[str] = (),
-    ) -> tuple[int, dict[str, Any] | None]:
-        """The resume choice (:func:`load_newest`) for this checkpointer's prefix and
-        identifier: the newest checkpoint ``<= at_most`` that verifies as it loads, and its
-        data."""
-        return load_newest(
+    ) -> Resume:
+        """The resume choice (:func:`choose_resume`) for this checkpointer's prefix and
+        identifier: the newest checkpoint ``<= at_most`` that verifies as it loads, the data it
+        read, and where that data lies."""
+        return choose_resume(
             self.store,
             self.sentinel_file_identifier,
             self.checkpoint_file_prefix,

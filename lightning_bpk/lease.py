@@ -101,9 +101,9 @@ class Lease:
         generations = _generations(listing)
         if generations and generations[-1] == self.generation:
             return
-        if not listing:
+        if not generations:  # not even this run's lease: the directory went under the run
             self._gone()
-        newest = generations[-1] if generations else None
+        newest = generations[-1]
         raise CheckpointSupersededError(
             f"{self.store.url}: this run (pid {self.owner['pid']} on {self.owner['host']}, "
             f"started {self.owner['started']}, lease {self.generation}) was superseded by "
@@ -111,8 +111,9 @@ class Lease:
         )
 
     def _gone(self) -> None:
-        """The directory holds nothing, not even this run's lease: it (or its bucket) was
-        deleted while the run used it. Say that, and that the checkpoints went with it."""
+        """The directory holds no lease, not even this run's: it (or its bucket) was deleted or
+        emptied while the run used it (what is there now, if anything, was written since).
+        Say that, and that the checkpoints went with it."""
         try:
             self.store.check()  # an object store: is the bucket there?
         except StorageError as e:
@@ -124,12 +125,11 @@ class Lease:
             pass  # a local directory that is gone: said below
         raise DirectoryGoneError(
             f"{self.store.url}: the checkpoint directory was deleted or emptied while this run "
-            "used it (its lease and every checkpoint in it are gone); this run stops writing there"
+            "used it (its lease is gone, and every checkpoint that was there with it); this run "
+            "stops writing there"
         )
 
-    def _describe(self, generation: int | None) -> str:
-        if generation is None:
-            return "nobody (its lease was removed; the checkpoints beside it are still there)"
+    def _describe(self, generation: int) -> str:
         try:
             doc = json.loads(self.store.read(lease_name(generation)))
             return (

@@ -21,17 +21,15 @@ optimizer ``optim.state.<param id>.<Burn name>`` (Adam's ``exp_avg`` is
 them through :class:`~lightning_bpk.dcp.BurnpackStorageReader` into the live (sharded) model and
 optimizers, on any number of ranks: DCP's planner reshards.
 
-A save is one collective: if any rank fails, DCP raises on every rank, nothing is published, and
-every earlier checkpoint stays as it was. Shards are staged in ``{prefix}.{N}.dcp.<pid>-<k>.tmp``
-beside the checkpoints; a crash leaves that directory behind, and the next sharded save removes it.
-
-On an object store (``dirpath="s3://..."``) the layout is the same, as keys. Rank 0 first
-checks the lease and chooses N's data prefix (:func:`lightning_bpk.object_checkpoints.prepare`:
-``ckpt.N/``, or for a re-save of N a fresh ``ckpt.N~<hex>/``, the old copy staying whole until
-the new sentinel); then every rank uploads its shards straight into it, rank 0 confirms them
-and creates the index (:class:`~lightning_bpk.dcp.BurnpackStorageWriter`), uploads the other
-records, confirms those, checks the lease again and creates the sentinel (:func:`publish`). A
-failure on any rank fails the save on every rank, and rank 0 removes what was uploaded for N.
+A save is one collective, and one commit. Rank 0 first checks the lease and chooses where the
+shards go (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`): the checkpoint's own staging
+prefix, under a data name never used before (``ckpt.N``, or ``ckpt.N~<hex>`` for a re-save, the
+old copy staying whole until the new sentinel). Every rank writes its shards there through the
+:class:`~lightning_bpk.store.Store` (a scratch directory beside the checkpoints on local disk,
+renamed into place by the commit; the final prefix on an object store), then rank 0 commits
+them with the other records (:func:`publish`): the sentinel, written last, is the one commit.
+If any rank fails, DCP raises on every rank, rank 0 removes what was written, and every earlier
+checkpoint stays as it was; what a crash leaves behind, the next save removes.
 """
 
 from __future__ import annotations

@@ -49,9 +49,13 @@ class LocalStore:
         return str(self._path(key))
 
     def check(self, *, create: bool = False) -> None:
-        """Make the directory when ``create``; ``OSError`` when it cannot be, or is no directory."""
+        """Make the directory when ``create``; ``OSError`` when it cannot be, or when it is
+        there but no directory (a missing one is fine without ``create``: a first save makes
+        it)."""
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
+        elif not os.path.lexists(self.root):
+            return
         if not self.root.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
 

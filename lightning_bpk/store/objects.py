@@ -167,12 +167,14 @@ class ObjectStore:
     def check(self, *, create: bool = False) -> None:
         """Fail now, naming the URL, if the store cannot be reached or listed: an unreachable
         endpoint, wrong credentials or a missing bucket (what ``setup`` must catch before the
-        first batch is trained). ``create`` changes nothing: a prefix needs no creating."""
+        first batch is trained). ``create`` changes nothing: a prefix needs no creating. A
+        filesystem without buckets (``memory://``) has nothing to check."""
         split = getattr(self.fs, "split_path", None)
+        if split is None:
+            return
         try:
             # not retried here: the drivers retry connection errors themselves (botocore: ~10 s)
-            if split is not None:  # s3fs, gcsfs: the bucket must exist
-                self.fs.ls(split(self.root)[0], detail=False, refresh=True)
+            self.fs.ls(split(self.root)[0], detail=False, refresh=True)  # the bucket must exist
             with contextlib.suppress(FileNotFoundError):  # an empty prefix: a new directory
                 self.fs.ls(self.root, refresh=True)
         except FileNotFoundError as e:
