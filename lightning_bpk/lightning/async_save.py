@@ -216,8 +216,11 @@ class AsyncCheckpointSaver:
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
         def save() -> Path | str | None:
-            forced = {} if retention is None else {"retention": retention}
-            path = checkpointer.save_checkpoint(iteration_number, staged, **forced)
+            # a subclass of Checkpointer may predate the retention argument: pass it only if set
+            if retention is None:
+                path = checkpointer.save_checkpoint(iteration_number, staged)
+            else:
+                path = checkpointer.save_checkpoint(iteration_number, staged, retention=retention)
             if path is not None and on_saved is not None:
                 on_saved(path)
             return path

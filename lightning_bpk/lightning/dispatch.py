@@ -299,8 +299,10 @@ class CheckpointDispatch:
             )
             return
         # a subclass of Checkpointer may predate the retention argument: pass it only if set
-        forced = {} if retention is None else {"retention": retention}
-        path = checkpointer.save_checkpoint(number, data, **forced)
+        if retention is None:
+            path = checkpointer.save_checkpoint(number, data)
+        else:
+            path = checkpointer.save_checkpoint(number, data, retention=retention)
         if path is not None:
             self._log_saved(number)(path)
 
