@@ -43,6 +43,7 @@ from lightning_bpk.store.local import RefusedFileError
 
 __all__ = [
     "HEAD_DAMAGED",
+    "Described",
     "Head",
     "describe",
     "open_pack",

@@ -142,6 +142,7 @@ class LocalStore:
 
     @contextlib.contextmanager
     def local_file(self, key: str) -> Iterator[Path]:
+        """The file itself: nothing to copy."""
         yield self._path(key)
 
     def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
