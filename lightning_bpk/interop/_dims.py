@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 
 from lightning_bpk.interop import ops
 from lightning_bpk.interop.conversions import WeightConverter
-from lightning_bpk.interop.remap import Split, Transpose, Unstack
+from lightning_bpk.interop.ops import Transpose
+from lightning_bpk.interop.remap import Split, Unstack
 from lightning_bpk.interop.rules import Step
 
-__all__ = ["Dims", "Pick", "follow"]
+__all__ = [
+    "Dims",
+    "follow",
+]
 
 
 @dataclass(frozen=True)

@@ -16,21 +16,22 @@ from lightning_bpk.interop.rules import RemapError
 __all__ = [
     "INDEX_FIELD",
     "Group",
-    "Ref",
     "SimplePattern",
     "derive_inverse",
     "parse_simple",
-    "parse_template",
     "template_regex",
 ]
 
 _LITERAL_ESCAPES = frozenset(string.punctuation + " ")
 _META = frozenset(".^$*+?{}[]|()\\")
-INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
+INDEX_FIELD = "{i}"
+"""Where an ``Unstack`` target template puts the element index."""
 
 
 @dataclass(frozen=True)
 class Group:
+    """A capture group of a simple pattern: its number and its body."""
+
     number: int  # 1-based, as in the pattern
     regex: str  # the group's body
 
@@ -42,6 +43,8 @@ class Ref:
 
 @dataclass(frozen=True)
 class SimplePattern:
+    """A pattern made of literal text and capture groups only, so it can be inverted."""
+
     start: bool  # anchored with ^
     pieces: tuple[str | Group, ...]
     end: bool  # anchored with $

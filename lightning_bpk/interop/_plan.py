@@ -31,7 +31,6 @@ from lightning_bpk.records.module import Adapter, ModuleRecord, owning_module
 __all__ = [
     "DEFAULT_WORKERS",
     "Planned",
-    "Shadow",
     "apply_problems",
     "destinations",
     "group_items",
@@ -42,8 +41,9 @@ __all__ = [
     "tied_weights",
 ]
 
-# transformers loads with min(4, cores) threads: more mostly contend for the same disk and memory.
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+"""Threads of the parallel loaders: transformers' ``min(4, cores)``; more mostly contend for the
+same disk and memory."""
 T = TypeVar("T")
 
 

@@ -30,10 +30,11 @@ __all__ = [
     "SplitModulelist",
     "Tensors",
     "Transpose",
-    "first_tensor",
 ]
 
 Tensors = torch.Tensor | list[torch.Tensor]
+"""What a :class:`ConversionOps` converts under one name: a tensor, or the list a pattern
+matched (as transformers' ops take them)."""
 
 
 def first_tensor(tensors: Tensors) -> torch.Tensor:
