@@ -308,9 +308,39 @@ MEANT = {
 }
 
 
+# Functions and classes the storage, DCP, sharded, trainer-state and CLI layers (or sibling
+# interop modules) import, but users do not call. tests/test_package.py still asks that every
+# public function or class be in __all__, so they stay listed until they get a leading underscore
+# after the layers' rewrite merges; then each leaves this table (the table only shrinks).
+CROSS_LAYER_PENDING = {
+    "lightning_bpk.burnpack.base": {"burn_dtype", "decode_json", "stored_dtype", "torch_dtype"},
+    "lightning_bpk.burnpack.writer": {"tensor_bytes"},
+    "lightning_bpk.records.base": {"class_name", "record_from_pack"},
+    "lightning_bpk.records.module": {"load_tensor", "owning_module", "set_param_id"},
+    "lightning_bpk.interop.conversions": {"WeightTransform"},
+    "lightning_bpk.interop.formats": {"file_kind", "record_content", "register_set_reader"},
+    "lightning_bpk.interop.ops": {"first_tensor"},
+    "lightning_bpk.interop.rules": {
+        "Step",
+        "derived_param_id",
+        "observing",
+        "replace_items",
+        "run_step",
+        "tracing",
+    },
+    "lightning_bpk.interop.sets": {
+        "convert_source",
+        "describe_source",
+        "parse_size",
+        "verify_source",
+    },
+}
+
+
 @pytest.mark.parametrize("module_name", sorted(MEANT))
 def test_owned_modules_export_exactly_their_meant_surface(module_name: str) -> None:
     exports = set(_exports(importlib.import_module(module_name)))
+    exports -= CROSS_LAYER_PENDING.get(module_name, set())
     meant = MEANT[module_name]
     assert exports == meant, (
         f"{module_name}: __all__ adds {sorted(exports - meant)} and drops {sorted(meant - exports)}"

@@ -29,6 +29,10 @@ __all__ = [
     "TensorNotFoundError",
     "ValidationError",
     "VersionError",
+    "burn_dtype",
+    "decode_json",
+    "stored_dtype",
+    "torch_dtype",
 ]
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "TensorsArg",
     "dumps",
     "size",
+    "tensor_bytes",
     "write",
 ]
 

@@ -452,4 +452,5 @@ __all__ = [
     "PrefixChange",
     "WeightConverter",
     "WeightRenaming",
+    "WeightTransform",
 ]

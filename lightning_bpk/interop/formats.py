@@ -53,8 +53,11 @@ __all__ = [
     "Progress",
     "convert",
     "export_checkpoint",
+    "file_kind",
     "load_module_record",
     "read_content",
+    "record_content",
+    "register_set_reader",
     "save_module_record",
     "write_content",
 ]
@@ -93,6 +96,7 @@ def _st_dtype(dtype: torch.dtype) -> str:
 
 
 def file_kind(path: Path) -> str:
+    """The format a path's suffix says: ``bpk``, ``safetensors`` or ``torch``; RecordError else."""
     suffix = path.suffix.lower()
     for kind, suffixes in (
         ("bpk", _BPK_SUFFIXES),

@@ -30,6 +30,7 @@ __all__ = [
     "SplitModulelist",
     "Tensors",
     "Transpose",
+    "first_tensor",
 ]
 
 Tensors = torch.Tensor | list[torch.Tensor]
@@ -38,6 +39,7 @@ matched (as transformers' ops take them)."""
 
 
 def first_tensor(tensors: Tensors) -> torch.Tensor:
+    """The tensor itself, or the first of a list (what an op reads its shape and dtype from)."""
     return tensors[0] if isinstance(tensors, list) else tensors
 
 

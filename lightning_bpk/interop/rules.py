@@ -29,7 +29,13 @@ __all__ = [
     "Items",
     "RemapError",
     "Rule",
+    "Step",
+    "derived_param_id",
+    "observing",
+    "replace_items",
+    "run_step",
     "trace_step",
+    "tracing",
 ]
 
 Item = tuple[torch.Tensor, int | None]

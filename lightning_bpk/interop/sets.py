@@ -55,9 +55,13 @@ from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
 __all__ = [
+    "convert_source",
     "describe_set",
+    "describe_source",
     "is_set",
+    "parse_size",
     "read_any",
+    "verify_source",
     "write_set",
 ]
 

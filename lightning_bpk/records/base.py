@@ -22,7 +22,9 @@ __all__ = [
     "RecordError",
     "RecordErrorKind",
     "StateRecord",
+    "class_name",
     "load_record",
+    "record_from_pack",
 ]
 
 RECORD_KIND_KEY = "lightning_bpk/record"

@@ -64,7 +64,10 @@ __all__ = [
     "Adapter",
     "ModuleRecord",
     "default_param_id",
+    "load_tensor",
+    "owning_module",
     "param_ids",
+    "set_param_id",
 ]
 
 # Attribute on an nn.Parameter holding the u64 id it was loaded with.
