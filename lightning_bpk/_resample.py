@@ -25,7 +25,6 @@ __all__ = [
     "check_accumulation",
     "check_unchanged",
     "geometry",
-    "order_descriptor",
     "remaining_for_rank",
     "replan",
     "saved_order",
@@ -41,7 +40,7 @@ def geometry(batch_sampler: Any, world_size: int, resampled: dict | None) -> dic
     shape = {"batch_size": batch_sampler.batch_size, "world_size": world_size}
     if resampled is not None:
         return dict(shape, order=resampled["order"], offset=resampled["offset"])
-    return dict(shape, order=order_descriptor(batch_sampler.sampler), offset=0)
+    return dict(shape, order=_order_descriptor(batch_sampler.sampler), offset=0)
 
 
 def replan(
@@ -76,7 +75,7 @@ def replan(
     return {"order": saved["order"], "consumed": consumed, "batches": batches, "offset": offset}
 
 
-def order_descriptor(sampler: Any) -> dict[str, Any] | None:
+def _order_descriptor(sampler: Any) -> dict[str, Any] | None:
     """How to draw ``sampler``'s order of an epoch again on any number of ranks, or None."""
     if type(sampler) is DistributedSampler:
         n = len(sampler.dataset)  # type: ignore[arg-type]

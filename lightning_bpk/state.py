@@ -20,8 +20,8 @@ dict/list/tuple             only in the structure; dict keys may be str, int, fl
 
 Leaf names are the dotted path to the leaf (``optimizer_states.0.param_groups.0.lr``); a ``.``
 or ``%`` inside a key is percent-escaped, and a name that would start with the reserved
-:data:`RESERVED_PREFIX` has its first letter escaped. The structure lives in the metadata entry
-:data:`STRUCTURE_KEY`. Two hooks let a caller lay leaves out the way another reader expects
+prefix ``lightning_bpk/`` has its first letter escaped. The structure lives in the metadata entry
+``lightning_bpk/state``. Two hooks let a caller lay leaves out the way another reader expects
 (the optimizer record uses them for Burn's names): ``name_path`` maps a leaf's path to the path
 that names it, and ``as_scalar`` picks 0-d tensors to store as scalars (the dtype stays in the
 structure, so they decode as the same 0-d tensor). Anything else (a user object, a lambda, a
@@ -51,11 +51,6 @@ from lightning_bpk.burnpack import Scalar
 from lightning_bpk.errors import LightningBpkError
 
 __all__ = [
-    "MAX_DEPTH",
-    "RESERVED_PREFIX",
-    "ROOT_NAME",
-    "STRUCTURE_KEY",
-    "STRUCTURE_VERSION",
     "Content",
     "PathHook",
     "ScalarHook",
@@ -65,19 +60,19 @@ __all__ = [
 ]
 
 # Metadata entry holding the JSON structure; the "/" keeps it apart from escaped leaf names.
-STRUCTURE_KEY = "lightning_bpk/state"
+_STRUCTURE_KEY = "lightning_bpk/state"
 # Names under this prefix belong to the package (record kind, checksums, aliases): leaf names
 # never start with it, so user keys like "lightning_bpk/record" cannot overwrite them.
-RESERVED_PREFIX = "lightning_bpk/"
+_RESERVED_PREFIX = "lightning_bpk/"
 # Bumped when the structure encoding changes incompatibly; readers refuse newer versions.
-STRUCTURE_VERSION = 1
+_STRUCTURE_VERSION = 1
 # Name of a leaf that is the whole value (``encode(3)``).
-ROOT_NAME = "__root__"
+_ROOT_NAME = "__root__"
 # Deeper structures are refused: they only arise from hostile or runaway data.
-MAX_DEPTH = 64
+_MAX_DEPTH = 64
 # The structure tree's JSON nests 3 levels per dict level (node, its items, an item), so a tree
-# of MAX_DEPTH levels is 3 * MAX_DEPTH + 2 deep; anything deeper is refused before it is parsed.
-_TREE_JSON_DEPTH = 3 * MAX_DEPTH + 2
+# of _MAX_DEPTH levels is 3 * _MAX_DEPTH + 2 deep; anything deeper is refused before it is parsed.
+_TREE_JSON_DEPTH = 3 * _MAX_DEPTH + 2
 
 _I64_MIN, _U64_MAX = -(2**63), 2**64 - 1
 
@@ -111,7 +106,11 @@ _DICT_TYPES: dict[str, type[dict]] = {"D": dict, "O": OrderedDict, "C": Counter}
 _DICT_KINDS = {t: k for k, t in _DICT_TYPES.items()}
 
 PathHook = Callable[[tuple], tuple]
+"""``encode(name_path=...)``: maps a leaf's path (a tuple of keys and indices) to the path that
+names it in the file, e.g. to lay an optimizer's state out under Burn's names."""
 ScalarHook = Callable[[tuple], bool]
+"""``encode(as_scalar=...)``: says, from its path, whether a 0-d tensor is stored as a burnpack
+scalar instead of a tensor (its dtype stays in the structure, so it decodes the same)."""
 
 
 def _tensor_scalar(tensor: torch.Tensor) -> Scalar:
@@ -133,15 +132,15 @@ class _Encoder:
         self.name_path = name_path
         self.as_scalar = as_scalar
         self.content = Content({}, {}, {})
-        self.used: set[str] = {STRUCTURE_KEY}
+        self.used: set[str] = {_STRUCTURE_KEY}
         # id(tensor) -> (tensor, name): a tensor met twice is stored once; holding the tensor
         # keeps its id from being reused by a temporary made later in the walk.
         self.tensor_names: dict[int, tuple[torch.Tensor, str]] = {}
 
     def name_for(self, path: tuple) -> str:
         named = self.name_path(path) if self.name_path is not None else path
-        base = ".".join(_segment(k) for k in named) or ROOT_NAME
-        if base.startswith(RESERVED_PREFIX):
+        base = ".".join(_segment(k) for k in named) or _ROOT_NAME
+        if base.startswith(_RESERVED_PREFIX):
             base = f"%{ord(base[0]):02X}{base[1:]}"
         name, n = base, 1
         while name in self.used:  # e.g. keys 1 and "1" side by side
@@ -150,8 +149,8 @@ class _Encoder:
         return name
 
     def node(self, value: Any, path: tuple) -> Any:
-        if len(path) > MAX_DEPTH:
-            raise StateError(f"{_where(path)}: nesting deeper than {MAX_DEPTH} levels")
+        if len(path) > _MAX_DEPTH:
+            raise StateError(f"{_where(path)}: nesting deeper than {_MAX_DEPTH} levels")
         if value is None:
             return None
         if isinstance(value, bool):
@@ -256,8 +255,8 @@ def encode(
     """
     encoder = _Encoder(name_path, as_scalar)
     tree = encoder.node(obj, ())
-    encoder.content.metadata[STRUCTURE_KEY] = json.dumps(
-        {"version": STRUCTURE_VERSION, "tree": tree}, separators=(",", ":"), allow_nan=True
+    encoder.content.metadata[_STRUCTURE_KEY] = json.dumps(
+        {"version": _STRUCTURE_VERSION, "tree": tree}, separators=(",", ":"), allow_nan=True
     )
     return encoder.content
 
@@ -277,7 +276,7 @@ class _Decoder:
     def node(self, node: Any, path: tuple) -> Any:
         if node is None:
             return None
-        if len(path) > MAX_DEPTH or not isinstance(node, list) or len(node) not in (2, 3):
+        if len(path) > _MAX_DEPTH or not isinstance(node, list) or len(node) not in (2, 3):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
         if not isinstance(node[0], str) or (len(node) == 3) != (node[0] == "z"):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
@@ -381,18 +380,18 @@ def decode(source: burnpack.Pack | Content, *, verify: bool = True) -> Any:
             return source.tensors[name]
 
         scalars, metadata = source.scalars, source.metadata
-    raw = metadata.get(STRUCTURE_KEY)
+    raw = metadata.get(_STRUCTURE_KEY)
     if raw is None:
-        raise StateError(f"no '{STRUCTURE_KEY}' metadata entry: this pack holds no encoded state")
+        raise StateError(f"no '{_STRUCTURE_KEY}' metadata entry: this pack holds no encoded state")
     try:
-        header = burnpack.decode_json(raw, what=f"'{STRUCTURE_KEY}'", max_depth=_TREE_JSON_DEPTH)
+        header = burnpack.decode_json(raw, what=f"'{_STRUCTURE_KEY}'", max_depth=_TREE_JSON_DEPTH)
     except burnpack.MetadataError as e:
         raise StateError(str(e)) from None
     if not isinstance(header, dict) or "tree" not in header:
-        raise StateError(f"'{STRUCTURE_KEY}' lacks a structure tree")
-    if header.get("version") != STRUCTURE_VERSION:
+        raise StateError(f"'{_STRUCTURE_KEY}' lacks a structure tree")
+    if header.get("version") != _STRUCTURE_VERSION:
         raise StateError(
             f"state structure version {header.get('version')!r} is not supported "
-            f"(this reader knows {STRUCTURE_VERSION})"
+            f"(this reader knows {_STRUCTURE_VERSION})"
         )
     return _Decoder(tensor, scalars, metadata).node(header["tree"], ())

@@ -84,8 +84,8 @@ def listdir(path: Path) -> list[str]:
 
 def test_01_header_size_and_magic_constants():
     assert burnpack.HEADER_SIZE == 10
-    assert burnpack.MAGIC == 0x4255524E
-    assert burnpack.MAGIC.to_bytes(4, "little") == b"NRUB" == burnpack.MAGIC_BYTES
+    assert burnpack.base._MAGIC == 0x4255524E
+    assert burnpack.base._MAGIC.to_bytes(4, "little") == b"NRUB" == burnpack.base._MAGIC_BYTES
 
 
 def test_02_header_round_trip_metadata_size_1234():
@@ -115,7 +115,7 @@ def test_04_four_byte_input_is_invalid_header():
 
 def test_05_data_section_start_is_aligned_for_metadata_sizes():
     sizes = [0, 1, 10, 245, 246, 247, 4096]
-    starts = [burnpack.data_section_start(m) for m in sizes]
+    starts = [burnpack.writer._data_section_start(m) for m in sizes]
     assert starts == [256, 256, 256, 256, 256, 512, 4352]
     for m, s in zip(sizes, starts, strict=True):
         assert s % 256 == 0 and 10 + m <= s < 10 + m + 256
@@ -312,8 +312,8 @@ def test_29_suffix_added_on_write_and_found_on_read(tmp_path):
     assert listdir(tmp_path) == ["model.bpk"]
     with burnpack.read(tmp_path / "model") as pack:
         assert pack.names == ["w"]
-    assert burnpack.with_suffix("a/b.ckpt") == Path("a/b.ckpt")
-    assert burnpack.resolve_path(tmp_path / "model") == tmp_path / "model.bpk"
+    assert burnpack.writer._with_suffix("a/b.ckpt") == Path("a/b.ckpt")
+    assert burnpack.reader._resolve_path(tmp_path / "model") == tmp_path / "model.bpk"
 
 
 def test_30_scalars_round_trip_with_variants():
@@ -1176,7 +1176,7 @@ def craft(top, data: bytes = b"", *, version=1, meta_size=None, magic=b"NRUB", r
     """A pack with arbitrary (possibly invalid) CBOR metadata followed by ``data``."""
     blob = cbor2.dumps(top) if raw_meta is None else raw_meta
     size = len(blob) if meta_size is None else meta_size
-    pad = bytes(burnpack.data_section_start(len(blob)) - 10 - len(blob))
+    pad = bytes(burnpack.writer._data_section_start(len(blob)) - 10 - len(blob))
     return magic + struct.pack("<HI", version, size) + blob + pad + data
 
 
@@ -1403,8 +1403,8 @@ def _hostile_cases() -> list[tuple]:
             one(
                 desc(
                     "U8",
-                    shape=[burnpack.MAX_TENSOR_SIZE + 1],
-                    offsets=(0, burnpack.MAX_TENSOR_SIZE + 1),
+                    shape=[burnpack.base._MAX_TENSOR_SIZE + 1],
+                    offsets=(0, burnpack.base._MAX_TENSOR_SIZE + 1),
                 )
             ),
             E.ValidationError,
@@ -1526,7 +1526,7 @@ def test_hostile_error_messages_are_bounded():
 
 def test_tensor_count_over_limit(monkeypatch):
     data = burnpack.dumps({f"t{i}": torch.ones(1) for i in range(4)})
-    monkeypatch.setattr(burnpack.reader, "MAX_TENSOR_COUNT", 3)
+    monkeypatch.setattr(burnpack.reader, "_MAX_TENSOR_COUNT", 3)
     with pytest.raises(
         burnpack.ValidationError, match="File contains 4 tensors, exceeding maximum of 3"
     ):

@@ -41,7 +41,7 @@ from lightning_bpk.interop import (
     load_remapped,
     save_module_record,
 )
-from lightning_bpk.interop.shards import byte_runs, shard_box
+from lightning_bpk.interop.shards import _byte_runs, _shard_box
 from lightning_bpk.records import ModuleRecord, RecordChecksumError, RecordError
 
 from conftest import SCRIPTS, run_process
@@ -102,7 +102,7 @@ def test_shard_box_cuts_as_torch_chunk(shape, mesh_shape, placements):
         -1, len(mesh_shape)
     ):
         coordinate = coordinate.tolist()
-        box = shard_box(shape, mesh_shape, coordinate, placements)
+        box = _shard_box(shape, mesh_shape, coordinate, placements)
         got = full[tuple(slice(a, b) for a, b in box)]
         assert torch.equal(got, _chunked(full, mesh_shape, coordinate, placements)), coordinate
 
@@ -111,9 +111,9 @@ def test_shard_box_refuses_partial_and_strided():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     with pytest.raises(ValueError, match="Partial"):
-        shard_box((4, 4), (2,), (0,), [Partial()])
+        _shard_box((4, 4), (2,), (0,), [Partial()])
     with pytest.raises(ValueError, match="is not Shard"):
-        shard_box((4, 4), (2, 2), (0, 0), [Shard(0), _StridedShard(0, split_factor=2)])
+        _shard_box((4, 4), (2, 2), (0, 0), [Shard(0), _StridedShard(0, split_factor=2)])
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_shard_box_refuses_partial_and_strided():
 def test_byte_runs_cover_exactly_the_box(box, runs):
     full = torch.randn(4, 3, 5)
     raw = bytes(burnpack.tensor_bytes(full))
-    found = list(byte_runs(full.shape, 4, box))
+    found = list(_byte_runs(full.shape, 4, box))
     assert len(found) == runs
     got = b"".join(raw[offset : offset + length] for offset, length in found)
     want = full[tuple(slice(a, b) for a, b in box)].contiguous()

@@ -131,7 +131,7 @@ def test_layout_scalars_strings_and_indexed_lists() -> None:
         assert pack.scalars["min_lrs.0"] == burnpack.Scalar.Int(0)
         assert pack.scalars["_last_lr.0"] == burnpack.Scalar.Float(0.1)
         assert pack.metadata["mode"] == "min"
-        assert pack.metadata[scheduler_mod.SCHEDULER_CLASS_KEY].endswith("ReduceLROnPlateau")
+        assert pack.metadata[scheduler_mod._SCHEDULER_CLASS_KEY].endswith("ReduceLROnPlateau")
 
 
 def test_composed_children_use_index_prefixes() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from lightning_bpk import burnpack, state
 from lightning_bpk.burnpack import Scalar
-from lightning_bpk.state import STRUCTURE_KEY, Content, StateError, decode, encode
+from lightning_bpk.state import _STRUCTURE_KEY, Content, StateError, decode, encode
 
 I64_MIN, I64_MAX, U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
@@ -67,7 +67,7 @@ def test_every_node_kind_is_documented_in_the_format_page() -> None:
         n=np.ones(1), y=b"y", Y=bytearray(b"Y"), L=[None], U=(1,), D={1: 2}, C=Counter("c"),
     )  # fmt: skip
     content = encode(value, as_scalar=lambda path: path == ("z",))
-    kinds = _kinds(json.loads(content.metadata[STRUCTURE_KEY])["tree"])
+    kinds = _kinds(json.loads(content.metadata[_STRUCTURE_KEY])["tree"])
     assert len(kinds) == 16  # every branch of the encoder
     page = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     table = page.split("### The structure of nested data")[1]
@@ -129,7 +129,7 @@ def test_strings_as_values_and_keys(text: str) -> None:
 def test_reserved_names_cannot_overwrite_package_metadata() -> None:
     content = encode({"lightning_bpk/state": "mine", "lightning_bpk/record": "also mine"})
     assert not any(
-        k.startswith(state.RESERVED_PREFIX) for k in content.metadata if k != STRUCTURE_KEY
+        k.startswith(state._RESERVED_PREFIX) for k in content.metadata if k != _STRUCTURE_KEY
     )
     from lightning_bpk.records import StateRecord
 
@@ -286,7 +286,7 @@ def test_unrepresentable_values_name_their_path(value: object, where: str) -> No
 
 def test_too_deep_structure_is_refused_on_encode() -> None:
     value: list = []
-    for _ in range(state.MAX_DEPTH + 5):
+    for _ in range(state._MAX_DEPTH + 5):
         value = [value]
     with pytest.raises(StateError, match="nesting deeper than"):
         encode(value)
@@ -294,7 +294,7 @@ def test_too_deep_structure_is_refused_on_encode() -> None:
 
 def hostile(tree: object, *, tensors=None, scalars=None, metadata=None, raw=None) -> Content:
     structure = raw if raw is not None else json.dumps({"version": 1, "tree": tree})
-    return Content(tensors or {}, scalars or {}, {**(metadata or {}), STRUCTURE_KEY: structure})
+    return Content(tensors or {}, scalars or {}, {**(metadata or {}), _STRUCTURE_KEY: structure})
 
 
 def deep(levels: int) -> object:
@@ -311,7 +311,7 @@ def deep(levels: int) -> object:
         hostile(None, raw="[" * 100_000 + "]" * 100_000),
         hostile(None, raw='"just a string"'),
         hostile(None, raw=json.dumps({"version": 99, "tree": None})),
-        hostile(deep(state.MAX_DEPTH + 10)),
+        hostile(deep(state._MAX_DEPTH + 10)),
         hostile({"kind": "D"}),
         hostile(["D", [["k"]]]),
         hostile(["D", [[["list-key"], None]]]),
@@ -346,7 +346,7 @@ def test_hostile_structures_raise_state_error(content: Content) -> None:
 
 def test_hostile_structure_inside_a_real_pack() -> None:
     data = burnpack.dumps(
-        {}, metadata={STRUCTURE_KEY: json.dumps({"version": 1, "tree": ["t", "w"]})}
+        {}, metadata={_STRUCTURE_KEY: json.dumps({"version": 1, "tree": ["t", "w"]})}
     )
     with pytest.raises(StateError, match="tensor 'w' is missing"):
         decode(burnpack.loads(data))
@@ -357,10 +357,12 @@ def test_a_structure_nested_past_the_limit_is_refused_before_it_is_parsed():
     tree = "null"
     for _ in range(450):  # 900 JSON levels: json.loads parses it, walking it needs the stack
         tree = '["L",[' + tree + "]]"
-    content.metadata[STRUCTURE_KEY] = json.dumps({"version": 1, "tree": None}).replace("null", tree)
+    content.metadata[_STRUCTURE_KEY] = json.dumps({"version": 1, "tree": None}).replace(
+        "null", tree
+    )
     with pytest.raises(StateError, match=r"JSON nested 901 levels deep \(at most 194\)"):
         decode(content)
     nested: object = 1
-    for _ in range(state.MAX_DEPTH):
+    for _ in range(state._MAX_DEPTH):
         nested = {"k": nested}
     assert decode(encode(nested)) == nested  # the deepest state encode accepts still decodes

@@ -31,18 +31,6 @@ from __future__ import annotations
 
 from lightning_bpk.burnpack.base import (
     CHECKSUM_PREFIX,
-    FORMAT_VERSION,
-    HEADER_SIZE,
-    MAGIC,
-    MAGIC_BYTES,
-    MAX_CBOR_DEPTH,
-    MAX_FILE_SIZE,
-    MAX_JSON_DEPTH,
-    MAX_METADATA_SIZE,
-    MAX_RANK,
-    MAX_TENSOR_COUNT,
-    MAX_TENSOR_SIZE,
-    TENSOR_ALIGNMENT,
     BurnpackError,
     BurnpackIOError,
     ChecksumError,
@@ -56,44 +44,24 @@ from lightning_bpk.burnpack.base import (
     TensorNotFoundError,
     ValidationError,
     VersionError,
-    burn_dtype,
-    decode_json,
-    torch_dtype,
 )
-from lightning_bpk.burnpack.reader import (
-    Pack,
-    TensorInfo,
-    loads,
-    read,
-    read_into,
-    resolve_path,
-)
-from lightning_bpk.burnpack.writer import (
-    BytesLike,
-    TensorEntry,
-    TensorsArg,
-    data_section_start,
-    dumps,
-    size,
-    tensor_bytes,
-    with_suffix,
-    write,
-)
+
+# The ``name as name`` imports are cross-layer internals (the storage, DCP, sharded and CLI layers
+# import them from here): importable, but not public, so not in __all__ nor in the API docs.
+from lightning_bpk.burnpack.base import HEADER_SIZE as HEADER_SIZE
+from lightning_bpk.burnpack.base import MAX_FILE_SIZE as MAX_FILE_SIZE
+from lightning_bpk.burnpack.base import MAX_METADATA_SIZE as MAX_METADATA_SIZE
+from lightning_bpk.burnpack.base import MAX_RANK as MAX_RANK
+from lightning_bpk.burnpack.base import TENSOR_ALIGNMENT as TENSOR_ALIGNMENT
+from lightning_bpk.burnpack.base import burn_dtype as burn_dtype
+from lightning_bpk.burnpack.base import decode_json as decode_json
+from lightning_bpk.burnpack.base import torch_dtype as torch_dtype
+from lightning_bpk.burnpack.reader import Pack, TensorInfo, loads, read, read_into
+from lightning_bpk.burnpack.writer import BytesLike, TensorEntry, TensorsArg, dumps, size, write
+from lightning_bpk.burnpack.writer import tensor_bytes as tensor_bytes
 
 __all__ = [
     "CHECKSUM_PREFIX",
-    "FORMAT_VERSION",
-    "HEADER_SIZE",
-    "MAGIC",
-    "MAGIC_BYTES",
-    "MAX_CBOR_DEPTH",
-    "MAX_FILE_SIZE",
-    "MAX_JSON_DEPTH",
-    "MAX_METADATA_SIZE",
-    "MAX_RANK",
-    "MAX_TENSOR_COUNT",
-    "MAX_TENSOR_SIZE",
-    "TENSOR_ALIGNMENT",
     "BurnpackError",
     "BurnpackIOError",
     "BytesLike",
@@ -112,17 +80,10 @@ __all__ = [
     "TensorsArg",
     "ValidationError",
     "VersionError",
-    "burn_dtype",
-    "data_section_start",
-    "decode_json",
     "dumps",
     "loads",
     "read",
     "read_into",
-    "resolve_path",
     "size",
-    "tensor_bytes",
-    "torch_dtype",
-    "with_suffix",
     "write",
 ]

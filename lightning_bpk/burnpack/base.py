@@ -16,18 +16,6 @@ from lightning_bpk.errors import LightningBpkError
 
 __all__ = [
     "CHECKSUM_PREFIX",
-    "FORMAT_VERSION",
-    "HEADER_SIZE",
-    "MAGIC",
-    "MAGIC_BYTES",
-    "MAX_CBOR_DEPTH",
-    "MAX_FILE_SIZE",
-    "MAX_JSON_DEPTH",
-    "MAX_METADATA_SIZE",
-    "MAX_RANK",
-    "MAX_TENSOR_COUNT",
-    "MAX_TENSOR_SIZE",
-    "TENSOR_ALIGNMENT",
     "BurnpackError",
     "BurnpackIOError",
     "ChecksumError",
@@ -50,21 +38,23 @@ __all__ = [
 
 # --- Format constants (Burn's values; the reason for each is beside it) -------------------------
 
-MAGIC = 0x4255524E  # "BURN" as a little-endian u32, so the file starts with b"NRUB"
-MAGIC_BYTES = MAGIC.to_bytes(4, "little")
-FORMAT_VERSION = 1  # the only version Burn writes; readers reject anything newer
+_MAGIC = 0x4255524E  # "BURN" as a little-endian u32, so the file starts with b"NRUB"
+_MAGIC_BYTES = _MAGIC.to_bytes(4, "little")
+_FORMAT_VERSION = 1  # the only version Burn writes; readers reject anything newer
 HEADER_SIZE = 10  # magic u32 + version u16 + metadata_size u32
 TENSOR_ALIGNMENT = 256  # data section and every tensor start are 256-byte aligned (mmap/SIMD)
 MAX_METADATA_SIZE = 100 * 1024 * 1024  # checked before allocating: a header cannot demand 4 GiB
-MAX_TENSOR_COUNT = 100_000  # bounds the work of parsing a hostile index
-MAX_TENSOR_SIZE = 10 * 1024**3  # one tensor at most 10 GiB, as Burn on 64-bit targets
-MAX_CBOR_DEPTH = 128  # nesting limit of the metadata decoder (stack safety)
-MAX_JSON_DEPTH = 128  # default nesting limit of JSON held in a metadata value (stack safety)
+_MAX_TENSOR_COUNT = 100_000  # bounds the work of parsing a hostile index
+_MAX_TENSOR_SIZE = 10 * 1024**3  # one tensor at most 10 GiB, as Burn on 64-bit targets
+_MAX_CBOR_DEPTH = 128  # nesting limit of the metadata decoder (stack safety)
+_MAX_JSON_DEPTH = 128  # default nesting limit of JSON held in a metadata value (stack safety)
 MAX_FILE_SIZE = 100 * 1024**3  # larger files are refused before anything is mapped
 MAX_RANK = 64  # no real tensor has more dimensions; bounds shape parsing
 
-# Reserved metadata prefix for per-tensor checksums: "lightning_bpk/xxh3/<tensor name>" -> 16 hex.
 CHECKSUM_PREFIX = "lightning_bpk/xxh3/"
+"""The reserved metadata prefix of the per-tensor checksums: ``lightning_bpk/xxh3/<tensor name>``
+maps to the tensor's xxh3-64 digest as 16 hex digits. Burn ignores these entries; this reader
+verifies them, and refuses a user metadata key that starts with it."""
 _CHECKSUM_PLACEHOLDER = "0" * 16  # same length as a real digest, so metadata size is known upfront
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
@@ -121,7 +111,8 @@ class BurnpackIOError(BurnpackError, OSError):
 
 # --- Scalars ------------------------------------------------------------------------------------
 
-ScalarKind = str  # "Int" | "UInt" | "Float" | "Bool"
+ScalarKind = str
+"""The kind of a :class:`Scalar`: ``"Int"``, ``"UInt"``, ``"Float"`` or ``"Bool"``."""
 
 
 class Scalar:
@@ -220,7 +211,9 @@ class Scalar:
 
 # --- DTypes -------------------------------------------------------------------------------------
 
-DType = str | dict  # Burn's dtype value as it appears in the metadata
+DType = str | dict
+"""Burn's dtype value as it appears in a file's metadata: a name (``"F32"``, ``"BF16"``, ...) or a
+one-entry map for the kinds Burn parametrizes (``{"Bool": "Native"}``, quantized ``QFloat``)."""
 
 
 @dataclass(frozen=True)
@@ -347,7 +340,7 @@ def _json_depth(text: str) -> int:
     return int(numpy.frombuffer(brackets.encode("latin-1"), numpy.int8).cumsum().max())
 
 
-def decode_json(text: object, *, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def decode_json(text: object, *, what: str, max_depth: int = _MAX_JSON_DEPTH) -> Any:
     """The value of a metadata entry holding JSON (upper layers keep their structure there).
 
     Nesting is measured before parsing, so a hostile value can never exhaust the stack of the

@@ -20,19 +20,19 @@ import torch
 import xxhash
 
 from lightning_bpk.burnpack.base import (
+    _FORMAT_VERSION,
     _I64_MAX,
+    _MAGIC_BYTES,
+    _MAX_CBOR_DEPTH,
+    _MAX_TENSOR_COUNT,
+    _MAX_TENSOR_SIZE,
     _QFLOAT,
     _U64_MAX,
     CHECKSUM_PREFIX,
-    FORMAT_VERSION,
     HEADER_SIZE,
-    MAGIC_BYTES,
-    MAX_CBOR_DEPTH,
     MAX_FILE_SIZE,
     MAX_METADATA_SIZE,
     MAX_RANK,
-    MAX_TENSOR_COUNT,
-    MAX_TENSOR_SIZE,
     TENSOR_ALIGNMENT,
     BurnpackError,
     BurnpackIOError,
@@ -54,7 +54,7 @@ from lightning_bpk.burnpack.base import (
 )
 from lightning_bpk.burnpack.writer import (
     BytesLike,
-    data_section_start,
+    _data_section_start,
     tensor_bytes,
 )
 
@@ -64,7 +64,6 @@ __all__ = [
     "loads",
     "read",
     "read_into",
-    "resolve_path",
 ]
 
 
@@ -106,7 +105,7 @@ _REJECT_ALL_TAGS = _RejectAllTags()
 def _decode_metadata(blob: memoryview) -> dict:
     decoder = cbor2.CBORDecoder(
         io.BytesIO(blob),
-        max_depth=MAX_CBOR_DEPTH,
+        max_depth=_MAX_CBOR_DEPTH,
         allow_indefinite=False,
         allow_duplicate_keys=False,
         strict_hashable_types=True,  # map keys must be text/bytes: no hash-collision DoS
@@ -227,10 +226,10 @@ class Pack:
         total = buf.nbytes
         if total < HEADER_SIZE:
             raise HeaderError(f"Invalid header: insufficient bytes ({total} < {HEADER_SIZE})")
-        if bytes(buf[:4]) != MAGIC_BYTES:
+        if bytes(buf[:4]) != _MAGIC_BYTES:
             raise MagicError(f"Invalid magic number {bytes(buf[:4])!r} (expected b'NRUB')")
         version, meta_size = struct.unpack_from("<HI", buf, 4)
-        if version != FORMAT_VERSION:
+        if version != _FORMAT_VERSION:
             raise VersionError(f"Unsupported version {version} (this reader knows 1)")
         if meta_size > MAX_METADATA_SIZE:
             raise ValidationError(
@@ -244,16 +243,17 @@ class Pack:
             )
         self.version = version
         self.metadata_size = meta_size
-        self.data_start = data_section_start(meta_size)
+        self.data_start = _data_section_start(meta_size)
         top = _decode_metadata(buf[HEADER_SIZE : HEADER_SIZE + meta_size])
         if "tensors" not in top:
             raise MetadataError("missing 'tensors' map")
         raw_tensors = top["tensors"]
         if not isinstance(raw_tensors, dict):
             raise MetadataError("'tensors' must be a map")
-        if len(raw_tensors) > MAX_TENSOR_COUNT:
+        if len(raw_tensors) > _MAX_TENSOR_COUNT:
             raise ValidationError(
-                f"File contains {len(raw_tensors)} tensors, exceeding maximum of {MAX_TENSOR_COUNT}"
+                f"File contains {len(raw_tensors)} tensors, "
+                f"exceeding maximum of {_MAX_TENSOR_COUNT}"
             )
         entries = {name: _parse_descriptor(name, d) for name, d in raw_tensors.items()}
         metadata = _parse_string_map(top.get("metadata", {}))
@@ -284,9 +284,9 @@ class Pack:
             start, end = info.data_offsets
             if end < start:
                 raise ValidationError(f"tensor '{name}': end offset {end} < start {start}")
-            if end - start > MAX_TENSOR_SIZE:
+            if end - start > _MAX_TENSOR_SIZE:
                 raise ValidationError(
-                    f"Tensor '{name}' size {end - start} exceeds maximum {MAX_TENSOR_SIZE}"
+                    f"Tensor '{name}' size {end - start} exceeds maximum {_MAX_TENSOR_SIZE}"
                 )
             if start % TENSOR_ALIGNMENT:
                 raise ValidationError(f"tensor '{name}': start {start} is not 256-byte aligned")
@@ -464,7 +464,7 @@ def loads(data: BytesLike) -> Pack:
     return Pack(data)
 
 
-def resolve_path(path: str | os.PathLike[str]) -> Path:
+def _resolve_path(path: str | os.PathLike[str]) -> Path:
     """Burn's reader rule: add ``.bpk`` only when ``path`` has no suffix and does not exist."""
     p = Path(path)
     if not p.suffix and not p.exists():
@@ -486,7 +486,7 @@ def read(path: str | os.PathLike[str]) -> Pack:
     ...     pack.names, pack.tensor("w").tolist()
     (['w'], [0.0, 1.0, 2.0])
     """
-    p = resolve_path(path)
+    p = _resolve_path(path)
     fd = _open(p)
     try:
         return _map(fd, p)

@@ -21,15 +21,15 @@ import xxhash
 from lightning_bpk import _fs
 from lightning_bpk.burnpack.base import (
     _CHECKSUM_PLACEHOLDER,
+    _FORMAT_VERSION,
     _I64_MAX,
+    _MAGIC_BYTES,
     _QFLOAT,
     _TORCH_TO_BURN,
     _U32_MAX,
     _U64_MAX,
     CHECKSUM_PREFIX,
-    FORMAT_VERSION,
     HEADER_SIZE,
-    MAGIC_BYTES,
     TENSOR_ALIGNMENT,
     BurnpackError,
     BurnpackIOError,
@@ -46,11 +46,9 @@ __all__ = [
     "BytesLike",
     "TensorEntry",
     "TensorsArg",
-    "data_section_start",
     "dumps",
     "size",
     "tensor_bytes",
-    "with_suffix",
     "write",
 ]
 
@@ -58,6 +56,8 @@ __all__ = [
 # --- Writing ------------------------------------------------------------------------------------
 
 BytesLike = bytes | bytearray | memoryview
+"""What :func:`~lightning_bpk.burnpack.loads` reads and a :class:`TensorEntry` may hold: any
+contiguous byte buffer, used without a copy."""
 
 
 class TensorEntry:
@@ -262,16 +262,19 @@ def _align(n: int) -> int:
     return -(-n // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
 
-def data_section_start(metadata_size: int) -> int:
+def _data_section_start(metadata_size: int) -> int:
     """Absolute offset of the data section for a metadata blob of ``metadata_size`` bytes.
 
-    >>> [data_section_start(m) for m in (0, 246, 247)]
+    >>> [_data_section_start(m) for m in (0, 246, 247)]
     [256, 256, 512]
     """
     return _align(HEADER_SIZE + metadata_size)
 
 
 TensorsArg = Mapping[str, torch.Tensor | TensorEntry] | Iterable[tuple]
+"""The tensors of :func:`write`, :func:`dumps` and :func:`size`: a mapping of name to tensor or
+:class:`TensorEntry`, or ``(name, tensor or entry)`` pairs (written in that order; a name may
+appear once)."""
 
 
 def _plan(
@@ -415,8 +418,8 @@ def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
     hashed inline and gathered with the padding into few writes.
     """
     meta = plan.encoded
-    data_start = data_section_start(len(meta))
-    header = MAGIC_BYTES + struct.pack("<HI", FORMAT_VERSION, len(meta))
+    data_start = _data_section_start(len(meta))
+    header = _MAGIC_BYTES + struct.pack("<HI", _FORMAT_VERSION, len(meta))
     # no larger than what is gathered: a pack of big tensors needs a few hundred bytes
     small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < _PARALLEL_HASH_MIN)
     gather = _Gather(
@@ -483,10 +486,10 @@ def size(
 ) -> int:
     """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
     plan = _plan(tensors, metadata, scalars, checksums)
-    return data_section_start(len(plan.encoded)) + plan.data_size
+    return _data_section_start(len(plan.encoded)) + plan.data_size
 
 
-def with_suffix(path: str | os.PathLike[str]) -> Path:
+def _with_suffix(path: str | os.PathLike[str]) -> Path:
     """``path`` with ``.bpk`` appended when it has no suffix (Burn's rule for writers)."""
     p = Path(path)
     return p if p.suffix else p.with_name(p.name + ".bpk")
@@ -516,7 +519,7 @@ def write(
     >>> write(tempfile.mkdtemp() + "/model", {"w": torch.zeros(3)}).name
     'model.bpk'
     """
-    target = with_suffix(path) if add_suffix else Path(path)
+    target = _with_suffix(path) if add_suffix else Path(path)
     plan = _plan(tensors, metadata, scalars, checksums)
     try:
         if atomic:

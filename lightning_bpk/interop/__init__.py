@@ -34,19 +34,7 @@ private name of another.
 
 from lightning_bpk.interop._plan import tied_weights
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
-from lightning_bpk.interop.conversions import (
-    Chunk,
-    Concatenate,
-    ConversionOps,
-    Interleave,
-    MergeModulelist,
-    PermuteForRope,
-    PrefixChange,
-    SplitModulelist,
-    Transpose,
-    WeightConverter,
-    WeightRenaming,
-)
+from lightning_bpk.interop.conversions import PrefixChange, WeightConverter, WeightRenaming
 from lightning_bpk.interop.formats import (
     SAFETENSORS_INFO_KEY,
     Content,
@@ -59,6 +47,16 @@ from lightning_bpk.interop.formats import (
 )
 from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
 from lightning_bpk.interop.loading import load_remapped
+from lightning_bpk.interop.ops import (
+    Chunk,
+    Concatenate,
+    ConversionOps,
+    Interleave,
+    MergeModulelist,
+    PermuteForRope,
+    SplitModulelist,
+    Transpose,
+)
 from lightning_bpk.interop.remap import (
     KeyRemapper,
     RemapResult,

@@ -16,14 +16,18 @@ from dataclasses import dataclass, field
 
 from lightning_bpk.interop import ops
 from lightning_bpk.interop.conversions import WeightConverter
-from lightning_bpk.interop.remap import Split, Transpose, Unstack
+from lightning_bpk.interop.ops import Transpose
+from lightning_bpk.interop.remap import Split, Unstack
 from lightning_bpk.interop.rules import Step
 
-__all__ = ["Dims", "Pick", "follow"]
+__all__ = [
+    "Dims",
+    "follow",
+]
 
 
 @dataclass(frozen=True)
-class Pick:
+class _Pick:
     """A file tensor stacked by MergeModulelist: it is element ``index`` along ``dim``, and its
     name is ``head + str(index) + tail`` (``head`` None: the index is not in its file name)."""
 
@@ -41,7 +45,7 @@ class Dims:
 
     origin: dict[str, list[int | None]]
     whole: dict[int, str] = field(default_factory=dict)
-    picks: dict[str, Pick] = field(default_factory=dict)
+    picks: dict[str, _Pick] = field(default_factory=dict)
 
     def mapped(self, dims: list[int | None], whole: dict[int, str]) -> Dims:
         """After a step that moves dim ``i`` to ``dims[i]`` and works along ``whole``."""
@@ -49,7 +53,7 @@ class Dims:
             {s: [None if d is None else dims[d] for d in ds] for s, ds in self.origin.items()},
             {m: why for d, why in self.whole.items() if (m := dims[d]) is not None} | whole,
             {
-                s: Pick(m, p.index, p.head, p.tail)
+                s: _Pick(m, p.index, p.head, p.tail)
                 for s, p in self.picks.items()
                 if (m := dims[p.dim]) is not None
             },
@@ -129,7 +133,7 @@ def _rule_moves(step: Step, ndim: int) -> tuple[list[int | None], set[int], int 
     raise _Unknown
 
 
-def _pick(step: Step, name: str, file_name: str, dim: int) -> Pick:
+def _pick(step: Step, name: str, file_name: str, dim: int) -> _Pick:
     """Where the converter of ``step`` stacks ``name`` (its ``*`` index), and where that index
     is in ``file_name``."""
     rule: WeightConverter = step.rule  # type: ignore[assignment]
@@ -138,11 +142,11 @@ def _pick(step: Step, name: str, file_name: str, dim: int) -> Pick:
     if pattern.count("*.") == 1:  # the converter numbers one list per pattern
         found = re.search(pattern.replace("*.", r"(?P<star>\d+)\."), name)
     if found is None:
-        return Pick(dim, 0, None, "")
+        return _Pick(dim, 0, None, "")
     index, tail = int(found["star"]), name[found.end("star") :]
     end = f"{index}{tail}"
     head = file_name[: -len(end)] if file_name.endswith("." + end) else None
-    return Pick(dim, index, head, tail)
+    return _Pick(dim, index, head, tail)
 
 
 def _unknown(step: Step) -> str:

@@ -25,7 +25,6 @@ __all__ = [
     "BPK_INDEX",
     "INDEX_SUFFIX",
     "SAFETENSORS_INDEX",
-    "TORCH_INDEX",
     "CheckpointSet",
     "Location",
     "file_kind_or_none",
@@ -34,13 +33,17 @@ __all__ = [
 ]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+"""The index of a sharded safetensors set, as transformers names it."""
 BPK_INDEX = "model.bpk.index.json"
+"""The index of a sharded ``.bpk`` set (the same JSON layout as safetensors')."""
 TORCH_INDEX = "pytorch_model.bin.index.json"
 INDEX_SUFFIX = ".index.json"
+"""How every index file name ends, whatever the shards' format."""
 _SHARD_KINDS = {".safetensors": "safetensors", ".bpk": "bpk"}
 _MAX_INDEX_BYTES = 64 * 1024 * 1024  # a hub index of 100k tensors is ~10 MiB
 
-Location = Path | str  # a local path, or a URL
+Location = Path | str
+"""Where a file or set is: a local path, or a URL."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ def set_kind(path: str | os.PathLike[str]) -> str | None:
 
 
 def file_kind_or_none(name: str) -> str | None:
+    """The format a file name's suffix says (``bpk``, ``safetensors``, ``torch``), or ``None``."""
     try:
         return file_kind(Path(name))
     except RecordError:

@@ -16,32 +16,35 @@ from lightning_bpk.interop.rules import RemapError
 __all__ = [
     "INDEX_FIELD",
     "Group",
-    "Ref",
     "SimplePattern",
     "derive_inverse",
     "parse_simple",
-    "parse_template",
     "template_regex",
 ]
 
 _LITERAL_ESCAPES = frozenset(string.punctuation + " ")
 _META = frozenset(".^$*+?{}[]|()\\")
-INDEX_FIELD = "{i}"  # where an Unstack target template puts the element index
+INDEX_FIELD = "{i}"
+"""Where an ``Unstack`` target template puts the element index."""
 
 
 @dataclass(frozen=True)
 class Group:
+    """A capture group of a simple pattern: its number and its body."""
+
     number: int  # 1-based, as in the pattern
     regex: str  # the group's body
 
 
 @dataclass(frozen=True)
-class Ref:
+class _Ref:
     number: int  # a back-reference in a replacement template
 
 
 @dataclass(frozen=True)
 class SimplePattern:
+    """A pattern made of literal text and capture groups only, so it can be inverted."""
+
     start: bool  # anchored with ^
     pieces: tuple[str | Group, ...]
     end: bool  # anchored with $
@@ -115,13 +118,13 @@ def parse_simple(pattern: str) -> SimplePattern:
 _REF = re.compile(r"\\(?:g<(\d+)>|(\d+))|\\(.)|([^\\]+)", re.S)
 
 
-def parse_template(template: str) -> list[str | Ref]:
+def _parse_template(template: str) -> list[str | _Ref]:
     """Split a replacement template into literal text and group references."""
-    out: list[str | Ref] = []
+    out: list[str | _Ref] = []
     for m in _REF.finditer(template):
         number = m.group(1) or m.group(2)
         if number:
-            out.append(Ref(int(number)))
+            out.append(_Ref(int(number)))
         else:
             text = m.group(4) if m.group(4) is not None else m.group(3)
             if out and isinstance(out[-1], str):
@@ -136,8 +139,8 @@ def template_regex(template: str, groups: Mapping[int, str], where: str) -> str:
     named group ``gN`` (repeats become back-references); ``{i}`` becomes the group ``i``."""
     parts: list[str] = []
     seen: set[int] = set()
-    for piece in parse_template(template):
-        if isinstance(piece, Ref):
+    for piece in _parse_template(template):
+        if isinstance(piece, _Ref):
             if piece.number not in groups:
                 raise RemapError(
                     f"{where}: template {template!r} refers to missing group {piece.number}"
@@ -166,13 +169,13 @@ def derive_inverse(pattern: str, replacement: str) -> tuple[str, str]:
     where = f"rename {pattern!r} -> {replacement!r}"
     simple = parse_simple(pattern)
     groups = {p.number: p.regex for p in simple.pieces if isinstance(p, Group)}
-    refs = [p.number for p in parse_template(replacement) if isinstance(p, Ref)]
+    refs = [p.number for p in _parse_template(replacement) if isinstance(p, _Ref)]
     if sorted(refs) != sorted(groups):
         raise RemapError(f"{where}: every group must appear exactly once in the replacement")
     order = {number: k + 1 for k, number in enumerate(refs)}  # group N -> its number inverted
     body = "".join(
-        f"({groups[p.number]})" if isinstance(p, Ref) else re.escape(p)
-        for p in parse_template(replacement)
+        f"({groups[p.number]})" if isinstance(p, _Ref) else re.escape(p)
+        for p in _parse_template(replacement)
     )
     if not body and not (simple.start or simple.end):
         raise RemapError(f"{where}: the inverse would match everywhere; give inverse=")

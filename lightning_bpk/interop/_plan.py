@@ -4,7 +4,7 @@ grouping the tensors converted together, and writing results into the module's t
 :func:`plan` runs the rules on meta tensors of a source's shapes and dtypes (every conversion
 problem is raised before any byte is read), adds the tensors the module's tie declarations
 fill from another (see :func:`tied_weights`), and splits the source's tensors into the groups
-converted together. :class:`Shadow` stands for a module in :meth:`ModuleRecord.apply`'s checks
+converted together. ``_Shadow`` stands for a module in :meth:`ModuleRecord.apply`'s checks
 without changing it; :func:`destinations` finds the module tensor each planned name loads into;
 :func:`run_tasks` runs the groups on a bounded thread pool.
 """
@@ -31,7 +31,6 @@ from lightning_bpk.records.module import Adapter, ModuleRecord, owning_module
 __all__ = [
     "DEFAULT_WORKERS",
     "Planned",
-    "Shadow",
     "apply_problems",
     "destinations",
     "group_items",
@@ -42,8 +41,9 @@ __all__ = [
     "tied_weights",
 ]
 
-# transformers loads with min(4, cores) threads: more mostly contend for the same disk and memory.
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
+"""Threads of the parallel loaders: transformers' ``min(4, cores)``; more mostly contend for the
+same disk and memory."""
 T = TypeVar("T")
 
 
@@ -85,7 +85,7 @@ def groups_of(names: list[str], aliases: Mapping[str, str], links: Links) -> lis
     return list(groups.values())
 
 
-class Shadow(nn.Module):
+class _Shadow(nn.Module):
     """``module`` as :meth:`ModuleRecord.apply` sees it (``state_dict`` and ``get_submodule``),
     with meta tensors of the same shapes, dtypes, kinds and ties: applying a record of meta
     tensors to it runs every check of ``apply`` and changes nothing."""
@@ -248,7 +248,7 @@ def apply_problems(
     and, for a set, their shards: ``'w': shape mismatch, expected [4] but record has [3] (from
     'model.w' in model-00002-of-00003.safetensors)``."""
     try:
-        planned.record.apply(Shadow(module), **options)  # type: ignore[arg-type]
+        planned.record.apply(_Shadow(module), **options)  # type: ignore[arg-type]
     except RecordError as e:
         if e.kind != "validation":
             raise

@@ -46,7 +46,12 @@ from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_ki
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
-__all__ = ["Source", "Span", "Specs", "open_source", "ranged_reader"]
+__all__ = [
+    "Source",
+    "Span",
+    "open_source",
+    "ranged_reader",
+]
 
 _MAX_ST_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 

@@ -1,10 +1,12 @@
 """transformers' weight-conversion vocabulary as :class:`~lightning_bpk.interop.remap.KeyRemapper`
-rules: :class:`WeightRenaming`, :class:`WeightConverter` and the reversible ops.
+rules: :class:`WeightRenaming`, :class:`WeightConverter` and the reversible ops (defined in
+:mod:`lightning_bpk.interop.ops`; all importable from :mod:`lightning_bpk.interop`).
 
 The names, arguments and semantics are those of Hugging Face transformers v5
 (``transformers/core_model_loading.py``, read in 5.23.0), so a table from its
 ``conversion_mapping.py`` pastes in as it is. Mixtral's::
 
+    >>> from lightning_bpk.interop import Concatenate, MergeModulelist
     >>> mixtral = [
     ...     WeightRenaming(".block_sparse_moe.", ".mlp."),
     ...     WeightConverter(
@@ -48,18 +50,20 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
+# transformers keeps its ops in the module of its rules, so the ``name as name`` imports make them
+# importable from here too (not in __all__: documented once, in lightning_bpk.interop.ops).
+from lightning_bpk.interop.ops import Chunk as Chunk
+from lightning_bpk.interop.ops import Concatenate as Concatenate
 from lightning_bpk.interop.ops import (
-    Chunk,
-    Concatenate,
     ConversionOps,
-    Interleave,
-    MergeModulelist,
-    PermuteForRope,
-    SplitModulelist,
     Tensors,
-    Transpose,
     first_tensor,
 )
+from lightning_bpk.interop.ops import Interleave as Interleave
+from lightning_bpk.interop.ops import MergeModulelist as MergeModulelist
+from lightning_bpk.interop.ops import PermuteForRope as PermuteForRope
+from lightning_bpk.interop.ops import SplitModulelist as SplitModulelist
+from lightning_bpk.interop.ops import Transpose as Transpose
 from lightning_bpk.interop.rules import (
     Item,
     Items,
@@ -77,10 +81,10 @@ _LOOKAROUND = re.compile(r"\(\?.+?\)?\)")
 _GROUP = re.compile(r"\(.+?\)")
 
 
-def natural_key(name: str) -> list[tuple]:
+def _natural_key(name: str) -> list[tuple]:
     """transformers' ``dot_natural_key``: numbers sort as numbers (``layers.2`` < ``layers.10``).
 
-    >>> sorted(["e.10.w", "e.2.w"], key=natural_key)
+    >>> sorted(["e.10.w", "e.2.w"], key=_natural_key)
     ['e.2.w', 'e.10.w']
     """
     parts: list[tuple] = []
@@ -275,6 +279,7 @@ class WeightConverter(WeightTransform):
     one-to-many (splitting), never many-to-many. Saving runs the reverse ops in reverse order.
 
     >>> import torch
+    >>> from lightning_bpk.interop import Concatenate
     >>> fuse = WeightConverter(["gate.weight", "up.weight"], "gate_up.weight", [Concatenate(0)])
     >>> items, _ = fuse.forward({"mlp.gate.weight": (torch.zeros(1, 2), 7),
     ...                          "mlp.up.weight": (torch.ones(1, 2), 8)})
@@ -373,7 +378,7 @@ class WeightConverter(WeightTransform):
         counts = set()
         bad = len(problems)
         for pattern in self.source_patterns:
-            names = sorted(by_pattern.get(pattern, []), key=natural_key)
+            names = sorted(by_pattern.get(pattern, []), key=_natural_key)
             if not names:
                 problems.append(f"{pattern!r} matches no key for {renamed!r} (found {found})")
                 continue
@@ -444,17 +449,8 @@ def _star(star: re.Pattern, name: str) -> str:
 
 
 __all__ = [
-    "Chunk",
-    "Concatenate",
-    "ConversionOps",
-    "Interleave",
-    "MergeModulelist",
-    "PermuteForRope",
     "PrefixChange",
-    "SplitModulelist",
-    "Transpose",
     "WeightConverter",
     "WeightRenaming",
     "WeightTransform",
-    "natural_key",
 ]

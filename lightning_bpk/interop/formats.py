@@ -48,36 +48,26 @@ from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
 
 __all__ = [
-    "BPK_SUFFIXES",
-    "CHECKPOINT_MODEL_FILE",
-    "NO_PICKLE_ADVICE",
     "SAFETENSORS_INFO_KEY",
-    "SAFETENSORS_SUFFIXES",
-    "ST_BOOL",
-    "TORCH_SUFFIXES",
     "Content",
     "Progress",
     "convert",
     "export_checkpoint",
     "file_kind",
     "load_module_record",
-    "read_bpk",
     "read_content",
-    "read_safetensors",
-    "read_torch",
     "record_content",
     "register_set_reader",
     "save_module_record",
-    "write_bpk",
     "write_content",
-    "write_safetensors",
 ]
 
-# Safetensors metadata entry (JSON) with what safetensors cannot hold; see the module docstring.
 SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
-BPK_SUFFIXES = (".bpk",)
-SAFETENSORS_SUFFIXES = (".safetensors",)
-TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
+"""The safetensors metadata entry (JSON) that keeps what safetensors cannot hold (param ids,
+Burn dtypes, scalars, burnpack metadata), so ``.bpk -> .safetensors -> .bpk`` is lossless."""
+_BPK_SUFFIXES = (".bpk",)
+_SAFETENSORS_SUFFIXES = (".safetensors",)
+_TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
@@ -106,22 +96,23 @@ def _st_dtype(dtype: torch.dtype) -> str:
 
 
 def file_kind(path: Path) -> str:
+    """The format a path's suffix says: ``bpk``, ``safetensors`` or ``torch``; RecordError else."""
     suffix = path.suffix.lower()
     for kind, suffixes in (
-        ("bpk", BPK_SUFFIXES),
-        ("safetensors", SAFETENSORS_SUFFIXES),
-        ("torch", TORCH_SUFFIXES),
+        ("bpk", _BPK_SUFFIXES),
+        ("safetensors", _SAFETENSORS_SUFFIXES),
+        ("torch", _TORCH_SUFFIXES),
     ):
         if suffix in suffixes:
             return kind
-    known = BPK_SUFFIXES + SAFETENSORS_SUFFIXES + TORCH_SUFFIXES
+    known = _BPK_SUFFIXES + _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES
     raise RecordError("io", f"{path}: unknown suffix {suffix!r} (expected one of {known})")
 
 
 # --- burnpack ------------------------------------------------------------------------------------
 
 
-def read_bpk(path: str | os.PathLike[str]) -> Content:
+def _read_bpk(path: str | os.PathLike[str]) -> Content:
     """A burnpack's content (tensors are zero-copy, checksum-verified views of the file)."""
     try:
         with burnpack.read(path) as pack:
@@ -152,7 +143,7 @@ def _is_quantized(dtype: burnpack.DType) -> bool:
     return isinstance(dtype, dict) and "QFloat" in dtype
 
 
-def write_bpk(
+def _write_bpk(
     path: str | os.PathLike[str], content: Content, progress: Progress | None = None
 ) -> Path:
     """Write ``content`` as a burnpack file, atomically."""
@@ -193,7 +184,7 @@ def _reporting(
 # --- safetensors ---------------------------------------------------------------------------------
 
 
-def read_safetensors(path: str | os.PathLike[str]) -> Content:
+def _read_safetensors(path: str | os.PathLike[str]) -> Content:
     """A safetensors file's content; param ids, order, Burn dtypes and scalars come back from
     :data:`SAFETENSORS_INFO_KEY` when the file was written from a burnpack."""
     path = Path(path)
@@ -226,7 +217,7 @@ def read_safetensors(path: str | os.PathLike[str]) -> Content:
         raise RecordError("validation", f"{path}: bad {SAFETENSORS_INFO_KEY} entry: {e}") from e
 
 
-def write_safetensors(
+def _write_safetensors(
     path: str | os.PathLike[str], content: Content, progress: Progress | None = None
 ) -> Path:
     """Write ``content`` as a safetensors file, atomically, streaming one tensor at a time."""
@@ -304,7 +295,7 @@ def _refusal_reason(error: pickle.UnpicklingError) -> str:
     return "an object that is neither a tensor nor plain data"
 
 
-def read_torch(path: str | os.PathLike[str]) -> Content:
+def _read_torch(path: str | os.PathLike[str]) -> Content:
     """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
     ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused.
 
@@ -341,8 +332,8 @@ def read_torch(path: str | os.PathLike[str]) -> Content:
 
 # --- records and conversion ----------------------------------------------------------------------
 
-_READERS = {"bpk": read_bpk, "safetensors": read_safetensors, "torch": read_torch}
-_WRITERS = {"bpk": write_bpk, "safetensors": write_safetensors}
+_READERS = {"bpk": _read_bpk, "safetensors": _read_safetensors, "torch": _read_torch}
+_WRITERS = {"bpk": _write_bpk, "safetensors": _write_safetensors}
 
 
 SetReader = Callable[[Path], "Content | None"]

@@ -9,7 +9,7 @@ does, with the same checks and result, in three steps:
    ``Chunk`` or ``PermuteForRope`` cannot handle) is reported at once before any byte is read;
    then :meth:`ModuleRecord.apply` checks the planned names, shapes and dtypes against a meta
    stand-in of the module and reports missing, unused and mismatched tensors together. The
-   steps' name links (see :func:`~lightning_bpk.interop.rules.tracing`) split the file's tensors
+   steps' name links (see ``lightning_bpk.interop.rules.tracing``) split the file's tensors
    into independent groups: the tensors converted together (all experts' ``w1``/``w3`` of one
    layer), or a single tensor that is only renamed.
 2. **Verify**: a ``.bpk`` file's checksums are all checked (on the pool) before anything is
@@ -121,4 +121,6 @@ def load_remapped(
     return planned.result.unmatched
 
 
-__all__ = ["DEFAULT_WORKERS", "load_remapped"]
+__all__ = [
+    "load_remapped",
+]

@@ -34,9 +34,12 @@ __all__ = [
 ]
 
 Tensors = torch.Tensor | list[torch.Tensor]
+"""What a :class:`ConversionOps` converts under one name: a tensor, or the list a pattern
+matched (as transformers' ops take them)."""
 
 
 def first_tensor(tensors: Tensors) -> torch.Tensor:
+    """The tensor itself, or the first of a list (what an op reads its shape and dtype from)."""
     return tensors[0] if isinstance(tensors, list) else tensors
 
 

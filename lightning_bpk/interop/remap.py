@@ -74,7 +74,8 @@ from lightning_bpk.interop._patterns import (
     parse_simple,
     template_regex,
 )
-from lightning_bpk.interop.conversions import Transpose, WeightConverter
+from lightning_bpk.interop.conversions import WeightConverter
+from lightning_bpk.interop.ops import Transpose as Transpose  # a rule too (documented in ops)
 from lightning_bpk.interop.rules import (
     Item,
     Items,
@@ -88,14 +89,10 @@ from lightning_bpk.interop.rules import (
 from lightning_bpk.records.module import Adapter, ModuleRecord
 
 __all__ = [
-    "INDEX_FIELD",
     "KeyRemapper",
-    "RemapError",
     "RemapResult",
     "Rename",
-    "Rule",
     "Split",
-    "Transpose",
     "Unstack",
     "apply_remapped",
     "derive_inverse",

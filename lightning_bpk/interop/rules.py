@@ -4,8 +4,8 @@ tracing that lets the loaders follow names and dims through the rules.
 An *item* is one tensor as the rules move it, with its param id (``None``: not yet assigned);
 *items* map names to items, in order. A :class:`Rule` maps items to items (``forward``: file
 names to module names, ``backward``: the inverse). Rules that rename, split or fuse report which
-names became which through :func:`trace_step`; :func:`tracing` collects those links (the
-parallel loader groups the tensors converted together by them) and :func:`observing` records
+names became which through :func:`trace_step`; ``tracing()`` collects those links (the
+parallel loader groups the tensors converted together by them) and ``observing()`` records
 every step with its items before and after (the shard loader follows each tensor's dims).
 
 This module is the bottom of :mod:`lightning_bpk.interop`: every other interop module may
@@ -27,7 +27,6 @@ from lightning_bpk.errors import LightningBpkError
 __all__ = [
     "Item",
     "Items",
-    "Links",
     "RemapError",
     "Rule",
     "Step",
@@ -40,7 +39,9 @@ __all__ = [
 ]
 
 Item = tuple[torch.Tensor, int | None]
+"""One tensor as the rules move it, with its param id (``None``: not yet assigned)."""
 Items = dict[str, Item]
+"""What a :class:`Rule` maps: names to items, in order."""
 
 
 class RemapError(LightningBpkError, ValueError):
@@ -76,7 +77,7 @@ def tracing() -> Iterator[Links]:
 
 def trace_step(pairs: list[tuple[list[str], list[str]]]) -> None:
     """Note that, in one step, each ``(old, new)`` pair's tensors ``old`` became ``new`` (a
-    no-op unless :func:`tracing`)."""
+    no-op unless ``tracing()``)."""
     links = _LINKS.get()
     if links is not None and pairs:
         links.append(pairs)

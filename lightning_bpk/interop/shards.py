@@ -70,7 +70,10 @@ from lightning_bpk.interop.rules import Items, RemapError
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import load_tensor, set_param_id
 
-__all__ = ["ShardedLoad", "byte_runs", "load_into_shards", "shard_box"]
+__all__ = [
+    "ShardedLoad",
+    "load_into_shards",
+]
 
 Box = tuple[tuple[int, int], ...]  # per dim: [start, stop) in the full tensor
 
@@ -83,7 +86,7 @@ class ShardedLoad:
     bytes_read: int = 0  # tensor bytes this rank read from the file (verify=True included)
 
 
-def shard_box(
+def _shard_box(
     shape: Sequence[int],
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
@@ -93,9 +96,9 @@ def shard_box(
     ``coordinate`` of a mesh of ``mesh_shape`` holds, as torch cuts it (``torch.chunk`` per
     ``Shard``, mesh dims in order; a rank past the last chunk holds an empty range).
 
-    >>> shard_box((7, 4), (2,), (1,), [Shard(0)])
+    >>> _shard_box((7, 4), (2,), (1,), [Shard(0)])
     ((4, 7), (0, 4))
-    >>> shard_box((7, 4), (2, 2), (1, 0), [Shard(1), Shard(0)])
+    >>> _shard_box((7, 4), (2, 2), (1, 0), [Shard(1), Shard(0)])
     ((0, 4), (2, 4))
     """
     for placement in placements:
@@ -107,14 +110,14 @@ def shard_box(
     return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
 
 
-def byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[int, int]]:
+def _byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` in bytes of the contiguous runs of ``box`` in a row-major tensor of
     ``shape``, in the box's own row-major order: one run when the box spans whole trailing dims
     (a ``Shard(0)`` slice), else one per index of the dims before its last partial dim.
 
-    >>> list(byte_runs((3, 4), 4, ((0, 3), (1, 3))))  # Shard(1)-like: one run per row
+    >>> list(_byte_runs((3, 4), 4, ((0, 3), (1, 3))))  # Shard(1)-like: one run per row
     [(4, 8), (20, 8), (36, 8)]
-    >>> list(byte_runs((3, 4), 4, ((1, 3), (0, 4))))  # Shard(0)-like: one run
+    >>> list(_byte_runs((3, 4), 4, ((1, 3), (0, 4))))  # Shard(0)-like: one run
     [(16, 32)]
     """
     if any(stop <= start for start, stop in box):
@@ -172,7 +175,7 @@ class _RangedFiles:
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
         read_into = self._reader(span.file)
         at = 0
-        for offset, length in byte_runs(shape, out.element_size(), box):
+        for offset, length in _byte_runs(shape, out.element_size(), box):
             read_into(flat[at : at + length], span.start + offset)
             at += length
         with self._lock:
@@ -393,7 +396,7 @@ def _boxes(
                 if coordinate is None:  # not in the mesh: holds nothing
                     box = tuple((0, 0) for _ in shape)
                 else:
-                    box = shard_box(shape, target.device_mesh.shape, coordinate, target.placements)
+                    box = _shard_box(shape, target.device_mesh.shape, coordinate, target.placements)
             except ValueError as e:
                 problems.append(f"{where}: {e}, which a full file cannot be read into")
                 continue

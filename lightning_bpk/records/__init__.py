@@ -7,7 +7,9 @@
 """
 
 from lightning_bpk.records.base import (
-    RECORD_KIND_KEY,
+    RECORD_KIND_KEY as RECORD_KIND_KEY,  # a cross-layer internal (DCP, sharded), not in __all__
+)
+from lightning_bpk.records.base import (
     Record,
     RecordChecksumError,
     RecordError,
@@ -24,7 +26,6 @@ from lightning_bpk.records.optimizer import OptimizerRecord
 from lightning_bpk.records.scheduler import LrSchedulerRecord
 
 __all__ = [
-    "RECORD_KIND_KEY",
     "Adapter",
     "LrSchedulerRecord",
     "ModuleRecord",

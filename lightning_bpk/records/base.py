@@ -1,7 +1,7 @@
 """What every record shares: bytes/file round trips, the record-kind tag and :class:`RecordError`.
 
 A record is one burnpack file. Its kind (``module``, ``optimizer``, ``lr_scheduler``, ``state``)
-is written to the metadata entry :data:`RECORD_KIND_KEY`, so :func:`load_record` can open any
+is written to the metadata entry ``lightning_bpk/record``, so :func:`load_record` can open any
 record without being told what it is. Burn ignores unknown metadata, so the tag costs nothing in
 compatibility; files Burn wrote carry no tag and load through the class the caller names.
 """
@@ -17,7 +17,6 @@ from lightning_bpk import burnpack, state
 from lightning_bpk.errors import LightningBpkError
 
 __all__ = [
-    "RECORD_KIND_KEY",
     "Record",
     "RecordChecksumError",
     "RecordError",
@@ -26,15 +25,17 @@ __all__ = [
     "class_name",
     "load_record",
     "record_from_pack",
-    "user_metadata",
 ]
 
 RECORD_KIND_KEY = "lightning_bpk/record"
+"""The metadata entry that names a record's kind (``module``, ``optimizer``, ...)."""
 
 R = TypeVar("R", bound="Record")
 
 
 RecordErrorKind = Literal["io", "validation", "checksum"]
+"""What :attr:`RecordError.kind` says went wrong: the file could not be read or written (``io``),
+its content is not a valid record (``validation``), or its bytes changed (``checksum``)."""
 _LABELS: dict[str, str] = {
     "io": "Record I/O error",
     "validation": "Record validation error",
@@ -169,7 +170,7 @@ class Record:
             raise RecordError("validation", f"{pack.source}: {e}") from e
 
 
-def user_metadata(pack: burnpack.Pack) -> dict[str, str]:
+def _user_metadata(pack: burnpack.Pack) -> dict[str, str]:
     """The pack's metadata without entries this package reserves for itself."""
     return {k: v for k, v in pack.metadata.items() if k != RECORD_KIND_KEY}
 

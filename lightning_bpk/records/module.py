@@ -6,7 +6,7 @@ record reads like Burn's ``ModuleRecord`` and a Burn file (no kind tag, Burn's n
 
 **Parameter ids.** Every parameter is written with a u64 ``param_id`` (Burn's ``ParamId``); the
 optimizer record keys its state by these ids. A parameter that was loaded from a record carries
-that record's id (an attribute on the ``nn.Parameter``: :func:`set_param_id`). A parameter that
+that record's id (an attribute on the ``nn.Parameter``: ``set_param_id``). A parameter that
 was never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
 passed in: the first 8 bytes of ``blake2b(name, digest_size=8, person=b"lightning_bpk")`` read
 little-endian. That is stable across processes, so a fresh run names the same state the same
@@ -58,11 +58,9 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack
-from lightning_bpk.records.base import Record, RecordError, user_metadata
+from lightning_bpk.records.base import Record, RecordError, _user_metadata
 
 __all__ = [
-    "ALIAS_PREFIX",
-    "DTYPE_POLICIES",
     "Adapter",
     "ModuleRecord",
     "default_param_id",
@@ -78,7 +76,7 @@ _PARAM_ID_ATTR = "_lightning_bpk_param_id"
 ALIAS_PREFIX = "lightning_bpk/alias/"
 # Personalization of the name hash, so our ids do not coincide with other blake2b uses.
 _ID_PERSON = b"lightning_bpk"
-DTYPE_POLICIES = ("from_record", "cast_to_module")
+_DTYPE_POLICIES = ("from_record", "cast_to_module")
 
 
 class Adapter(Protocol):
@@ -255,8 +253,8 @@ class ModuleRecord(Record):
         >>> ModuleRecord({"weight": torch.ones(2, 2)}).apply(net, allow_partial=True).weight.sum()
         tensor(4., grad_fn=<SumBackward0>)
         """
-        if dtype_policy not in DTYPE_POLICIES:
-            raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, not {dtype_policy!r}")
+        if dtype_policy not in _DTYPE_POLICIES:
+            raise ValueError(f"dtype_policy must be one of {_DTYPE_POLICIES}, not {dtype_policy!r}")
         incoming = self._incoming(module, adapter)
         targets = module.state_dict(keep_vars=True)
         apply_errors, missing, plan = [], [], []
@@ -359,7 +357,7 @@ class ModuleRecord(Record):
         order = pack.data_order  # the writer's input order (Burn: the module's visiting order)
         tensors = {n: pack.tensor(n) for n in order}
         pids = {n: e.param_id for n in order if (e := pack.entries[n]).param_id is not None}
-        metadata = user_metadata(pack)
+        metadata = _user_metadata(pack)
         aliases = {
             k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)
         }

@@ -18,7 +18,7 @@ Layout (Burn's ``OptimizerRecord``, ``{id}`` = decimal param id):
   parameter's path;
 - ``param_groups.<g>.<hyperparameter>`` (lr, betas as a tuple, flags, ``initial_lr``, None...)
   and ``param_groups.<g>.params.<i>`` (ids), with exact Python types through
-  :mod:`lightning_bpk.state`; the optimizer's class in metadata :data:`OPTIMIZER_CLASS_KEY`.
+  :mod:`lightning_bpk.state`; the optimizer's class in metadata ``lightning_bpk/optimizer``.
 
 LBFGS keeps one flat state over all parameters in their order (under the first parameter), so
 it restores only into an LBFGS listing the parameters in the same order; anything else is
@@ -51,13 +51,11 @@ from lightning_bpk.records.base import Record, RecordError, class_name
 from lightning_bpk.records.module import _param_table
 
 __all__ = [
-    "BURN_NAMES",
-    "OPTIMIZER_CLASS_KEY",
     "OptimizerRecord",
 ]
 
 # Metadata entry naming the optimizer class the state belongs to (module.qualname).
-OPTIMIZER_CLASS_KEY = "lightning_bpk/optimizer"
+_OPTIMIZER_CLASS_KEY = "lightning_bpk/optimizer"
 # Group keys not stored: "params" is rebuilt from ids; "param_names" follows the target optimizer.
 _GROUP_POSITIONAL_KEYS = ("params", "param_names")
 
@@ -303,14 +301,14 @@ class OptimizerRecord(Record):
         scalars: dict[str, Any] = dict(content.scalars)
         for pid in self.state:
             scalars[f"{pid}.__rank"] = burnpack.Scalar.UInt(self.ranks[pid])
-        metadata = {**content.metadata, OPTIMIZER_CLASS_KEY: self.optimizer_class}
+        metadata = {**content.metadata, _OPTIMIZER_CLASS_KEY: self.optimizer_class}
         metadata.update((str(pid), path) for pid, path in self.paths.items())
         return tensors, scalars, metadata
 
     @classmethod
     def from_pack(cls, pack: burnpack.Pack) -> OptimizerRecord:
         tree = state.decode(pack)
-        recorded_class = pack.metadata.get(OPTIMIZER_CLASS_KEY)
+        recorded_class = pack.metadata.get(_OPTIMIZER_CLASS_KEY)
         problems = []
         if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict):
             problems.append("the state tree has no 'state' map")
@@ -323,7 +321,7 @@ class OptimizerRecord(Record):
         ):
             problems.append("'param_groups' is not a list of groups with 'params'")
         if recorded_class is None:
-            problems.append(f"no '{OPTIMIZER_CLASS_KEY}' metadata entry")
+            problems.append(f"no '{_OPTIMIZER_CLASS_KEY}' metadata entry")
         if problems:
             raise RecordError("validation", [f"{pack.source}: {p}" for p in problems])
         paths: dict[int, str] = {}

@@ -12,7 +12,7 @@ prefixes as Burn's composed schedulers do: child ``i``'s keys are ``i.<key>`` (`
 ``LambdaLR``/``MultiplicativeLR``/``CyclicLR`` save what torch saves: a plain function or lambda
 cannot be saved and is recorded as ``None`` (the scheduler you load into must be built with the
 same function); a callable object is saved as its ``__dict__``, which must be plain data.
-The scheduler class is in metadata :data:`SCHEDULER_CLASS_KEY` and must match on apply.
+The scheduler class is in metadata ``lightning_bpk/lr_scheduler`` and must match on apply.
 
 Example::
 
@@ -37,17 +37,18 @@ from lightning_bpk import burnpack, state
 from lightning_bpk.records.base import Record, RecordError, class_name
 
 __all__ = [
-    "SCHEDULER_CLASS_KEY",
     "LrSchedulerRecord",
     "SchedulerLike",
 ]
 
 # Metadata entry naming the scheduler class (module.qualname).
-SCHEDULER_CLASS_KEY = "lightning_bpk/lr_scheduler"
+_SCHEDULER_CLASS_KEY = "lightning_bpk/lr_scheduler"
 # torch's key for the children of SequentialLR and ChainedScheduler.
 _CHILDREN_KEY = "_schedulers"
 
-SchedulerLike = LRScheduler | Any  # ReduceLROnPlateau is an LRScheduler since torch 2.2
+SchedulerLike = LRScheduler | Any
+"""What :class:`LrSchedulerRecord` captures and restores: any torch LR scheduler
+(``ReduceLROnPlateau`` is an ``LRScheduler`` since torch 2.2)."""
 
 
 def _indexed(state_dict: Mapping[str, Any]) -> dict[Any, Any]:
@@ -125,7 +126,7 @@ class LrSchedulerRecord(Record):
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         content = self._encode()
-        return {}, content.scalars, {**content.metadata, SCHEDULER_CLASS_KEY: self.scheduler_class}
+        return {}, content.scalars, {**content.metadata, _SCHEDULER_CLASS_KEY: self.scheduler_class}
 
     @classmethod
     def from_pack(cls, pack: burnpack.Pack) -> LrSchedulerRecord:
@@ -133,9 +134,9 @@ class LrSchedulerRecord(Record):
             f"{pack.source}: '{n}' is a tensor; a scheduler record holds scalars only"
             for n in pack.names
         ]
-        recorded_class = pack.metadata.get(SCHEDULER_CLASS_KEY)
+        recorded_class = pack.metadata.get(_SCHEDULER_CLASS_KEY)
         if recorded_class is None:
-            problems.append(f"{pack.source}: no '{SCHEDULER_CLASS_KEY}' metadata entry")
+            problems.append(f"{pack.source}: no '{_SCHEDULER_CLASS_KEY}' metadata entry")
         if problems:
             raise RecordError("validation", problems)
         tree = state.decode(pack)
