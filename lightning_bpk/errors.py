@@ -22,6 +22,9 @@ catch a built-in exception, the class derives from that too::
     │   │                                       cannot be served; names the URL
     │   └── DirectoryGoneError                  the directory was deleted while a run used it
     ├── MissingDriverError (also ImportError)   the fsspec driver of a URL is not installed
+    ├── store.local.RefusedFileError (also ValueError)
+    │                                           a symlink, FIFO or directory where a file was
+    │                                           to be read (never followed)
     ├── CheckpointLockedError (also RuntimeError)
     │                                           another process is saving into the directory
     ├── lease.CheckpointSupersededError (also RuntimeError)

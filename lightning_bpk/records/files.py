@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, Protocol
 import xxhash
 
 from lightning_bpk import burnpack
-from lightning_bpk.burnpack.writer import data_section_start
 from lightning_bpk.errors import StorageError
 from lightning_bpk.records.base import (
     RECORD_KIND_KEY,
@@ -54,6 +53,7 @@ __all__ = [
 ]
 
 HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
+"""What a file whose head does not match its manifest's digest is called (a checksum error)."""
 
 
 class Head(Protocol):
@@ -148,15 +148,17 @@ def describe(store: Store, key: str, size: int | None = None) -> Described:
     if size < burnpack.HEADER_SIZE:
         raise burnpack.HeaderError(f"{url}: Invalid header: insufficient bytes ({size})")
     (meta_size,) = struct.unpack("<I", store.read(key, 6, burnpack.HEADER_SIZE))
-    head_size = min(size, data_section_start(meta_size))
+    metadata_end = min(size, burnpack.HEADER_SIZE + meta_size)
     mapped = store.map(key, size)
     try:
-        mapped.fetch(0, head_size)
+        mapped.fetch(0, metadata_end)
         pack = burnpack.Pack(mapped.buffer, source=url)  # parses the head; no tensor is read
         kind = pack.metadata.get(RECORD_KIND_KEY, "dcp")
-        digest = _digest(mapped.buffer, pack.data_start)
         head_size = pack.data_start
         pack.close()
+        if head_size > metadata_end:
+            mapped.fetch(metadata_end, head_size)  # the padding up to the data section
+        digest = _digest(mapped.buffer, head_size)
     finally:
         mapped.buffer.close()
     return Described(kind, size, head_size, digest)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lightning_bpk import _fs
-from lightning_bpk.errors import CheckpointLockedError
+from lightning_bpk.errors import CheckpointLockedError, LightningBpkError
 
 __all__ = ["LOCK_FILE_NAME", "LocalStore", "RefusedFileError"]
 
@@ -295,7 +295,7 @@ class LocalStore:
             os.close(fd)  # releases the flock
 
 
-class RefusedFileError(ValueError):
+class RefusedFileError(LightningBpkError, ValueError):
     """A name that is not a regular file (a symlink, a FIFO, a directory) where a file was to
     be read; ``reason`` is the message without the path."""
 
