@@ -6,46 +6,9 @@ The tuning constants (``ATTEMPTS``, ``READ_CHUNK``, ...) live in
 
 from __future__ import annotations
 
-from lightning_bpk.store import (
-    EXTRAS,
-    LOCAL_PROTOCOLS,
-    DirectoryGoneError,
-    LocalStore,
-    MissingDriverError,
-    ObjectStore,
-    StorageError,
-    Store,
-    is_local,
-    join,
-    local_path,
-    location,
-    name_of,
-    object_store,
-    open_parent,
-    open_store,
-    parent_of,
-    protocol_of,
-)
+from lightning_bpk.store import *  # noqa: F403 - the same names, under the old module
+from lightning_bpk.store import EXTRAS, LOCAL_PROTOCOLS
+from lightning_bpk.store import __all__ as _store_all
 from lightning_bpk.store.objects import retry
 
-__all__ = [
-    "EXTRAS",
-    "LOCAL_PROTOCOLS",
-    "DirectoryGoneError",
-    "LocalStore",
-    "MissingDriverError",
-    "ObjectStore",
-    "StorageError",
-    "Store",
-    "is_local",
-    "join",
-    "local_path",
-    "location",
-    "name_of",
-    "object_store",
-    "open_parent",
-    "open_store",
-    "parent_of",
-    "protocol_of",
-    "retry",
-]
+__all__ = [*_store_all, "EXTRAS", "LOCAL_PROTOCOLS", "retry"]
