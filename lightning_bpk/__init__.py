@@ -4,13 +4,14 @@ The package is layered; each layer only uses the ones listed before it:
 
 - :mod:`lightning_bpk.errors` and :mod:`lightning_bpk.layout`: the root of every error
   (:class:`~lightning_bpk.errors.LightningBpkError`) and the names on disk, used by all layers;
-- :mod:`lightning_bpk.storage`: local directories or object stores (``s3://``, ``gs://``, any
-  fsspec URL), chosen by the URL's protocol; :mod:`lightning_bpk.lease`: one run owns a directory;
+- :mod:`lightning_bpk.store`: the one typed ``Store`` seam, with a local-disk and an object-store
+  backend (``s3://``, ``gs://``, any fsspec URL) chosen by the URL's protocol;
+  :mod:`lightning_bpk.lease`: one run owns a directory;
 - :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
-- :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe
-  (on object stores through :mod:`lightning_bpk.object_checkpoints`: a manifest written last);
+- :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe,
+  written once over the ``Store`` (one checkpoint view, one commit, one resume choice);
 - :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration;
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
         verify_checkpoint,
     )
     from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
-    from lightning_bpk.errors import LightningBpkError
+    from lightning_bpk.errors import LightningBpkError, StorageError
     from lightning_bpk.lease import CheckpointSupersededError
     from lightning_bpk.records import (
         LrSchedulerRecord,
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
         load_record,
         param_ids,
     )
-    from lightning_bpk.storage import StorageError
 
 from lightning_bpk import _gin
 
@@ -102,7 +102,7 @@ _EXPORTS = {
     "CheckpointWarning": "lightning_bpk.checkpointer",
     "get_latest_checkpoint_number": "lightning_bpk.checkpointer",
     "verify_checkpoint": "lightning_bpk.checkpointer",
-    "StorageError": "lightning_bpk.storage",
+    "StorageError": "lightning_bpk.errors",
     "CheckpointSupersededError": "lightning_bpk.lease",
     "BurnpackCheckpoint": "lightning_bpk.callback",
     "CheckpointSaveError": "lightning_bpk.callback",

@@ -17,7 +17,7 @@ import torch
 
 from lightning_bpk import trainer_state
 from lightning_bpk.callback import BurnpackCheckpoint
-from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.lightning.preemption import _ignore_while_stopping
 from lightning_bpk.records import ModuleRecord, StateRecord
 
@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT)
 
 
 def _trainer_value(root: Path, n: int) -> dict:
-    return StateRecord.load(root / "checkpoints" / f"ckpt.{n}" / "trainer.bpk").value
+    # the data its sentinel names: a re-saved N's is ckpt.N~<hex>
+    data = Checkpointer(root / "checkpoints").checkpoint_path(n)
+    return StateRecord.load(data / "trainer.bpk").value
 
 
 def _ids_from(path: Path, step: int) -> list[str]:

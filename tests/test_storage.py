@@ -19,26 +19,27 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from lightning_bpk import checkpointer as ck
-from lightning_bpk import object_checkpoints, storage
+from lightning_bpk import storage
 from lightning_bpk.checkpointer import (
     Checkpointer,
     CheckpointWarning,
+    Staged,
     get_latest_checkpoint_number,
     list_checkpoints,
+    load_newest,
     verify_checkpoint,
 )
 from lightning_bpk.lease import CheckpointSupersededError, Lease
-from lightning_bpk.object_checkpoints import load_newest
-from lightning_bpk.records import ModuleRecord
+from lightning_bpk.records import ModuleRecord, files
+from lightning_bpk.store import objects as store_objects
 
 from conftest import check_a_50_gib_claim_is_refused
 
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):
-    monkeypatch.setattr(storage, "BASE_WAIT", 0.001)
-    monkeypatch.setattr(storage, "COMPLETION_WAIT", 0.05)
+    monkeypatch.setattr(store_objects, "BASE_WAIT", 0.001)
+    monkeypatch.setattr(store_objects, "COMPLETION_WAIT", 0.05)
 
 
 def _url() -> str:
@@ -99,10 +100,10 @@ def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, 
 
 
 def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
-    monkeypatch.setattr(storage, "READ_CHUNK", 1024)
+    monkeypatch.setattr(store_objects, "READ_CHUNK", 1024)
     store = storage.object_store(_url())
     data = os.urandom(100 * 1024 + 5)
-    store.write("blob", data)
+    store.put("blob", data)
     requests = []
     cat_ranges = MemoryFileSystem.cat_ranges
 
@@ -114,7 +115,7 @@ def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
     buffer = bytearray(len(data) - 5)
     store.read_into("blob", buffer, offset=5)
     assert bytes(buffer) == data[5:]
-    assert len(requests) == storage.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
+    assert len(requests) == store_objects.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
 
 
 # --- the protocol on memory:// ------------------------------------------------------------------
@@ -336,30 +337,24 @@ def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_aft
     assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
 
 
-def _rank_upload(checkpointer: Checkpointer, url: str, value: float, tmp_path: Path):
-    """What a sharded save's ranks leave in the data prefix at ``url``: one rank file."""
-    local = ModuleRecord({"w": torch.full((4,), value)}).save(tmp_path / f"shard-{value}.bpk")
-    name = storage.name_of(url)
-    store = checkpointer._remote
-    assert store is not None
-    store.upload(local, f"{name}/shard.bpk")
-    return object_checkpoints.Uploaded(name, {"shard": ck._describe(local, "module")})
+def _rank_upload(checkpointer: Checkpointer, staged: Staged, value: float) -> None:
+    """What a sharded save's ranks leave in the staging prefix of ``staged``: one rank file."""
+    record = ModuleRecord({"w": torch.full((4,), value)})
+    files.save_record(record, checkpointer.store, f"{staged.key}/shard.bpk")
 
 
 def test_a_sharded_resave_keeps_the_old_copy_until_its_sentinel(faulty, tmp_path):
-    """A sharded save's ranks upload into the prefix ``prepare`` chose before rank 0 commits:
+    """A sharded save's ranks upload into the prefix ``begin`` chose before rank 0 commits:
     a re-save of N gets a fresh prefix, so when its sentinel write fails the old N stays whole
     (and the failed upload is removed); when it succeeds the old copy is removed."""
     url = "faulty://b/sharded"
     checkpointer = Checkpointer(url, checkpoint_duration=1)
-    store = checkpointer._remote
-    assert store is not None
 
     def resave(value: float) -> str:
-        target = object_checkpoints.prepare(checkpointer, store, 1)
-        uploaded = _rank_upload(checkpointer, target, value, tmp_path)
-        object_checkpoints.save(checkpointer, store, 1, {"trainer": {"v": value}}, uploaded)
-        return target
+        staged = checkpointer.begin(1)
+        _rank_upload(checkpointer, staged, value)
+        checkpointer.save_checkpoint(1, {"trainer": {"v": value}}, staged=staged)
+        return staged.url
 
     assert resave(1.0) == f"{url}/ckpt.1"
     faulty.faults["pipe"] = (1, 10**6, ConnectionError)  # the sentinel's write, for good
@@ -412,7 +407,7 @@ def test_retries_are_bounded_and_the_error_names_the_url(faulty):
     faulty.faults["put"] = (1, 10**6, ConnectionError)
     with pytest.raises(storage.StorageError, match=r"faulty://b/bounded/ckpt\.0/.*5 attempts"):
         checkpointer.save_checkpoint(0, _data(0))
-    assert faulty.calls["put"] == storage.ATTEMPTS
+    assert faulty.calls["put"] == store_objects.ATTEMPTS
 
 
 def test_a_permanent_error_is_not_retried(faulty):

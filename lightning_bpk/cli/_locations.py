@@ -1,9 +1,9 @@
 """Where a command's argument lives: a local path or a URL of an object store.
 
-The command line's choices between local disk and an object store are gathered here: reading a
-``.bpk`` in place (memory-mapped, or with ranged requests), copying a URL into a temporary
-folder for the readers that need a file (safetensors, ``torch.load``), and the size and time
-columns of ``ls``.
+The command line's remaining choices between local disk and an object store are gathered here:
+copying a URL into a temporary folder for the readers that need a file (safetensors,
+``torch.load``), and the time column of ``ls`` (not asked of object stores). Reading a ``.bpk``
+in place is :mod:`lightning_bpk.records.files`, through the ``Store``.
 """
 
 from __future__ import annotations
@@ -14,22 +14,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lightning_bpk import burnpack, storage
-from lightning_bpk.object_checkpoints import fetch_pack
+from lightning_bpk import storage
 
-__all__ = ["is_safetensors", "local_copies", "mtime", "open_pack", "tree_size"]
-
-
-def open_pack(target: str) -> burnpack.Pack:
-    """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
-    location = storage.location(target)
-    if isinstance(location, Path):
-        return burnpack.read(location)
-    store = storage.object_store(storage.parent_of(location))
-    size = store.size(storage.name_of(location))
-    if size is None:
-        raise OSError(f"{location}: no such object")
-    return fetch_pack(store, storage.name_of(location), size)
+__all__ = ["is_safetensors", "local_copies", "mtime", "tree_size"]
 
 
 @contextlib.contextmanager
@@ -69,10 +56,9 @@ def is_safetensors(target: str) -> bool:
     return storage.name_of(storage.location(target)).lower().endswith(".safetensors")
 
 
-def tree_size(path: Path | str) -> int:
-    """The bytes of a file, or of every file under a folder or a URL prefix."""
-    if isinstance(path, str):  # a URL: the sizes one listing reports
-        return sum(size or 0 for size in storage.object_store(path).list("").values())
+def tree_size(path: Path) -> int:
+    """The bytes of a local file, or of every file under a local folder (what ``convert``
+    wrote)."""
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

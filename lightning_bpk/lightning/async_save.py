@@ -29,7 +29,7 @@ Rules, each one a failure mode seen in other libraries:
 Example::
 
     >>> import tempfile, torch
-    >>> from lightning_bpk.checkpointer import Checkpointer
+    >>> from lightning_bpk.checkpointer import Checkpointer, Retention
     >>> from lightning_bpk.records import ModuleRecord
     >>> net = torch.nn.Linear(2, 2)
     >>> checkpointer = Checkpointer(tempfile.mkdtemp())
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.records.base import Record, StateRecord
 
 __all__ = [
@@ -196,24 +196,31 @@ class AsyncCheckpointSaver:
         iteration_number: int,
         data: Mapping[str, Any],
         on_saved: Callable[[Path | str], None] | None = None,
+        *,
+        retention: Retention | None = None,
     ) -> None:
         """Snapshot ``data`` now and save it as ``iteration_number`` in the background.
 
         Same arguments and checkpoint as :meth:`Checkpointer.save_checkpoint`. Waits for the
         previous save first and re-raises its error, if it failed. An iteration the checkpointer
-        would skip (``checkpoint_frequency``) is skipped here too, without copying anything.
+        would skip (``checkpoint_frequency``, unless a ``retention`` forces the save) is skipped
+        here too, without copying anything.
         ``on_saved(path)`` runs on the writer thread once the checkpoint is complete (its
         sentinel committed), e.g. to log it; not after a failed write.
         """
         self.wait()
-        if iteration_number % checkpointer.checkpoint_frequency:
+        if retention is None and iteration_number % checkpointer.checkpoint_frequency:
             return
         staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
         def save() -> Path | str | None:
-            path = checkpointer.save_checkpoint(iteration_number, staged)
+            # a subclass of Checkpointer may predate the retention argument: pass it only if set
+            if retention is None:
+                path = checkpointer.save_checkpoint(iteration_number, staged)
+            else:
+                path = checkpointer.save_checkpoint(iteration_number, staged, retention=retention)
             if path is not None and on_saved is not None:
                 on_saved(path)
             return path

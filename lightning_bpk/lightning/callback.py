@@ -190,6 +190,7 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         self.last_saved_number = None
         self._resume_number = -1
         self._preloaded = None  # what rank 0 read choosing the resume
+        self._resume_location = None  # where that data lies
         self._position = DataPosition()
         self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
         self._fit_started = False
@@ -230,6 +231,7 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         choice: tuple[int, str | None] = (-1, None)
         failure: Exception | None = None
         self._preloaded = None
+        self._resume_location = None
         if self.resume and trainer.is_global_zero:
             try:
                 choice = self._choose_resume(dirpath)

@@ -3,10 +3,11 @@
 :class:`CheckpointDispatch` is the part of
 :class:`~lightning_bpk.callback.BurnpackCheckpoint` that talks to the
 :class:`~lightning_bpk.checkpointer.Checkpointer`: rank 0 chooses the checkpoint to resume from
-(``_choose_resume``; on an object store it keeps what it read, ``_preloaded``), Lightning's
-``resume_start`` loads it (``_intercept_resume``), and ``_save`` builds the checkpoint, has rank
-0 write it (a second Checkpointer for a save made whatever the frequency) and makes every rank
-learn the outcome. The callback inherits it; the hooks that decide *when* live there.
+(``_choose_resume``, the checkpointer's one resume choice: it keeps what it read,
+``_preloaded``), Lightning's ``resume_start`` loads it (``_intercept_resume``), and ``_save``
+builds the checkpoint, has rank 0 write it (with the retention of its settings as an argument
+for a save made whatever the frequency) and makes every rank learn the outcome. The callback
+inherits it; the hooks that decide *when* live there.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import object_checkpoints, sharded, storage, trainer_state
+from lightning_bpk import sharded, storage, trainer_state
 from lightning_bpk.checkpointer import (
     Checkpointer,
+    Retention,
+    bound_override_number,
+    choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
     summarise,
@@ -78,6 +82,7 @@ class CheckpointDispatch:
     _position: DataPosition
     _resume_number: int
     _preloaded: dict[str, Any] | None
+    _resume_location: Path | str | None
     _replay_floor: int
     _reserved: bool
 
@@ -94,29 +99,31 @@ class CheckpointDispatch:
         )
 
     def _choose_resume(self, dirpath: Path | str) -> tuple[int, str | None]:
-        """``(number, error)``: the newest checkpoint that verifies (-1: none), or gin's
-        ``override_number``, which must name a complete checkpoint. Read-only (rank 0)."""
-        if not storage.is_local(dirpath):  # unreachable, bad credentials, no bucket: say which
-            storage.object_store(dirpath, self.storage_options).check()
+        """``(number, error)``: the newest checkpoint that verifies as it is loaded (-1: none;
+        what was read is kept for ``resume_start``, on every backend: each sentinel and file
+        read once), or gin's ``override_number``, which must name a complete checkpoint.
+        Read-only (rank 0)."""
+        store = storage.open_store(dirpath, self.storage_options)
+        store.check()  # unreachable, bad credentials, no bucket: say which
         required = trainer_state.REQUIRED_KEYS
-        local = storage.is_local(dirpath)
-        number = get_latest_checkpoint_number(
-            dirpath, verify=self.verify and local, required_keys=required, **self._names()
-        )
-        if number >= 0 and self.verify and not local:
-            # one read of each object, not two: verified as it is loaded, kept for resume_start
-            store = storage.object_store(dirpath, self.storage_options)
-            number, self._preloaded = object_checkpoints.load_newest(
+        number = bound_override_number()
+        if number is None and not self.verify:  # sentinels and sizes only; read at resume
+            return get_latest_checkpoint_number(
+                dirpath, required_keys=required, **self._names()
+            ), None
+        if number is None:
+            choice = choose_resume(
                 store,
                 self.sentinel_file_identifier,
                 self.checkpoint_file_prefix,
                 required,
-                at_most=number,
+                at_most=2**63,
                 unloaded=(trainer_state.INDEX_KEY,),
             )
+            self._preloaded, self._resume_location = choice.data, choice.location
+            return choice.number, None
         if number < 0:
             return number, None
-        # Only an override_number can fail here: the search returns a checked checkpoint.
         problems = verify_checkpoint(
             dirpath, number, full=False, required_keys=required, **self._names()
         )
@@ -153,7 +160,9 @@ class CheckpointDispatch:
             path = checkpoint_path
             if path is None and self._resume_number >= 0:
                 assert self.checkpointer is not None
-                path = self.checkpointer.checkpoint_path(self._resume_number)
+                path = self._resume_location or self.checkpointer.checkpoint_path(
+                    self._resume_number
+                )
             ours = checkpoint_path is None and path is not None
             if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
                 if path is not None:
@@ -163,12 +172,12 @@ class CheckpointDispatch:
             if ours:
                 self.restored_number = self._resume_number
                 rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
+            if ours and self._preloaded is not None:  # rank 0 read it choosing
+                data, self._preloaded = self._preloaded, None
+                return path, trainer_state.from_records(data, str(path))
             if sharded.is_sharded(path, storage_options=self.storage_options):  # FSDP2 etc.
                 # every rank reads its part
                 return path, sharded.restore(trainer, path, self.storage_options)
-            if ours and self._preloaded is not None:  # rank 0 read it choosing (object store)
-                data, self._preloaded = self._preloaded, None
-                return path, trainer_state.from_records(data, str(path))
             return path, trainer_state.load(path, self.storage_options)
 
         _compat.intercept_resume_start(trainer, resume_start)
@@ -270,28 +279,30 @@ class CheckpointDispatch:
     ) -> None:
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
+        retention = None
         if forced and number % checkpointer.checkpoint_frequency:
             # Saved whatever the frequency; the same retention (the last d, the same milestones).
             f, k = self.checkpoint_frequency, self.keep_every
-            checkpointer = self._make_checkpointer(
-                checkpointer.base_directory,
-                checkpoint_frequency=1,
-                keep_every=None if k is None else k * f,
-            )
-            checkpointer.lease = self.checkpointer.lease
+            retention = Retention(1, self.checkpoint_duration, None if k is None else k * f)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         if staged:  # the shards are written; publish them with the rest, synchronously
             rest = sharded.records(checkpoint, schedulers)
-            path = sharded.publish(checkpointer, number, staged, rest)
+            path = sharded.publish(checkpointer, number, staged, rest, retention)
             log.info("saved sharded checkpoint %d at %s", number, path)
             return
         data = trainer_state.to_records(
             checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
         if self._saver is not None:  # raises an earlier failure; logs once committed
-            self._saver.save_checkpoint(checkpointer, number, data, self._log_saved(number))
+            self._saver.save_checkpoint(
+                checkpointer, number, data, self._log_saved(number), retention=retention
+            )
             return
-        path = checkpointer.save_checkpoint(number, data)
+        # a subclass of Checkpointer may predate the retention argument: pass it only if set
+        if retention is None:
+            path = checkpointer.save_checkpoint(number, data)
+        else:
+            path = checkpointer.save_checkpoint(number, data, retention=retention)
         if path is not None:
             self._log_saved(number)(path)
 
