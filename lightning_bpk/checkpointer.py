@@ -110,7 +110,7 @@ from typing import Any
 import xxhash
 
 from lightning_bpk import _fs, _gin, burnpack, storage
-from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.errors import CheckpointLockedError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
@@ -182,10 +182,6 @@ _QUOTE.maxstring = _QUOTE.maxother = 160
 _HEAD_DAMAGED = "header/metadata bytes differ from the manifest's xxh3 (damaged)"
 # The rule of lightning_bpk.layout: a checkpoint is made of real files and directories.
 _SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real files)"
-
-
-class CheckpointLockedError(LightningBpkError, RuntimeError):
-    """Another process (or checkpointer) is saving into the same directory right now."""
 
 
 class CheckpointWarning(UserWarning):

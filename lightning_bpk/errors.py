@@ -18,8 +18,14 @@ catch a built-in exception, the class derives from that too::
     ├── dcp.ShardedCheckpointError (also RuntimeError)
     │                                           a sharded (DCP) checkpoint cannot be written
     │                                           or read; names the rank file
-    ├── checkpointer.CheckpointLockedError (also RuntimeError)
+    ├── StorageError (also OSError)             a store failed after its retries, or a URL
+    │   │                                       cannot be served; names the URL
+    │   └── DirectoryGoneError                  the directory was deleted while a run used it
+    ├── MissingDriverError (also ImportError)   the fsspec driver of a URL is not installed
+    ├── CheckpointLockedError (also RuntimeError)
     │                                           another process is saving into the directory
+    ├── lease.CheckpointSupersededError (also RuntimeError)
+    │                                           a newer run took over the directory
     ├── callback.CheckpointSaveError (also RuntimeError)
     │                                           a save failed; earlier checkpoints are intact
     └── callback.CheckpointResumeError (also RuntimeError)
@@ -43,7 +49,14 @@ MagicError
 
 from __future__ import annotations
 
-__all__ = ["CheckpointResumeError", "LightningBpkError"]
+__all__ = [
+    "CheckpointLockedError",
+    "CheckpointResumeError",
+    "DirectoryGoneError",
+    "LightningBpkError",
+    "MissingDriverError",
+    "StorageError",
+]
 
 
 class LightningBpkError(Exception):
@@ -60,3 +73,20 @@ class CheckpointResumeError(LightningBpkError, RuntimeError):
     ``accumulate_grad_batches``). Raised from :mod:`lightning_bpk.callback` and
     :mod:`lightning_bpk.data_position`; importable from either, and from ``lightning_bpk``.
     """
+
+
+class StorageError(LightningBpkError, OSError):
+    """A storage operation failed (after retries), or a URL cannot be served; names the URL."""
+
+
+class DirectoryGoneError(StorageError):
+    """The checkpoint directory (or its whole bucket) was deleted while a run used it: every
+    checkpoint that was in it is gone too, so no "earlier checkpoints are untouched" holds."""
+
+
+class MissingDriverError(LightningBpkError, ImportError):
+    """The fsspec driver for a URL's protocol is not installed."""
+
+
+class CheckpointLockedError(LightningBpkError, RuntimeError):
+    """Another process (or checkpointer) is saving into the same directory right now."""

@@ -19,7 +19,7 @@ Older lease objects are removed by the new owner after it created its own; the n
 removed (it is what the zombie compares against).
 
     >>> import tempfile
-    >>> from lightning_bpk.storage import open_store
+    >>> from lightning_bpk.store import open_store
     >>> store = open_store(tempfile.mkdtemp())
     >>> first = Lease.acquire(store)
     >>> second = Lease.acquire(store)
@@ -43,8 +43,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.storage import DirectoryGoneError, StorageError
+from lightning_bpk.errors import DirectoryGoneError, LightningBpkError, StorageError
+from lightning_bpk.store import Store
 
 __all__ = ["LEASE_STEM", "CheckpointSupersededError", "Lease", "lease_name"]
 
@@ -70,12 +70,12 @@ def lease_name(generation: int) -> str:
 class Lease:
     """This run's ownership of ``store``'s directory (see the module docstring)."""
 
-    store: Any  # storage.LocalStore | storage.ObjectStore
+    store: Store
     generation: int
     owner: dict[str, Any]
 
     @classmethod
-    def acquire(cls, store: Any) -> Lease:
+    def acquire(cls, store: Store) -> Lease:
         """Take over the directory: create the next generation's lease object create-only."""
         owner = {
             "pid": os.getpid(),
@@ -86,7 +86,7 @@ class Lease:
             existing = _generations(store.list(""))
             generation = (existing[-1] if existing else 0) + 1
             body = json.dumps({**owner, "generation": generation}).encode()
-            if store.create(lease_name(generation), body):
+            if store.put(lease_name(generation), body, create_only=True):
                 store.remove(lease_name(g) for g in existing)
                 return cls(store, generation, owner)
         raise CheckpointSupersededError(
@@ -113,15 +113,15 @@ class Lease:
     def _gone(self) -> None:
         """The directory holds nothing, not even this run's lease: it (or its bucket) was
         deleted while the run used it. Say that, and that the checkpoints went with it."""
-        check = getattr(self.store, "check", None)  # an object store: is the bucket there?
         try:
-            if check is not None:
-                check()
+            self.store.check()  # an object store: is the bucket there?
         except StorageError as e:
             raise DirectoryGoneError(
                 f"{e}: it was deleted while this run used it, and every checkpoint in it with "
                 "it; this run stops writing there"
             ) from e
+        except OSError:
+            pass  # a local directory that is gone: said below
         raise DirectoryGoneError(
             f"{self.store.url}: the checkpoint directory was deleted or emptied while this run "
             "used it (its lease and every checkpoint in it are gone); this run stops writing there"

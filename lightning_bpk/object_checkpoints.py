@@ -479,7 +479,7 @@ def commit(
         try:
             # a re-save overwrites (one PUT: the old manifest or the new one, never neither)
             if resave:
-                store.write(sentinel, manifest)
+                store.put(sentinel, manifest)
             elif not store.create(sentinel, manifest):
                 state = "refused"
         except Exception:

@@ -42,6 +42,7 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.cli import main as cli_main
 from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.store import objects as store_objects
 
 from conftest import (
     SCRIPTS,
@@ -103,7 +104,7 @@ def proxy(s3_endpoint, monkeypatch) -> Iterator[FaultProxy]:
     """The fault-injecting proxy (tests/fault_proxy.py) in front of the moto server; s3fs goes
     through it with ``storage_options=_through(proxy)``. s3fs's own retries are off, so each
     fault reaches this package's retries (with them on, a fault must outlast theirs first)."""
-    monkeypatch.setattr(storage, "BASE_WAIT", 0.01)
+    monkeypatch.setattr(store_objects, "BASE_WAIT", 0.01)
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     host, _, port = s3_endpoint.removeprefix("http://").rpartition(":")
     with FaultProxy(host, int(port)) as running:
@@ -143,7 +144,7 @@ def test_multipart_checkpoints_round_trip_with_retention_in_the_bucket(
     bucket, monkeypatch, capsys, tmp_path
 ):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(storage, "UPLOAD_PART", 5 * 2**20)  # S3's smallest part: 3 parts below
+    monkeypatch.setattr(store_objects, "UPLOAD_PART", 5 * 2**20)  # S3's smallest: 3 parts below
     url = f"s3://{bucket}/run"
     checkpointer = Checkpointer(url, checkpoint_duration=1)
     big = {
@@ -188,8 +189,8 @@ def test_a_multipart_completion_slower_than_the_read_timeout_is_awaited(bucket, 
         return store_object(self, *args, **kwargs)
 
     monkeypatch.setattr(S3Backend, "put_object", slow_to_store)
-    monkeypatch.setattr(storage, "UPLOAD_PART", 5 * 2**20)
-    monkeypatch.setattr(storage, "ATTEMPTS", 2)  # uploading again fails the same way: stop early
+    monkeypatch.setattr(store_objects, "UPLOAD_PART", 5 * 2**20)
+    monkeypatch.setattr(store_objects, "ATTEMPTS", 2)  # uploading again fails alike: stop early
     url = f"s3://{bucket}/slow"
     options = {
         "config_kwargs": {"read_timeout": 1, "retries": {"max_attempts": 1}},
@@ -369,7 +370,7 @@ def test_a_garbled_sentinel_answer_is_retried_and_a_persistent_fault_is_a_typed_
     with pytest.raises(storage.StorageError, match=re.escape(f"{url}/")) as error:
         get_latest_checkpoint_number(url, storage_options=options)
     assert "Checksum" in str(error.value)
-    assert always.hits >= storage.ATTEMPTS
+    assert always.hits >= store_objects.ATTEMPTS
 
 
 def test_a_bucket_deleted_mid_run_says_so(bucket):

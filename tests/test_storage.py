@@ -31,14 +31,15 @@ from lightning_bpk.checkpointer import (
 from lightning_bpk.lease import CheckpointSupersededError, Lease
 from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.store import objects as store_objects
 
 from conftest import check_a_50_gib_claim_is_refused
 
 
 @pytest.fixture(autouse=True)
 def _fast_retries(monkeypatch):
-    monkeypatch.setattr(storage, "BASE_WAIT", 0.001)
-    monkeypatch.setattr(storage, "COMPLETION_WAIT", 0.05)
+    monkeypatch.setattr(store_objects, "BASE_WAIT", 0.001)
+    monkeypatch.setattr(store_objects, "COMPLETION_WAIT", 0.05)
 
 
 def _url() -> str:
@@ -99,10 +100,10 @@ def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, 
 
 
 def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
-    monkeypatch.setattr(storage, "READ_CHUNK", 1024)
+    monkeypatch.setattr(store_objects, "READ_CHUNK", 1024)
     store = storage.object_store(_url())
     data = os.urandom(100 * 1024 + 5)
-    store.write("blob", data)
+    store.put("blob", data)
     requests = []
     cat_ranges = MemoryFileSystem.cat_ranges
 
@@ -114,7 +115,7 @@ def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
     buffer = bytearray(len(data) - 5)
     store.read_into("blob", buffer, offset=5)
     assert bytes(buffer) == data[5:]
-    assert len(requests) == storage.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
+    assert len(requests) == store_objects.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
 
 
 # --- the protocol on memory:// ------------------------------------------------------------------
@@ -412,7 +413,7 @@ def test_retries_are_bounded_and_the_error_names_the_url(faulty):
     faulty.faults["put"] = (1, 10**6, ConnectionError)
     with pytest.raises(storage.StorageError, match=r"faulty://b/bounded/ckpt\.0/.*5 attempts"):
         checkpointer.save_checkpoint(0, _data(0))
-    assert faulty.calls["put"] == storage.ATTEMPTS
+    assert faulty.calls["put"] == store_objects.ATTEMPTS
 
 
 def test_a_permanent_error_is_not_retried(faulty):

@@ -69,6 +69,7 @@ def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -
     ``put`` its upload to the object store (as when the store's retries give up)."""
     from lightning_bpk import storage
     from lightning_bpk.dcp import BurnpackStorageWriter
+    from lightning_bpk.store import objects as store_objects
 
     owner, name = (storage.ObjectStore, "upload") if put else (BurnpackStorageWriter, "write_file")
     original = getattr(owner, name)
@@ -78,7 +79,7 @@ def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -
             if put:
                 raise storage.StorageError(
                     f"upload to {self.url_of(args[0])}: ConnectionError: injected "
-                    f"({storage.ATTEMPTS} attempts)"
+                    f"({store_objects.ATTEMPTS} attempts)"
                 )
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(target))
         return original(self, target, *args)

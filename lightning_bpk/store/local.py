@@ -1,0 +1,300 @@
+"""The local-disk backend of :class:`~lightning_bpk.store.Store`: a directory whose keys are
+relative file names inside it.
+
+Writes follow the recipe of :mod:`lightning_bpk._fs`: a scratch name in the *target* directory,
+fsync, ``os.replace`` (or ``os.link`` for a create-only write, which fails atomically when the
+name exists and never shows a half-written file), fsync of the directory. A prefix of files is
+published by renaming its staging directory into place, then fsyncing the parent. Reads use
+``preadv`` into the caller's buffer; :meth:`LocalStore.local_file` hands readers the file itself
+(``burnpack.read`` maps it zero-copy). Nothing here follows a symlink inside a checkpoint.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from lightning_bpk import _fs
+from lightning_bpk.errors import CheckpointLockedError
+
+__all__ = ["LOCK_FILE_NAME", "LocalStore", "RefusedFileError"]
+
+# Directory-wide, so checkpointers with different prefixes or identifiers cannot interleave
+# either; hidden and never deleted (unlinking a flock target would let two holders coexist).
+LOCK_FILE_NAME = ".lightning_bpk.lock"
+_SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real files)"
+
+
+class LocalStore:
+    """Keys are relative paths inside the directory ``root`` (see the module docstring)."""
+
+    atomic_create = True  # os.link fails when the name exists
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def url_of(self, key: str) -> str:
+        return str(self._path(key))
+
+    def check(self, *, create: bool = False) -> None:
+        """Make the directory when ``create``; ``OSError`` when it cannot be, or is no directory."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():  # mkdir(exist_ok) accepts an existing symlink loop
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
+
+    # -- reading --
+
+    def list(self, prefix: str = "") -> dict[str, int | None]:
+        """``{name: size}`` of the entries directly under ``prefix`` (directories: None)."""
+        try:
+            entries = list(os.scandir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {
+            e.name: (None if e.is_dir(follow_symlinks=False) else e.stat().st_size) for e in entries
+        }
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return None if stat.S_ISDIR(st.st_mode) else st.st_size
+
+    def _open(self, key: str) -> int:
+        """A read descriptor of regular file ``key``: no symlink followed, no FIFO waited on."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RefusedFileError(f"{path} {_SYMLINK}", _SYMLINK) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RefusedFileError(f"{path} is not a regular file", "is not a regular file")
+        return fd
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        fd = self._open(key)
+        try:
+            size = os.fstat(fd).st_size
+            first = 0 if start is None else start
+            last = size if end is None else min(end, size)
+            buffer = bytearray(max(0, last - first))
+            self._preadv(fd, key, memoryview(buffer), first, exact=False)
+            return bytes(buffer[: last - first])
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
+        fd = self._open(key)
+        try:
+            self._preadv(fd, key, memoryview(buffer).cast("B"), offset, exact=True)
+        finally:
+            os.close(fd)
+
+    def _preadv(self, fd: int, key: str, view: memoryview, offset: int, *, exact: bool) -> None:
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                if exact:
+                    raise OSError(
+                        errno.EIO,
+                        f"{done} bytes at {offset}, expected {view.nbytes} (the file is shorter)",
+                        self.url_of(key),
+                    )
+                return
+            done += got
+
+    def map(self, key: str, size: int) -> _Mapped:
+        """The file mapped copy-on-write (``size`` is ignored: the file's own size counts), so
+        tensors are zero-copy views that stay intact if the file is later replaced."""
+        path = self._path(key)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not wait for a writer
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RefusedFileError(f"{path}: not a regular file", "not a regular file")
+            return _Mapped(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)  # the mapping keeps the file's pages reachable on its own
+
+    @contextlib.contextmanager
+    def local_file(self, key: str) -> Iterator[Path]:
+        yield self._path(key)
+
+    def refused(self, prefix: str) -> builtins.list[str]:
+        """A problem for ``prefix`` itself and for each entry below it that is a symlink (one
+        walk that follows none)."""
+        top = self._path(prefix)
+        if top.is_symlink():
+            return [f"{top} {_SYMLINK}"]
+        found = []
+        for folder, directories, files in os.walk(top):  # a symlinked dir: listed, not entered
+            for name in sorted(directories + files):
+                if os.path.islink(os.path.join(folder, name)):
+                    found.append(f"{os.path.join(folder, name)} {_SYMLINK}")
+        return found
+
+    # -- writing --
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not create_only:
+            with _fs.atomic_file(path) as f:
+                _fs.write_all(f, data)
+            return True
+        scratch = _fs.scratch_path(path)
+        try:
+            with open(scratch, "xb", buffering=0) as f:
+                _fs.write_all(f, data)
+                os.fsync(f.fileno())
+            try:
+                os.link(scratch, path)  # atomic, and only ever shows the whole file
+            except FileExistsError:
+                return self._holds(key, data)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(scratch)
+        _fs.fsync_dir(path.parent)
+        return True
+
+    def write(self, key: str, data: bytes) -> None:
+        """``put(key, data)`` (the name callers used before :meth:`put`)."""
+        self.put(key, data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        return self.put(key, data, create_only=True)
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.size(key) == len(data) and self.read(key) == data
+        except (OSError, ValueError):
+            return False
+
+    @contextlib.contextmanager
+    def scratch(self, key: str) -> Iterator[Path]:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = _fs.scratch_path(target)
+        try:
+            yield scratch
+            with open(scratch, "rb+", buffering=0) as f:
+                os.fsync(f.fileno())
+            os.replace(scratch, target)
+        except BaseException:
+            _remove(scratch)
+            raise
+        _fs.fsync_dir(target.parent)
+
+    def staging(self, prefix: str) -> str:
+        while True:
+            path = _fs.scratch_path(self._path(prefix))
+            try:
+                path.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            return path.relative_to(self.root).as_posix()
+
+    def publish(self, staging: Path | str, prefix: str) -> None:
+        source = staging if isinstance(staging, Path) else self._path(staging)
+        target = self._path(prefix)
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "publish needs a name never used", str(target))
+        for folder, _, files in os.walk(source):  # what a Record wrote may not be fsynced yet
+            for name in files:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fs.fsync_dir(folder)
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            # another filesystem: copy beside the target first, so the rename stays atomic
+            beside = self._path(self.staging(prefix))
+            shutil.copytree(source, beside, dirs_exist_ok=True)
+            self.publish(beside, prefix)
+            return
+        _fs.fsync_dir(target.parent)
+
+    def remove(self, keys: Iterable[str]) -> None:
+        touched = set()
+        for key in keys:
+            path = self._path(key)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                touched.add(path.parent)
+        for folder in touched:
+            _fs.fsync_dir(folder)
+
+    def remove_prefix(self, prefix: str) -> None:
+        _remove(self._path(prefix))
+
+    @contextlib.contextmanager
+    def exclusive(self, *, wait: bool = False) -> Iterator[None]:
+        """``flock`` on :data:`LOCK_FILE_NAME` (non-blocking unless ``wait``); the holder's pid
+        is written into it for the :class:`CheckpointLockedError` of the next one."""
+        path = self.root / LOCK_FILE_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise CheckpointLockedError(
+                    f"{self.root} is locked by another process saving a checkpoint "
+                    f"(pid {holder}, lock {path}); two checkpointers cannot save into one "
+                    "directory at once"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+
+class RefusedFileError(ValueError):
+    """A name that is not a regular file (a symlink, a FIFO, a directory) where a file was to
+    be read; ``reason`` is the message without the path."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Mapped:
+    """A local file's mapping: every byte is there already."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer = buffer
+
+    def fetch(self, start: int, end: int) -> None:
+        """Nothing to fetch."""
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a whole directory tree; already gone is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

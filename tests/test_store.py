@@ -1,0 +1,159 @@
+"""The :class:`~lightning_bpk.store.Store` seam: one contract, checked on both backends (a local
+directory and ``memory://``), so every caller above it can be written once."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from lightning_bpk.errors import CheckpointLockedError, StorageError
+from lightning_bpk.store import LocalStore, ObjectStore, Store, open_parent, open_store
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        return open_store(tmp_path / "run")
+    return open_store(f"memory://bucket-{uuid.uuid4().hex[:8]}/run")
+
+
+def test_open_store_picks_the_backend(tmp_path):
+    assert isinstance(open_store(tmp_path), LocalStore)
+    assert isinstance(open_store(f"file://{tmp_path}"), LocalStore)
+    assert isinstance(open_store("memory://b/run"), ObjectStore)
+    store, key = open_parent("memory://b/run/model.bpk")
+    assert (store.url, key) == ("memory://b/run", "model.bpk")
+    for backend in (open_store(tmp_path), open_store("memory://b/run")):
+        assert isinstance(backend, Store)
+
+
+def test_put_read_size_list(store):
+    store.check(create=True)
+    assert store.size("a") is None
+    assert store.put("a", b"hello") is True
+    assert store.put("d/b", b"xyz") is True
+    assert store.size("a") == 5
+    assert store.read("a") == b"hello"
+    assert store.read("a", 1, 3) == b"el"
+    assert store.list("") == {"a": 5, "d": None}
+    assert store.list("d") == {"b": 3}
+    assert store.list("nothing") == {}
+    buffer = bytearray(3)
+    store.read_into("a", buffer, offset=2)
+    assert buffer == b"llo"
+    assert store.url_of("d/b").endswith("/run/d/b")
+    with pytest.raises(FileNotFoundError):
+        store.read("missing")
+
+
+def test_create_only_refuses_other_bytes_and_accepts_its_own(store):
+    store.check(create=True)
+    assert store.put("s", b"first", create_only=True) is True
+    assert store.put("s", b"first", create_only=True) is True  # our own create, retried
+    assert store.put("s", b"other", create_only=True) is False
+    assert store.read("s") == b"first"
+    assert store.create("t", b"x") is True
+    assert store.create("t", b"y") is False
+    store.put("s", b"replaced")  # not create-only: replaces whole
+    assert store.read("s") == b"replaced"
+
+
+def test_scratch_publishes_on_success_and_leaves_nothing_on_failure(store):
+    store.check(create=True)
+    with store.scratch("d/file.bin") as path:
+        path.write_bytes(b"data")
+        assert store.size("d/file.bin") is None  # not visible before the exit
+    assert store.read("d/file.bin") == b"data"
+    with pytest.raises(RuntimeError), store.scratch("d/file.bin") as path:
+        path.write_bytes(b"half")
+        raise RuntimeError("failed while writing")
+    assert store.read("d/file.bin") == b"data"  # untouched
+    assert store.list("d") == {"file.bin": 4}  # no scratch file left
+    if isinstance(store, ObjectStore):
+        assert not path.parent.exists()  # the local scratch folder is gone too
+
+
+def test_staging_and_publish_make_a_prefix_visible(store, tmp_path):
+    store.check(create=True)
+    staging = store.staging("ckpt.3")
+    with store.scratch(f"{staging}/model.bpk") as path:
+        path.write_bytes(b"m" * 10)
+    store.publish(staging, "ckpt.3")
+    assert store.list("ckpt.3") == {"model.bpk": 10}
+    assert {k for k in store.list("") if k.startswith("ckpt.3")} == {"ckpt.3"}
+    # a local directory of files, published under a name never used
+    folder = tmp_path / "files"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.bpk").write_bytes(b"a")
+    (folder / "sub" / "b.bpk").write_bytes(b"bb")
+    store.publish(folder, "ckpt.4")
+    assert store.list("ckpt.4") == {"a.bpk": 1, "sub": None}
+    assert store.read("ckpt.4/sub/b.bpk") == b"bb"
+    store.remove_prefix("ckpt.3")
+    store.remove(["ckpt.4/a.bpk", "never-there"])
+    assert store.list("ckpt.3") == {}
+    assert store.list("ckpt.4") == {"sub": None}
+
+
+def test_local_publish_needs_a_name_never_used(tmp_path):
+    store = open_store(tmp_path)
+    store.put("ckpt.1/x", b"old")
+    staging = store.staging("ckpt.1")
+    with pytest.raises(FileExistsError):
+        store.publish(staging, "ckpt.1")
+    assert store.read("ckpt.1/x") == b"old"
+
+
+def test_local_file_is_a_file_with_the_bytes(store):
+    store.check(create=True)
+    store.put("d/f", b"content")
+    with store.local_file("d/f") as path:
+        assert Path(path).read_bytes() == b"content"
+
+
+def test_exclusive_is_a_lock_locally_and_nothing_remotely(store, tmp_path):
+    store.check(create=True)
+    with store.exclusive():
+        if isinstance(store, LocalStore):
+            locked = pytest.raises(CheckpointLockedError, match=str(os.getpid()))
+            with locked, open_store(store.root).exclusive():
+                pass
+        else:
+            with store.exclusive():
+                pass
+
+
+def test_local_reads_refuse_symlinks(tmp_path):
+    store = open_store(tmp_path)
+    store.put("real", b"x")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(ValueError, match="symlink"):
+        store.read("link")
+    assert store.refused("") == [
+        f"{tmp_path / 'link'} is a symlink: refused, never followed "
+        "(a checkpoint is made of real files)"
+    ]
+    assert open_store("memory://b/x").refused("") == []
+
+
+def test_local_check_creates_or_names_what_is_not_a_directory(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError):
+        open_store(tmp_path / "file").check(create=True)
+    open_store(tmp_path / "a" / "b").check(create=True)
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_a_failing_object_store_raises_storage_error_naming_the_url(monkeypatch):
+    store = open_store(f"memory://bucket-{uuid.uuid4().hex[:8]}/run")
+    monkeypatch.setattr("lightning_bpk.store.objects.BASE_WAIT", 0.0)
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("reset")
+
+    monkeypatch.setattr(store.fs, "pipe_file", broken)
+    with pytest.raises(StorageError, match=r"memory://bucket-.*/run/k"):
+        store.put("k", b"x")
