@@ -8,29 +8,50 @@ layouts and world sizes); these classes only move bytes. A checkpoint directory 
     sharded.rank-1.3f2a9c1e.bpk   rank 1's chunks; every rank writes its own file, all at once
     sharded.index.bpk             the global index (JSON in the burnpack metadata), written last
 
+The writer and the reader are written once, against :class:`~lightning_bpk.store.Store`
+(:func:`~lightning_bpk.store.open_store` picks the backend from the path or URL: a local
+directory, or ``s3://``, ``gs://``, ``memory://`` ... whose names are keys below the URL); no
+line of them asks which backend it has::
+
+    BurnpackStorageWriter                          BurnpackStorageReader, load_full_state_dict
+      write_data: scratch(rank file)  ──┐            read_index: size, read (the index)
+      finish:     list, put(index),     │            check_files: list (sizes), refused
+                  remove(stale files)   │            per rank file: map + fetch(head),
+                                        ▼            per chunk: read_into (or fetch)
+                                     Store
+          local disk: fsync + rename, preadv, mmap │ object store: upload (multipart, retried),
+          symlinks refused                          │ ranged reads, create-only PUT
+
 The protocol (DCP calls every step on every rank, the coordinator's in the middle):
 
 1. ``prepare_global_plan`` (coordinator): give each rank a file name carrying this save's id,
    so no file of the committed checkpoint is ever overwritten;
-2. ``write_data`` (every rank): write its chunks into its file (scratch name, fsync, rename,
-   fsync the directory); report each chunk's file and name, and the file's size and head digest;
-3. ``finish`` (coordinator, only after every rank's ``write_data`` succeeded): write the index
-   atomically (the commit point: it exists only once every rank's file is durable), then remove
-   rank files the new index does not name (earlier or failed saves).
+2. ``write_data`` (every rank): write its chunks into its file at a scratch path of the store,
+   which publishes it durably (local disk: fsync, rename, fsync the directory; object store: an
+   upload, multipart when big, retried and bounded); report each chunk's file and name, and
+   the file's size and head digest;
+3. ``finish`` (coordinator, only after every rank's ``write_data`` succeeded): confirm every
+   rank's file with one listing (present, with the size that rank reported), write the index
+   (the commit point: it exists only once every rank's file is durable), then remove rank files
+   the new index does not name (earlier or failed saves).
+
+The index is written create-only (a conditional PUT on S3 and GCS), so on object storage a
+checkpoint is written once: saving into a URL that holds one already is refused in
+``prepare_global_plan``, before any rank writes. On local disk a re-save replaces the index
+atomically (readers that opened the old files keep reading them). Under the checkpointer
+(``BurnpackStorageWriter(staging, commit=False)``) the ranks write into the checkpoint's own
+staging prefix, the index is an ordinary file there, and the checkpointer's sentinel, written
+last, is the one commit.
 
 DCP collects every rank's exception after planning and after writing and raises
 ``CheckpointException`` on every rank, so a failure anywhere fails the save everywhere; nothing
 is committed and the directory's previous checkpoint (if any) still loads.
 
-**On object storage** (``s3://bucket/run/step-100``, any fsspec URL but a local one) the same
-names are keys below the URL. No rename exists there, so: each rank writes its file to a local
-scratch folder and uploads it (a multipart upload when big; retried, bounded); the coordinator's
-``finish`` lists the prefix once, checks that every rank's object is present with the size that
-rank reported, and only then writes the index **create-only** (a conditional PUT on S3 and GCS):
-the index is the commit point, so such a checkpoint is written once; saving into a URL that
-holds one already is refused in ``prepare_global_plan``, before any rank writes. Reads fetch each
-rank file's head (checked against the index's digest) and then only the byte ranges of the chunks
-a rank needs, each checked against its xxh3 checksum.
+Reading checks the whole index first (:mod:`lightning_bpk._sharded_index`), then each rank file
+a rank needs: its head against the index's digest (on local disk the file is mapped, on an
+object store one ranged read fetches just the head), then only the byte ranges of the chunks
+that rank needs, each checked against its xxh3 checksum. The same damage gives the same
+exception, naming the same file, on every backend.
 
 Nothing is pickled: tensors are burnpack tensors, the index is JSON, and a non-tensor value
 (an optimizer's ``lr``, say) is stored as a :class:`~lightning_bpk.records.StateRecord` blob.

@@ -8,7 +8,6 @@ against that digest before it trusts anything in it.
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 from collections.abc import Iterable
@@ -17,7 +16,8 @@ from pathlib import Path
 import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from lightning_bpk import _sharded_index, burnpack, storage
+from lightning_bpk import _sharded_index, burnpack
+from lightning_bpk.store import MissingDriverError, StorageError, open_store
 
 INDEX_FORMAT = _sharded_index.FORMAT
 INDEX_VERSION = _sharded_index.VERSION
@@ -55,20 +55,10 @@ def stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list[
     return [name for name in names if pattern.fullmatch(name) and name not in live]
 
 
-def fetch_head(store: storage.ObjectStore, file: str, mapping: mmap.mmap, head_size: int) -> str:
-    """Read the first ``head_size`` bytes of object ``file`` into ``mapping``; their xxh3."""
-    view = memoryview(mapping)[:head_size]
-    try:
-        store.read_into(file, view)
-        return xxhash.xxh3_64_hexdigest(view)
-    finally:
-        view.release()  # the mapping can be closed only once no view of it is left
-
-
 def servable(checkpoint_id: str | os.PathLike[str]) -> bool:
     """A local path, or a URL whose fsspec driver is installed."""
     try:
-        storage.open_store(checkpoint_id)
-    except (storage.StorageError, storage.MissingDriverError):
+        open_store(checkpoint_id)
+    except (StorageError, MissingDriverError):
         return False
     return True

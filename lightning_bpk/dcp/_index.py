@@ -1,11 +1,19 @@
-"""Reading a sharded checkpoint's index (:func:`read_index`, checked by
-:mod:`lightning_bpk._sharded_index` before anything it names is opened) and its rank files
-(:class:`_Packs`: heads checked against the index, chunks read and checked one at a time)."""
+"""Reading a sharded checkpoint through its :class:`~lightning_bpk.store.Store`: the index
+(:func:`read_index`, checked whole by :mod:`lightning_bpk._sharded_index` before anything it names
+is opened) and the rank files (:class:`_Packs`: each file's head checked against the index, its
+chunks read one at a time and checked against their checksums).
+
+Every byte comes through the store, the same calls on every backend: ``size`` and ``read`` for
+the index, ``list`` for the rank files' sizes, ``map`` for a rank file's head (local disk: the
+file mapped, nothing copied; an object store: one ranged read into an anonymous mapping of the
+file's size) and ``read_into`` for each chunk (``preadv``, or ranged reads, straight into the
+tensor that keeps it). ``refused`` applies the rule that a checkpoint is real files: a symlink
+on the way to the index or a rank file is refused, never followed (object stores hold none).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,36 +31,33 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_bpk import _sharded_index, burnpack, storage
-from lightning_bpk._sharded_names import (
-    DEFAULT_PREFIX,
-    ShardedCheckpointError,
-    index_name,
-    index_path,
-)
-from lightning_bpk.dcp._format import INDEX_KEY, SAVE_ID_KEY, fetch_head, head
+from lightning_bpk import _sharded_index, burnpack
+from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
+from lightning_bpk.dcp._format import INDEX_KEY, SAVE_ID_KEY
 from lightning_bpk.records.base import RecordError, StateRecord
+from lightning_bpk.store import Mapped, Store, location, open_store
 
 __all__ = ["Index", "read_index"]
 
 
 @dataclass(frozen=True)
 class Index:
-    """A parsed sharded-checkpoint index: which chunk of which tensor lies in which file."""
+    """A parsed sharded-checkpoint index: which chunk of which tensor lies in which file, and the
+    store the files are read from."""
 
-    directory: Path | str  # a local directory, or the URL of an object-store prefix
+    directory: Path | str  # the checkpoint: a local directory or an object-store URL
     save_id: str
     files: dict[str, dict[str, Any]]  # file name -> {"size", "head_xxh3"[, "head_size"]}
     tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape", "requires_grad", "chunks"}
     objects: dict[str, dict[str, Any]]  # fqn -> {"file", "name"}
     planner_data: Any
-    store: storage.ObjectStore | None = None  # the store of a URL directory
+    store: Store  # the checkpoint's files, by name
     # per rank file, what the index places there (checked when the file is opened)
     placed: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, repr=False)
 
     def where(self, file: str) -> str:
         """The path or URL of one of the checkpoint's files, for messages."""
-        return str(storage.join(self.directory, file))
+        return self.store.url_of(file)
 
     def metadata(self) -> Metadata:
         """The index as DCP's ``Metadata`` (what a planner needs to plan a load)."""
@@ -80,51 +85,30 @@ class Index:
         return Metadata(state, planner_data=planner_data, storage_data=storage)
 
     def check_files(self, *, verify_tensors: bool = False) -> list[str]:
-        """Problems with the rank files (sizes, head digests, save ids; optionally every tensor)."""
-        if self.store is not None:
-            return self._check_objects(self.store, verify_tensors)
-        problems = []
-        assert isinstance(self.directory, Path)
-        for name, expected in self.files.items():
-            path = self.directory / name
-            try:
-                size = _sharded_index.real_file(self.directory, name).st_size
-            except FileNotFoundError:
-                problems.append(f"{path}: listed in the index but missing")
-                continue
-            except ShardedCheckpointError as e:
-                problems.append(str(e))
-                continue
-            if size != expected["size"]:
-                problems.append(f"{path}: {size} bytes, the index records {expected['size']}")
-                continue
-            try:
-                if head(path)[2] != expected["head_xxh3"]:
-                    problems.append(f"{path}: header/metadata differ from the index (damaged)")
+        """Problems with the rank files: each must be a real file (no symlink) of the size the
+        index records (one listing per folder). With ``verify_tensors`` each is also opened as a
+        load opens it (its head against the index's digest, its save id, the chunks the index
+        places there) and every chunk is read and checked against its checksum."""
+        problems: list[str] = []
+        listings: dict[str, dict[str, int | None]] = {}
+        with _opened(self, verify=True) as packs:
+            for name, expected in self.files.items():
+                folder, _, base = name.rpartition("/")
+                try:
+                    _sharded_index.refuse_links(self.store, name)
+                    if folder not in listings:
+                        listings[folder] = self.store.list(folder)
+                except (ShardedCheckpointError, OSError) as e:
+                    problems.append(str(e))
                     continue
-                with burnpack.read(path) as pack:
-                    _sharded_index.check_rank_file(self.placed.get(name, {}), pack)
-                    if verify_tensors:
-                        pack.verify()
-            except (burnpack.BurnpackError, ShardedCheckpointError) as e:
-                problems.append(str(e))
-        return problems
-
-    def _check_objects(self, store: storage.ObjectStore, verify_tensors: bool) -> list[str]:
-        """:meth:`check_files` on an object store: one listing for the sizes; the heads (and
-        with ``verify_tensors`` every chunk) with ranged reads."""
-        listing = store.list("")
-        problems = []
-        for name, expected in self.files.items():
-            found = listing.get(name)
-            if found is None:
-                problems.append(f"{self.where(name)}: listed in the index but missing")
-            elif found != expected["size"]:
-                problems.append(
-                    f"{self.where(name)}: {found} bytes, the index records {expected['size']}"
-                )
-            elif verify_tensors:
-                with _opened(self, verify=True) as packs:
+                found = listings[folder].get(base)
+                if found is None:
+                    problems.append(f"{self.where(name)}: listed in the index but missing")
+                elif found != expected["size"]:
+                    problems.append(
+                        f"{self.where(name)}: {found} bytes, the index records {expected['size']}"
+                    )
+                elif verify_tensors:
                     try:
                         pack = packs.pack(name)
                         for chunk in pack.names:
@@ -140,32 +124,22 @@ def read_index(
     storage_options: Mapping[str, Any] | None = None,
 ) -> Index:
     """Parse the index of the sharded checkpoint in ``directory`` (a local directory or an
-    object-store URL; raises naming the file)."""
-    location = storage.location(directory)
-    store = None
-    if isinstance(location, Path):
-        path: Path | str = index_path(location, prefix)
-    else:
-        store = storage.object_store(location, storage_options)
-        path = store.url_of(index_name(prefix))
+    object-store URL; ``storage_options`` go to fsspec); raises naming the file."""
+    store = open_store(directory, storage_options)
+    name = index_name(prefix)
+    where = store.url_of(name)
     try:
-        if store is None:
-            assert isinstance(path, Path) and isinstance(location, Path)
-            _sharded_index.real_directory(location)
-            _sharded_index.real_file(location, index_name(prefix))
-            with burnpack.read(path) as pack:
-                raw = pack.metadata.get(INDEX_KEY)
-        else:
-            raw = burnpack.loads(_read_index_object(store, index_name(prefix))).metadata.get(
-                INDEX_KEY
-            )
+        _sharded_index.refuse_links(store, "")
+        _sharded_index.refuse_links(store, name)
+        with burnpack.Pack(_read_index_bytes(store, name), source=where) as pack:
+            raw = pack.metadata.get(INDEX_KEY)
     except FileNotFoundError as e:
-        raise ShardedCheckpointError(f"{path}: no sharded checkpoint index there") from e
-    except (burnpack.BurnpackError, OSError) as e:
-        raise ShardedCheckpointError(f"{path}: not a sharded checkpoint index ({e})") from e
-    doc = _sharded_index.parse(raw, str(path))
+        raise ShardedCheckpointError(f"{where}: no sharded checkpoint index there") from e
+    except (burnpack.BurnpackError, OSError, ValueError) as e:
+        raise ShardedCheckpointError(f"{where}: not a sharded checkpoint index ({e})") from e
+    doc = _sharded_index.parse(raw, where)
     return Index(
-        location,
+        location(directory),
         doc.save_id,
         doc.files,
         doc.tensors,
@@ -176,9 +150,9 @@ def read_index(
     )
 
 
-def _read_index_object(store: storage.ObjectStore, name: str) -> bytes:
-    """The bytes of an index object, its size checked before they are fetched: an index is a
-    header and metadata only."""
+def _read_index_bytes(store: Store, name: str) -> bytes:
+    """The bytes of an index, its size checked before they are read: an index is a header and
+    metadata only."""
     size = store.size(name)
     if size is None:
         raise FileNotFoundError(store.url_of(name))
@@ -190,10 +164,10 @@ def _read_index_object(store: storage.ObjectStore, name: str) -> bytes:
 class _Packs:
     """Rank files opened once per read and checked against the index.
 
-    Chunks are read with ``pread`` (on an object store: ranged reads of just the chunk's bytes)
-    into a fresh tensor and verified there, and only the chunk in use is kept (callers go chunk
-    by chunk), so a rank's peak extra memory is about its largest chunk, whatever the size of
-    the files (a memory-mapped read would count every page of them).
+    A rank file is parsed from :meth:`Store.map`, of which only the head is fetched; each chunk
+    is read with :meth:`Store.read_into` into a fresh tensor (or the caller's) and verified
+    there, and only the chunk in use is kept (callers go chunk by chunk), so a rank's peak
+    extra memory is about its largest chunk, whatever the size of the files.
     """
 
     def __init__(self, index: Index, verify: bool) -> None:
@@ -201,9 +175,7 @@ class _Packs:
         self.verify = verify
         self.packs: dict[str, burnpack.Pack] = {}
         self.current: tuple[tuple[str, str], torch.Tensor] | None = None
-        # an object's pack parses its head in an anonymous mapping of the object's size: the
-        # pages of the data section are never touched, so they take no memory (see _open_object)
-        self.mappings: dict[str, mmap.mmap] = {}
+        self.mapped: dict[str, Mapped] = {}  # each open pack's bytes (closed with it)
 
     def tensor(self, file: str, name: str) -> torch.Tensor:
         if self.current is None or self.current[0] != (file, name):
@@ -222,10 +194,11 @@ class _Packs:
     def _read(self, file: str, name: str) -> torch.Tensor:
         pack, info, dtype = self._info(file, name)
         if dtype == torch.bool:  # bytes must be checked to be 0/1: Pack.tensor does that
-            if file in self.mappings:  # fetch the chunk into the object's mapping first
-                start = pack.data_start + info.data_offsets[0]
-                view = memoryview(self.mappings[file])[start : start + info.nbytes]
-                self._pread(file, pack, name, info, view)
+            start = pack.data_start + info.data_offsets[0]
+            try:
+                self.mapped[file].fetch(start, start + info.nbytes)
+            except (OSError, ValueError) as e:
+                raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
             return pack.tensor(name, verify=self.verify).clone()
         data = torch.empty(info.nbytes, dtype=torch.uint8)
         self._pread(file, pack, name, info, burnpack.tensor_bytes(data))
@@ -257,19 +230,10 @@ class _Packs:
     ) -> None:
         """Read the chunk's bytes into ``view`` and check them against its checksum."""
         start = pack.data_start + info.data_offsets[0]
-        if self.index.store is not None:
-            try:
-                self.index.store.read_into(file, view, offset=start)
-            except OSError as e:
-                raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
-        else:
-            with open(pack.source, "rb", buffering=0) as f:
-                done = 0
-                while done < len(view):
-                    got = os.preadv(f.fileno(), [view[done:]], start + done)
-                    if got <= 0:
-                        raise ShardedCheckpointError(f"{pack.source}: truncated in chunk '{name}'")
-                    done += got
+        try:
+            self.index.store.read_into(file, view, offset=start)
+        except (OSError, ValueError) as e:
+            raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
         expected = pack.checksums.get(name)
         if self.verify and expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
             raise ShardedCheckpointError(
@@ -284,15 +248,7 @@ class _Packs:
                     f"{self.index.where(file)}: not one of the files of the index "
                     f"{self.index.where(index_name())}"
                 )
-            try:
-                if self.index.store is None:
-                    assert isinstance(self.index.directory, Path)
-                    _sharded_index.real_file(self.index.directory, file)
-                    pack = burnpack.read(self.index.directory / file)
-                else:
-                    pack = self._open_object(self.index.store, file, expected)
-            except (burnpack.BurnpackError, FileNotFoundError) as e:
-                raise ShardedCheckpointError(f"cannot read rank file: {e}") from e
+            pack = self._open(file, expected)
             try:
                 if pack.metadata.get(SAVE_ID_KEY) != self.index.save_id:
                     raise ShardedCheckpointError(
@@ -301,50 +257,69 @@ class _Packs:
                     )
                 _sharded_index.check_rank_file(self.index.placed.get(file, {}), pack)
             except ShardedCheckpointError:
-                pack.close()
+                self._close(file, pack)
                 raise
             self.packs[file] = pack
         return self.packs[file]
 
-    def _open_object(
-        self, store: storage.ObjectStore, file: str, expected: Mapping[str, Any] | None
-    ) -> burnpack.Pack:
-        """Parse an object's head, fetched with one ranged read and checked against the index.
-
-        The pack sees an anonymous mapping of the object's full size holding just the head;
-        chunks are then fetched on their own (:meth:`_pread`), so nothing else is downloaded.
-        """
-        url = store.url_of(file)
-        if expected is None or not expected.get("head_size"):
-            raise ShardedCheckpointError(f"{url}: the index does not describe this file")
-        size, head_size = int(expected["size"]), int(expected["head_size"])
-        if not 0 < head_size <= size <= burnpack.MAX_FILE_SIZE:
-            raise ShardedCheckpointError(f"{url}: the index records impossible sizes")
-        mapping = mmap.mmap(-1, size)
+    def _open(self, file: str, expected: Mapping[str, Any]) -> burnpack.Pack:
+        """Map rank file ``file``, fetch its head, check it against the index's digest, and
+        parse it; its chunks are fetched on their own (:meth:`_pread`)."""
+        store, url = self.index.store, self.index.where(file)
+        size = int(expected["size"])
+        if not 0 < size <= burnpack.MAX_FILE_SIZE:
+            raise ShardedCheckpointError(f"{url}: the index records an impossible size")
         try:
-            if fetch_head(store, file, mapping, head_size) != expected["head_xxh3"]:
+            _sharded_index.refuse_links(store, file)
+            mapped = store.map(file, size)
+        except FileNotFoundError as e:
+            raise ShardedCheckpointError(f"cannot read rank file: {url}: {e}") from e
+        except (OSError, ValueError) as e:
+            raise ShardedCheckpointError(f"{url}: {e}") from e
+        self.mapped[file] = mapped
+        try:
+            head_size = expected.get("head_size") or _head_size(mapped, size)
+            if not 0 < head_size <= size:
+                raise ShardedCheckpointError(f"{url}: the index records impossible sizes")
+            mapped.fetch(0, head_size)
+            with memoryview(mapped.buffer)[:head_size] as head:
+                digest = xxhash.xxh3_64_hexdigest(head)
+            if digest != expected["head_xxh3"]:
                 raise ShardedCheckpointError(
                     f"{url}: header/metadata differ from the index (damaged)"
                 )
-            pack = burnpack.Pack(mapping, source=url)
+            return burnpack.Pack(mapped.buffer, source=url)
         except BaseException as e:
-            with contextlib.suppress(BufferError):
-                mapping.close()
-            if isinstance(e, OSError):
+            self._close(file, None)
+            if isinstance(e, burnpack.BurnpackError):
+                raise ShardedCheckpointError(f"cannot read rank file: {e}") from e
+            if isinstance(e, (OSError, ValueError)):
                 raise ShardedCheckpointError(f"{url}: {e}") from e
             raise
-        self.mappings[file] = mapping
-        return pack
+
+    def _close(self, file: str, pack: burnpack.Pack | None) -> None:
+        if pack is not None:
+            pack.close()
+        mapped = self.mapped.pop(file, None)
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # a tensor still views it: freed with it
+                mapped.buffer.close()
 
     def close(self) -> None:
         self.current = None
-        for pack in self.packs.values():
-            pack.close()
+        for file, pack in list(self.packs.items()):
+            self._close(file, pack)
         self.packs.clear()
-        for mapping in self.mappings.values():
-            with contextlib.suppress(BufferError):  # a tensor still views it: freed with it
-                mapping.close()
-        self.mappings.clear()
+
+
+def _head_size(mapped: Mapped, size: int) -> int:
+    """The head size of a rank file whose index predates ``head_size`` (older local saves):
+    read from the file's own header."""
+    mapped.fetch(0, min(size, burnpack.HEADER_SIZE))
+    metadata_size = int.from_bytes(mapped.buffer[6 : burnpack.HEADER_SIZE], "little")
+    if metadata_size > burnpack.MAX_METADATA_SIZE:
+        raise ShardedCheckpointError("its header claims an impossible metadata size")
+    return min(size, burnpack.data_section_start(metadata_size))
 
 
 @contextlib.contextmanager

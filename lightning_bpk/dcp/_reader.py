@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from lightning_bpk import burnpack, storage
+from lightning_bpk import burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, is_sharded
 from lightning_bpk.dcp._format import servable
 from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index
+from lightning_bpk.store import location
 
 __all__ = ["BurnpackStorageReader", "load_full_state_dict", "load_nested"]
 
@@ -44,7 +45,7 @@ class BurnpackStorageReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.path = None if path is None else storage.location(path)
+        self.path = None if path is None else location(path)
         self.prefix = prefix
         self.verify = verify
         self.storage_options = storage_options
@@ -53,7 +54,7 @@ class BurnpackStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = storage.location(checkpoint_id)
+            self.path = location(checkpoint_id)
         self.index = None
         self.storage_data = {}
 

@@ -1,13 +1,13 @@
 """The writing half of the DCP storage layer: :class:`BurnpackStorageWriter` (the protocol is
-in :mod:`lightning_bpk.dcp`)."""
+in :mod:`lightning_bpk.dcp`), written once against :class:`~lightning_bpk.store.Store`: each
+rank's file through ``scratch`` (published durably by the store), the coordinator's index
+through ``put``, the confirmation through one ``list`` and the sweep through ``remove``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,13 +21,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_bpk import _fs, _sharded_index, burnpack, storage
-from lightning_bpk._sharded_names import (
-    DEFAULT_PREFIX,
-    ShardedCheckpointError,
-    index_name,
-    index_path,
-)
+from lightning_bpk import _sharded_index, burnpack
+from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
 from lightning_bpk.dcp._format import (
     INDEX_KEY,
     INDEX_KIND,
@@ -40,6 +35,7 @@ from lightning_bpk.dcp._format import (
     stale_rank_files,
 )
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
+from lightning_bpk.store import LocalStore, Store, location, open_store
 
 __all__ = ["BurnpackStorageWriter"]
 
@@ -80,18 +76,27 @@ def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
 
 class BurnpackStorageWriter(StorageWriter):
     """DCP storage writer: each rank writes its chunks as one burnpack file, in parallel with the
-    others; the coordinator writes the JSON index last (see the module docstring).
+    others; the coordinator writes the JSON index last (see :mod:`lightning_bpk.dcp`).
 
     Args:
         path: the checkpoint directory (created if missing), or an object-store URL (a prefix
-            of keys; see the module docstring); ``dcp.save(checkpoint_id=...)`` may give it
-            instead.
+            of keys); ``dcp.save(checkpoint_id=...)`` may give it instead.
         prefix: file names are ``{prefix}.rank-{r}.{id}.bpk`` and ``{prefix}.index.bpk``.
         storage_options: passed to fsspec for a URL (credentials, endpoint).
+        commit: ``True`` (the default, the writer used on its own): the index is the commit.
+            ``finish`` confirms every rank's file with one listing, then writes the index
+            create-only (on local disk, where a re-save may replace a committed checkpoint,
+            atomically over the old one), then removes the rank files of earlier or failed
+            saves. ``False``: the caller commits. ``path`` is then a staging prefix the caller
+            made for this save (:meth:`lightning_bpk.store.Store.staging`, as a location:
+            ``store.url_of(staging)``); ``finish`` writes the index there as an ordinary file
+            and removes nothing; the caller confirms, publishes and writes its own sentinel last
+            (the checkpointer does, with :attr:`files` in its manifest).
 
-    Every byte a rank writes goes through :meth:`write_file` (one call per rank and save; for
-    a URL into a local scratch file, which :meth:`put_file` then uploads). After a save, the
-    coordinator's :attr:`files` describes every file it committed (the index too).
+    Every rank writes its file through :meth:`write_file` (one call per rank and save) into a
+    scratch path of the store, which the store publishes durably under the file's name (local:
+    fsync and rename; object store: upload). After a save, the coordinator's :attr:`files`
+    describes every file it wrote (the index too): name -> size, head size and head digest.
     """
 
     def __init__(
@@ -100,21 +105,24 @@ class BurnpackStorageWriter(StorageWriter):
         *,
         prefix: str = DEFAULT_PREFIX,
         storage_options: Mapping[str, Any] | None = None,
+        commit: bool = True,
     ) -> None:
         super().__init__()
-        self.path = None if path is None else storage.location(path)
+        self.path = None if path is None else location(path)
         self.prefix = prefix
         self.storage_options = storage_options
+        self.commit = commit
+        self._opened: tuple[Path | str, Store] | None = None
         self.is_coordinator = False
         self.save_id = ""
-        # file name -> {"size", "head_size", "head_xxh3"}: what finish committed (coordinator)
+        # file name -> {"size", "head_size", "head_xxh3"}: what finish wrote (coordinator)
         self.files: dict[str, dict[str, Any]] = {}
 
     # -- DCP protocol ----------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = storage.location(checkpoint_id)
+            self.path = location(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> Path | str | None:
@@ -124,20 +132,21 @@ class BurnpackStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.save_id = uuid.uuid4().hex  # the coordinator's names every file of this save
         self.files = {}
-        location = self._directory()
-        if isinstance(location, Path):
-            location.mkdir(parents=True, exist_ok=True)
+        try:
+            self._store().check(create=True)
+        except OSError as e:
+            raise ShardedCheckpointError(f"{self._store().url}: cannot be written: {e}") from e
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        store = self._store()
-        if store is not None and store.size(index_name(self.prefix)) is not None:
+        store, index = self._store(), index_name(self.prefix)
+        if self.commit and not _replaceable(store) and store.size(index) is not None:
             raise ShardedCheckpointError(
-                f"{store.url_of(index_name(self.prefix))}: a committed checkpoint is there "
-                "already; on object storage a sharded checkpoint is written once (its index is "
-                "created only if absent), so save into a new checkpoint_id"
+                f"{store.url_of(index)}: a committed checkpoint is there already; on object "
+                "storage a sharded checkpoint is written once (its index is created only if "
+                "absent), so save into a new checkpoint_id"
             )
         # New names for every save: files of the committed checkpoint are never overwritten.
         return [
@@ -169,91 +178,59 @@ class BurnpackStorageWriter(StorageWriter):
     def _write_rank_file(
         self, file: str, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
     ) -> tuple[int, int, str]:
-        """Write this rank's file where the checkpoint lives; its size, head size and digest."""
-        location = self._directory()
-        if isinstance(location, Path):
-            target = location / file
-            self.write_file(target, entries, metadata)
-            return head(target)
-        scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
+        """Write this rank's file through the store; its size, head size and head digest."""
+        store = self._store()
+        described = None
         try:
-            local = scratch / file
-            self.write_file(local, entries, metadata)
-            described = head(local)
-            self.put_file(local, file)
-            return described
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            with store.scratch(file) as scratch:
+                self.write_file(scratch, entries, metadata)  # its errors are raised as they are
+                described = head(scratch)
+        except OSError as e:
+            if described is None:
+                raise
+            # written, then publishing failed: the rename, or the upload after its retries
+            raise ShardedCheckpointError(f"{store.url_of(file)}: not published: {e}") from e
+        return described
 
     def write_file(
         self, target: Path, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
     ) -> None:
-        """Publish one rank file durably (scratch, fsync, rename, fsync the directory)."""
+        """Write one rank file at ``target``, a local scratch path that the store publishes
+        (fsynced and renamed, or uploaded) once this returns."""
         try:
-            burnpack.write(target, entries, metadata=metadata, add_suffix=False)
+            burnpack.write(target, entries, metadata=metadata, atomic=False, add_suffix=False)
         except burnpack.BurnpackError as e:
             raise ShardedCheckpointError(str(e)) from e
-
-    def put_file(self, local: Path, name: str) -> None:
-        """Upload one rank file written to ``local`` as object ``name`` (retried, bounded)."""
-        store = self._store()
-        assert store is not None
-        try:
-            store.upload(local, name)
-        except OSError as e:
-            raise ShardedCheckpointError(f"{store.url_of(name)}: upload failed: {e}") from e
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locations = {r.index: r.storage_data for rank in results for r in rank}
         document, files = _sharded_index.encode(metadata, locations, self.save_id)
         index = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document})
         head_size = burnpack.loads(index).data_start
+        name = index_name(self.prefix)
         self.files = {
             **files,
-            index_name(self.prefix): {
+            name: {
                 "size": len(index),
                 "head_size": head_size,
                 "head_xxh3": xxhash.xxh3_64_hexdigest(index[:head_size]),
             },
         }
         store = self._store()
-        if store is not None:
-            listing = self._commit_remote(store, files, index)
-            # Committed: objects of earlier or failed saves are garbage now (the next save
-            # retries what fails here).
-            with contextlib.suppress(OSError):
-                store.remove(stale_rank_files(self.prefix, list(listing), set(files)))
+        if not self.commit:  # the caller's sentinel commits: the index is one of its files
+            store.put(name, index)
             return
-        directory = self._directory()
-        assert isinstance(directory, Path)
-        with _fs.atomic_file(index_path(directory, self.prefix)) as f:
-            _fs.write_all(f, index)
-        # Committed: rank files of earlier or failed saves are garbage now (removed after the
-        # index, so a crash here leaves extra files, never an index naming missing ones).
-        names = [entry.name for entry in os.scandir(directory)]
-        for name in stale_rank_files(self.prefix, names, set(files)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / name)
-
-    def _commit_remote(
-        self, store: storage.ObjectStore, files: Mapping[str, Mapping[str, Any]], index: bytes
-    ) -> dict[str, int | None]:
-        """Confirm every rank's object (one listing), then create the index; the listing."""
-        listing = store.list("")
-        for name, expected in files.items():
-            found = listing.get(name)
-            if found != expected["size"]:
-                raise ShardedCheckpointError(
-                    f"{store.url_of(name)}: uploaded, but the store lists "
-                    f"{'nothing' if found is None else f'{found} bytes'} instead of "
-                    f"{expected['size']} bytes; the checkpoint is not committed"
-                )
-        if not store.create(index_name(self.prefix), index):
+        listing = _confirmed(store, files)
+        if not store.put(name, index, create_only=not _replaceable(store)):
             raise ShardedCheckpointError(
-                f"{store.url_of(index_name(self.prefix))}: another save committed a checkpoint "
-                "here while this one wrote its shards; not overwritten"
+                f"{store.url_of(name)}: another save committed a checkpoint here while this one "
+                "wrote its shards; not overwritten"
             )
-        return listing
+        # Committed: rank files of earlier or failed saves are garbage now (removed after the
+        # index, so a crash here leaves extra files, never an index naming missing ones; the
+        # next save retries what fails here).
+        with contextlib.suppress(OSError):
+            store.remove(stale_rank_files(self.prefix, list(listing), set(files)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)  # asked before set-up: no save id yet
@@ -262,14 +239,34 @@ class BurnpackStorageWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return servable(checkpoint_id)
 
-    def _directory(self) -> Path | str:
+    def _store(self) -> Store:
+        """The store of the checkpoint (opened once per path)."""
         if self.path is None:
             raise ShardedCheckpointError("no checkpoint directory: pass path or checkpoint_id")
-        return self.path
+        if self._opened is None or self._opened[0] != self.path:
+            self._opened = (self.path, open_store(self.path, self.storage_options))
+        return self._opened[1]
 
-    def _store(self) -> storage.ObjectStore | None:
-        """The object store of a URL checkpoint (``None`` for a local directory)."""
-        location = self._directory()
-        if isinstance(location, Path):
-            return None
-        return storage.object_store(location, self.storage_options)
+
+def _confirmed(store: Store, files: Mapping[str, Mapping[str, Any]]) -> dict[str, int | None]:
+    """The checkpoint's listing, once every rank's file is in it with the size that rank
+    reported (one listing)."""
+    listing = store.list("")
+    for name, expected in files.items():
+        found = listing.get(name)
+        if found != expected["size"]:
+            raise ShardedCheckpointError(
+                f"{store.url_of(name)}: written, but the store lists "
+                f"{'nothing' if found is None else f'{found} bytes'} instead of "
+                f"{expected['size']} bytes; the checkpoint is not committed"
+            )
+    return listing
+
+
+def _replaceable(store: Store) -> bool:
+    """Whether a re-save may replace the committed index in ``store`` (local disk: its rank
+    files stay readable to a reader that opened them, and the index is replaced atomically) or
+    a checkpoint there is written once (object storage: the index is created only if absent,
+    so two writers never both commit). The one backend difference of this package's DCP layer;
+    :class:`~lightning_bpk.store.Store` has no capability that says it."""
+    return isinstance(store, LocalStore)
