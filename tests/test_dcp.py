@@ -263,3 +263,29 @@ def test_damage_is_refused_alike_on_local_disk_and_memory(damage, tmp_path):
         assert "ShardedCheckpointError" in local["load_full_state_dict"], local
         assert local["dcp.load"].startswith(("ShardedCheckpointError", "AssertionError")), local
     assert "<rank>" in local["verify"] or "index" in local["verify"], local
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_under_a_callers_commit_the_index_is_an_ordinary_file_and_nothing_is_swept(
+    backend, tmp_path
+):
+    """``commit=False`` (the checkpointer's mode): the ranks write into the caller's staging
+    prefix, the index is written there whatever is there already, nothing is removed, and
+    ``files`` describes every file written (the index too) as the store lists it."""
+    root = tmp_path if backend == "local" else f"memory://dcp-{uuid.uuid4().hex[:8]}"
+    store = open_store(root)
+    staging = store.staging("ckpt.3")
+    where = store.url_of(staging)
+    dcp.save({"w": torch.ones(8)}, storage_writer=BurnpackStorageWriter(where, commit=False))
+    first = set(open_store(where).list(""))
+    writer = BurnpackStorageWriter(where, commit=False)
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=writer)  # not refused, not swept
+    listing = open_store(where).list("")
+    assert first < set(listing) and len(listing) == 3, listing
+    assert {name: info["size"] for name, info in writer.files.items()} == {
+        name: size for name, size in listing.items() if name not in first - {"sharded.index.bpk"}
+    }
+    store.publish(staging, "ckpt.3")  # the caller's commit
+    assert torch.equal(load_full_state_dict(store.url_of("ckpt.3"))["w"], torch.full((8,), 2.0))
+    if backend == "memory":
+        store.remove_prefix("")
