@@ -79,17 +79,16 @@ from lightning_bpk._sharded_names import (
     is_sharded,
 )
 from lightning_bpk._sharded_names import index_name as index_name
-from lightning_bpk.dcp._format import INDEX_FORMAT
+from lightning_bpk.dcp._index import INDEX_FORMAT, Index, read_index
 
 # Importable from here too, outside the documented surface (an explicit re-export each): the
 # record kinds the checkpointer's manifest records, the metadata keys, the index's version.
-from lightning_bpk.dcp._format import INDEX_KEY as INDEX_KEY
-from lightning_bpk.dcp._format import INDEX_KIND as INDEX_KIND
-from lightning_bpk.dcp._format import INDEX_VERSION as INDEX_VERSION
-from lightning_bpk.dcp._format import SAVE_ID_KEY as SAVE_ID_KEY
-from lightning_bpk.dcp._format import SHARD_KIND as SHARD_KIND
-from lightning_bpk.dcp._index import Index, read_index
+from lightning_bpk.dcp._index import INDEX_KEY as INDEX_KEY
+from lightning_bpk.dcp._index import INDEX_VERSION as INDEX_VERSION
+from lightning_bpk.dcp._index import SAVE_ID_KEY as SAVE_ID_KEY
 from lightning_bpk.dcp._reader import BurnpackStorageReader, load_full_state_dict, load_nested
+from lightning_bpk.dcp._writer import INDEX_KIND as INDEX_KIND
+from lightning_bpk.dcp._writer import SHARD_KIND as SHARD_KIND
 from lightning_bpk.dcp._writer import BurnpackStorageWriter
 
 __all__ = [

@@ -33,11 +33,30 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
-from lightning_bpk.dcp._format import INDEX_KEY, SAVE_ID_KEY
 from lightning_bpk.records.base import RecordError, StateRecord
-from lightning_bpk.store import Mapped, Store, location, open_store
+from lightning_bpk.store import (
+    Mapped,
+    MissingDriverError,
+    StorageError,
+    Store,
+    location,
+    open_store,
+)
 
-__all__ = ["Index", "read_index"]
+__all__ = [
+    "INDEX_FORMAT",
+    "INDEX_KEY",
+    "INDEX_VERSION",
+    "SAVE_ID_KEY",
+    "Index",
+    "read_index",
+    "servable",
+]
+
+INDEX_FORMAT = _sharded_index.FORMAT
+INDEX_VERSION = _sharded_index.VERSION
+INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
+SAVE_ID_KEY = "lightning_bpk/dcp_save"  # every rank file names the save it belongs to
 
 
 @dataclass(frozen=True)
@@ -159,6 +178,15 @@ def _read_index_bytes(store: Store, name: str) -> bytes:
     if size > burnpack.HEADER_SIZE + burnpack.MAX_METADATA_SIZE + burnpack.TENSOR_ALIGNMENT:
         raise ShardedCheckpointError(f"{store.url_of(name)}: {size} bytes, too big for an index")
     return store.read(name)
+
+
+def servable(checkpoint_id: str | os.PathLike[str]) -> bool:
+    """A local path, or a URL whose fsspec driver is installed."""
+    try:
+        open_store(checkpoint_id)
+    except (StorageError, MissingDriverError):
+        return False
+    return True
 
 
 class _Packs:

@@ -19,8 +19,7 @@ from torch.futures import Future
 
 from lightning_bpk import burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, is_sharded
-from lightning_bpk.dcp._format import servable
-from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index
+from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index, servable
 from lightning_bpk.store import location
 
 __all__ = ["BurnpackStorageReader", "load_full_state_dict", "load_nested"]

@@ -8,36 +8,58 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 from torch.distributed.checkpoint import Metadata, SavePlan, SavePlanner, StorageWriter
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
-from lightning_bpk.dcp._format import (
-    INDEX_KEY,
-    INDEX_KIND,
-    SAVE_ID_KEY,
-    SHARD_KIND,
-    chunk_name,
-    head,
-    rank_file,
-    servable,
-    stale_rank_files,
-)
+from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
 from lightning_bpk.store import LocalStore, Store, location, open_store
 
-__all__ = ["BurnpackStorageWriter"]
+__all__ = ["INDEX_KIND", "SHARD_KIND", "BurnpackStorageWriter"]
+
+SHARD_KIND = "dcp_shard"  # the record kinds of a rank file and of the index (checkpoint manifest)
+INDEX_KIND = "dcp_index"
+_SAVE_ID_CHARS = 8  # of the save id in rank file names: distinct names per save
+
+
+def _rank_file(prefix: str, rank: int, save_id: str) -> str:
+    return f"{prefix}.rank-{rank}.{save_id[:_SAVE_ID_CHARS]}.bpk"
+
+
+def _chunk_name(index: MetadataIndex) -> str:
+    """The burnpack tensor name of a chunk: the fqn, plus ``@offsets`` when it is a shard."""
+    if index.offset is None or not any(index.offset):
+        return index.fqn
+    return f"{index.fqn}@{','.join(map(str, index.offset))}"
+
+
+def _head(path: Path) -> tuple[int, int, str]:
+    """A written file's size, its head's size and the xxh3 of its head (header and metadata,
+    with the tensor checksums)."""
+    with burnpack.read(path) as pack:
+        head_size = pack.data_start
+    with open(path, "rb") as f:
+        digest = xxhash.xxh3_64_hexdigest(f.read(head_size))
+    return path.stat().st_size, head_size, digest
+
+
+def _stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list[str]:
+    """Rank files of earlier or failed saves among ``names``: any not in ``live``."""
+    pattern = re.compile(re.escape(prefix) + r"\.rank-[0-9]+\..*")
+    return [name for name in names if pattern.fullmatch(name) and name not in live]
 
 
 def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
@@ -151,7 +173,7 @@ class BurnpackStorageWriter(StorageWriter):
         # New names for every save: files of the committed checkpoint are never overwritten.
         return [
             dataclasses.replace(
-                plan, storage_data=(rank_file(self.prefix, i, self.save_id), self.save_id)
+                plan, storage_data=(_rank_file(self.prefix, i, self.save_id), self.save_id)
             )
             for i, plan in enumerate(plans)
         ]
@@ -160,7 +182,7 @@ class BurnpackStorageWriter(StorageWriter):
         if not isinstance(plan.storage_data, tuple):
             raise ShardedCheckpointError("the global plan gave this rank no file name")
         file, save_id = plan.storage_data
-        entries = {chunk_name(item.index): _entry(planner, item) for item in plan.items}
+        entries = {_chunk_name(item.index): _entry(planner, item) for item in plan.items}
         results = []
         if entries:
             size, head_size, digest = self._write_rank_file(
@@ -168,7 +190,7 @@ class BurnpackStorageWriter(StorageWriter):
             )
             for item in plan.items:
                 location = _sharded_index.Location(
-                    file, chunk_name(item.index), size, digest, head_size
+                    file, _chunk_name(item.index), size, digest, head_size
                 )
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
         future: Future[list[WriteResult]] = Future()
@@ -184,7 +206,7 @@ class BurnpackStorageWriter(StorageWriter):
         try:
             with store.scratch(file) as scratch:
                 self.write_file(scratch, entries, metadata)  # its errors are raised as they are
-                described = head(scratch)
+                described = _head(scratch)
         except OSError as e:
             if described is None:
                 raise
@@ -230,7 +252,7 @@ class BurnpackStorageWriter(StorageWriter):
         # index, so a crash here leaves extra files, never an index naming missing ones; the
         # next save retries what fails here).
         with contextlib.suppress(OSError):
-            store.remove(stale_rank_files(self.prefix, list(listing), set(files)))
+            store.remove(_stale_rank_files(self.prefix, list(listing), set(files)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path)  # asked before set-up: no save id yet
