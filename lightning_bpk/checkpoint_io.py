@@ -31,7 +31,6 @@ they would not in a run that never stopped. ``validate``/``test``/``predict`` wi
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -118,19 +117,8 @@ class BurnpackCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
         self._wait()  # never delete an old checkpoint before the new one is durable
-        target = storage.location(path)
-        if isinstance(target, str):
-            store = storage.object_store(storage.parent_of(target))
-            name = storage.name_of(target)
-            if store.list("").get(name, 0) is None:
-                store.remove_prefix(name)
-            else:
-                store.remove([name])
-            return
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
+        store, name = storage.open_parent(path)
+        store.remove_prefix(name)
 
     def teardown(self) -> None:
         """Wait for the write in flight and re-raise its error, if it failed."""

@@ -11,6 +11,8 @@ builds or parses one of these names takes it from here. No dependencies: every l
 ('checkpoint', 12)
 >>> parse_sentinel_name("sentinel_checkpoint_complete.012") is None  # one spelling per number
 True
+>>> data_name("ckpt", 7), parse_data_name("ckpt.7~0123456789abcdef", "ckpt")
+('ckpt.7', 7)
 >>> member_name_problem("__0_0.bpk") is None, member_name_problem("../../etc/passwd")
 (True, "'../../etc/passwd' is not a plain name inside its checkpoint (component '..')")
 
@@ -24,6 +26,8 @@ what is loaded.
 from __future__ import annotations
 
 import re
+import secrets
+from collections.abc import Iterable, Iterator
 
 __all__ = [
     "DEFAULT_IDENTIFIER",
@@ -33,11 +37,20 @@ __all__ = [
     "NUMBER_PATTERN",
     "OPTIMIZER_KEY",
     "RECORD_SUFFIX",
+    "RUN_SUBDIRECTORY",
     "SCHEDULER_KEY",
     "TRAINER_FILE",
     "TRAINER_KEY",
+    "VERSION_MARK",
+    "data_name",
+    "data_names",
+    "fresh_data_name",
+    "iteration",
     "member_name_problem",
+    "numbered",
+    "parse_data_name",
     "parse_sentinel_name",
+    "safe_name",
     "sentinel_name",
     "sentinel_stem",
 ]
@@ -65,7 +78,84 @@ NUMBER_PATTERN = r"(0|[1-9][0-9]*)"
 """Regex of an iteration number in a name: one spelling per number (``7``, never ``07``,
 ``-7`` or ``7_0``), so name and number map one to one."""
 
+VERSION_MARK = "~"
+"""A re-saved N's data is ``{prefix}.{N}~<hex>``: a name never used before, so the copy the old
+sentinel names stays whole until the new sentinel replaces it (``~`` is in no safe name)."""
+RUN_SUBDIRECTORY = "checkpoints"
+"""Where the Lightning callback saves inside a run's ``default_root_dir`` (``lightning-bpk ls
+RUN`` looks there too)."""
+
 _SENTINEL = re.compile(r"sentinel_(.+)_complete\." + NUMBER_PATTERN)
+_DATA_VERSION = re.compile(r"[0-9a-f]{8,32}")
+# Keys become file names inside the data directory: a conservative portable alphabet, no leading
+# dot (hidden files, "." and ".."), no separators, short enough for name + ".bpk" + scratch suffix.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def safe_name(value: object, what: str) -> str:
+    """``value`` when it is a safe file name (prefix, identifier, data key), else ``ValueError``
+    saying what it is for."""
+    if not isinstance(value, str) or not _SAFE_NAME.fullmatch(value):
+        shown = repr(value) if len(repr(value)) <= 160 else repr(value)[:157] + "..."
+        raise ValueError(
+            f"{what} {shown} is not a safe file name (1-128 characters from "
+            "A-Z a-z 0-9 _ . -, not starting with '.' or '-')"
+        )
+    return value
+
+
+def iteration(value: object) -> int:
+    """``value`` when it is an iteration number (an int >= 0), else ``TypeError``/``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"iteration number must be an int, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"iteration number must be >= 0 (-1 means 'no checkpoint'), got {value}")
+    return value
+
+
+def numbered(names: Iterable[str], stem: str) -> Iterator[tuple[str, int]]:
+    """The names ``stem.N`` (canonical N) among ``names``, with their N."""
+    compiled = re.compile(re.escape(stem) + r"\." + NUMBER_PATTERN)
+    for name in names:
+        match = compiled.fullmatch(name)
+        if match:
+            yield name, int(match.group(1))
+
+
+def data_name(prefix: str, number: int) -> str:
+    """The plain data name of iteration ``number``: ``{prefix}.{number}``."""
+    return f"{prefix}.{number}"
+
+
+def fresh_data_name(prefix: str, number: int) -> str:
+    """A data name of ``number`` never used before: ``{prefix}.{number}~<16 hex>``."""
+    return f"{data_name(prefix, number)}{VERSION_MARK}{secrets.token_hex(8)}"
+
+
+def parse_data_name(name: str, prefix: str | None) -> int | None:
+    """N of a data name ``{prefix}.{N}`` or ``{prefix}.{N}~<hex>`` (``prefix`` None: any
+    prefix), else None."""
+    base, mark, version = name.partition(VERSION_MARK)
+    if mark and not _DATA_VERSION.fullmatch(version):
+        return None
+    stem, dot, number = base.rpartition(".")
+    if not dot or not re.fullmatch(NUMBER_PATTERN, number):
+        return None
+    if prefix is not None and stem != prefix:
+        return None
+    if prefix is None and not _SAFE_NAME.fullmatch(stem):
+        return None
+    return int(number)
+
+
+def data_names(names: Iterable[str], prefix: str) -> dict[int, list[str]]:
+    """``{N: [names]}`` of the data names of ``prefix`` among ``names`` (the plain one first)."""
+    found: dict[int, list[str]] = {}
+    for name in sorted(names):
+        number = parse_data_name(name, prefix)
+        if number is not None:
+            found.setdefault(number, []).append(name)
+    return found
 
 
 def sentinel_stem(identifier: str) -> str:

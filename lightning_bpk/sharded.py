@@ -37,12 +37,10 @@ failure on any rank fails the save on every rank, and rank 0 removes what was up
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -57,15 +55,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import (
-    _fs,
-    _sharded_index,
-    burnpack,
-    object_checkpoints,
-    storage,
-    trainer_state,
-)
-from lightning_bpk.checkpointer import Checkpointer, _FileEntry
+from lightning_bpk import _sharded_index, storage, trainer_state
+from lightning_bpk.checkpointer import Checkpointer, Retention, Staged, open_data_directory
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
     INDEX_KIND,
@@ -78,19 +69,20 @@ from lightning_bpk.dcp import (
     load_full_state_dict,
     load_nested,
 )
+from lightning_bpk.layout import RECORD_SUFFIX
+from lightning_bpk.manifest import FileEntry
 from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,
-    Record,
+    RecordError,
     StateRecord,
     param_ids,
 )
-from lightning_bpk.records.base import RECORD_KIND_KEY
 from lightning_bpk.records.optimizer import BURN_NAMES
 
 __all__ = [
     "ShardedCheckpointError",
-    "discard",
+    "Shards",
     "holds_dtensors",
     "is_sharded",
     "lightning_dict",
@@ -104,7 +96,6 @@ __all__ = [
 
 MODEL = trainer_state.MODEL_KEY
 PARAM_IDS = "param_ids"  # model parameter name -> u64 param id, for the consolidated ModuleRecord
-_STAGING = re.compile(r".+\.(0|[1-9][0-9]*)\.dcp\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX))
 
 
 def holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
@@ -164,27 +155,13 @@ def _dcp_state(
 # --- saving ---------------------------------------------------------------------------------------
 
 
-class _StagedFile(Record):
-    """A file DCP already wrote durably: "saving" it moves it into the checkpoint's staging
-    directory (a rename within the base directory, then an fsync of that directory)."""
+class Shards(NamedTuple):
+    """Rank 0's account of the shards every rank wrote into a checkpoint's staging prefix:
+    where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their manifest
+    entries (the DCP writer described each file as it wrote it)."""
 
-    def __init__(self, source: Path) -> None:
-        self.source = source
-        with burnpack.read(source) as pack:
-            # per file (shard or index), not per class: the manifest records what DCP wrote
-            self.kind = pack.metadata.get(RECORD_KIND_KEY, "dcp")  # type: ignore[misc]
-
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        target = Path(path)
-        os.replace(self.source, target)
-        _fs.fsync_dir(target.parent)
-        return target
-
-
-def _remove_staging_leftovers(base: Path, keep: Path) -> None:
-    for entry in os.scandir(base):
-        if _STAGING.fullmatch(entry.name) and entry.path != str(keep):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    staged: Staged
+    files: Mapping[str, FileEntry]
 
 
 def _failures(error: CheckpointException) -> str:
@@ -194,104 +171,82 @@ def _failures(error: CheckpointException) -> str:
     )
 
 
-def _target(checkpointer: Checkpointer, number: int) -> str:
-    """Rank 0: where the ranks write the shards of checkpoint ``number``: a fresh local staging
-    directory, or (object store) N's data prefix, emptied first."""
-    store = checkpointer._remote
-    if store is not None:
-        return object_checkpoints.prepare(checkpointer, store, number)
-    target = _fs.scratch_path(storage.local_path(checkpointer.checkpoint_path(number)))
-    directory = target.with_name(target.name.replace(f".{number}.", f".{number}.dcp.", 1))
-    _remove_staging_leftovers(target.parent, keep=directory)
-    return str(directory)
-
-
 def save_shards(
     trainer: pl.Trainer,
     checkpointer: Checkpointer,
     number: int,
     checkpoint: dict,
     storage_options: Mapping[str, Any] | None = None,
-) -> Mapping[str, Any] | object_checkpoints.Uploaded:
-    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective).
+) -> Shards | None:
+    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective)
+    into checkpoint ``number``'s own staging prefix, which rank 0 chose
+    (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
 
     Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
-    gives each tensor to one rank, balancing the bytes, so every rank writes a share. On an
-    object store every rank uploads its shards into N's data prefix (``storage_options`` go to
-    fsspec).
+    gives each tensor to one rank, balancing the bytes, so every rank writes a share
+    (``storage_options`` go to fsspec).
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
-    what :func:`publish` commits: the staged files as records, or the uploaded objects
-    (:class:`~lightning_bpk.object_checkpoints.Uploaded`; on other ranks: ``{}``). A failure
-    on any rank raises :class:`ShardedCheckpointError` on every rank.
+    what :func:`publish` commits (on other ranks: None). A failure on any rank raises
+    :class:`ShardedCheckpointError` on every rank, and rank 0 removes what was written.
     """
-    target, failure = "", None
+    staged, failure = None, None
     if trainer.is_global_zero:
         try:
-            target = _target(checkpointer, number)
+            staged = checkpointer.begin(number)
         except Exception as e:  # every rank must reach the broadcast, and learn of it
             failure = e
     target, error = trainer.strategy.broadcast(
-        (target, None if failure is None else f"{type(failure).__name__}: {failure}")
+        (
+            "" if staged is None else staged.url,
+            None if failure is None else f"{type(failure).__name__}: {failure}",
+        )
     )
     if error is not None:
         raise ShardedCheckpointError(
             f"preparing checkpoint {number} failed on rank 0: {error}"
         ) from failure
-    path = storage.location(target)
     module = trainer.lightning_module
     checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
     optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
     state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
-    writer = BurnpackStorageWriter(path, storage_options=storage_options)
+    writer = BurnpackStorageWriter(storage.location(target), storage_options=storage_options)
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as e:  # raised on every rank alike
-        if trainer.is_global_zero:
-            store = checkpointer._remote
-            if store is None:
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                object_checkpoints.discard(checkpointer, store, target)
+        if staged is not None:
+            checkpointer.discard(staged)
         raise ShardedCheckpointError(
             f"writing the shards of checkpoint {number} failed: {_failures(e)}"
         ) from e
-    if not trainer.is_global_zero:
-        return {}
-    if not isinstance(path, Path):
-        files = {
-            name[: -len(".bpk")]: _FileEntry(
-                INDEX_KIND if name == index_name() else SHARD_KIND,
-                info["size"],
-                info["head_size"],
-                info["head_xxh3"],
-            )
-            for name, info in writer.files.items()
-        }
-        return object_checkpoints.Uploaded(storage.name_of(target), files)
-    return {p.name[: -len(".bpk")]: _StagedFile(p) for p in sorted(path.iterdir())}
+    if staged is None:
+        return None
+    files = {
+        name[: -len(RECORD_SUFFIX)]: FileEntry(
+            INDEX_KIND if name == index_name() else SHARD_KIND,
+            info["size"],
+            info["head_size"],
+            info["head_xxh3"],
+        )
+        for name, info in writer.files.items()
+    }
+    return Shards(staged, files)
 
 
 def publish(
     checkpointer: Checkpointer,
     number: int,
-    staged: Mapping[str, Any] | object_checkpoints.Uploaded,
+    shards: Shards,
     rest: Mapping[str, Any],
+    retention: Retention | None = None,
 ) -> Path | str | None:
     """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
-    ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does;
-    shards that are not committed are removed."""
-    store = checkpointer._remote
-    if isinstance(staged, object_checkpoints.Uploaded):  # already in the store
-        assert store is not None
-        if number % checkpointer.checkpoint_frequency:  # skipped, as save_checkpoint would
-            object_checkpoints.discard(checkpointer, store, store.url_of(staged.name))
-            return None
-        return object_checkpoints.save(checkpointer, store, number, rest, uploaded=staged)
-    try:  # staged files, moved into the checkpoint as it is published
-        return checkpointer.save_checkpoint(number, {**staged, **rest})
-    finally:
-        discard(staged)
+    ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does
+    (the one commit: the shards are already in its staging prefix); shards that are not
+    committed are removed."""
+    return checkpointer.save_checkpoint(
+        number, rest, retention=retention, staged=shards.staged, described=shards.files
+    )
 
 
 def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
@@ -306,14 +261,6 @@ def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[st
     return data
 
 
-def discard(staged: Mapping[str, Record]) -> None:
-    """Remove the staging directory of shards that were not published (rank 0)."""
-    for record in staged.values():
-        if isinstance(record, _StagedFile):
-            shutil.rmtree(record.source.parent, ignore_errors=True)
-            return
-
-
 # --- loading --------------------------------------------------------------------------------------
 
 
@@ -321,15 +268,13 @@ def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[s
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
     if isinstance(path, Path):
         _sharded_index.real_directory(path)  # refused before anything in it is read
-    checkpointer, number = trainer_state._checkpointer_for(path, storage_options)
-    names = (
-        os.listdir(path)
-        if isinstance(path, Path)
-        else storage.object_store(path, storage_options).list("")
-    )
-    keys = sorted(
-        name[:-4] for name in names if name.endswith(".bpk") and not name.startswith(DEFAULT_PREFIX)
-    )
+    opened = open_data_directory(path, storage_options)
+    if opened is None:
+        raise RecordError(
+            "io", f"{path}: not a checkpoint directory (expected '<prefix>.<number>')"
+        )
+    checkpointer, number = opened
+    keys = [k for k in checkpointer.data_keys(number) if not k.startswith(DEFAULT_PREFIX)]
     data = checkpointer.load_checkpoint(number, keys)
     if data is None or trainer_state.TRAINER_KEY not in data:
         raise ShardedCheckpointError(f"{path}: checkpoint {number} is not complete")

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -45,17 +43,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_bpk import burnpack, state, storage
+from lightning_bpk import state, storage
 from lightning_bpk._sharded_names import INDEX_KEY
-from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.checkpointer import open_data_directory
 from lightning_bpk.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
     SCHEDULER_KEY,
     TRAINER_KEY,
-    parse_sentinel_name,
 )
-from lightning_bpk.object_checkpoints import fetch_pack
 from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,
@@ -63,9 +59,9 @@ from lightning_bpk.records import (
     Record,
     RecordError,
     StateRecord,
-    load_record,
+    files,
 )
-from lightning_bpk.records.base import class_name, record_from_pack
+from lightning_bpk.records.base import class_name
 
 __all__ = [
     "CLASSES_KEY",
@@ -327,78 +323,21 @@ def file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
 
 
 def write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:
-    """Write ``record`` atomically at exactly ``path`` (no ``.bpk`` suffix rule), streamed: peak
-    extra memory is about the largest tensor, not the file. A full disk raises an ``OSError``
-    (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a RecordError.
-
-    A URL (``s3://bucket/run/last.ckpt``) is written to a local scratch file first and then
-    uploaded as one object, which appears whole or not at all."""
-    target = storage.location(path)
-    if isinstance(target, str):
-        store = storage.object_store(storage.parent_of(target))
-        scratch = Path(tempfile.mkdtemp(prefix="lightning_bpk-upload-"))
-        try:
-            local = write_record(record, scratch / "record.bpk")
-            store.upload(local, storage.name_of(target))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return target
-    tensors, scalars, metadata = record.content()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return burnpack.write(target, tensors, scalars=scalars, metadata=metadata, add_suffix=False)
-    except burnpack.BurnpackIOError:
-        raise
-    except burnpack.BurnpackError as e:
-        raise RecordError.from_format_error(e) from e
-
-
-def _listing(directory: Path | str, storage_options: Mapping[str, Any] | None) -> list[str]:
-    """The names beside ``directory`` (a local path or a URL)."""
-    if isinstance(directory, Path):
-        return os.listdir(directory.parent)
-    return list(storage.object_store(storage.parent_of(directory), storage_options).list(""))
+    """Write ``record`` atomically at exactly ``path`` (a path or URL; no ``.bpk`` suffix rule),
+    streamed (:func:`lightning_bpk.records.files.write_record`): the file appears whole or not
+    at all. A full disk raises an ``OSError``; other format errors a RecordError."""
+    return files.write_record(record, path)
 
 
 def is_checkpoint_directory(
     path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> bool:
-    """True for a Checkpointer's data directory (``{base}/{prefix}.{N}``), local or a URL. On
-    an object store ``{prefix}.{N}`` also stands for a re-save's ``{prefix}.{N}~<hex>``."""
-    target = storage.location(path)
-    if isinstance(target, Path):
-        return target.is_dir()
-    store = storage.object_store(storage.parent_of(target), storage_options)
-    name = storage.name_of(target)
-    return any(
-        size is None and (key == name or key.startswith(name + "~"))
-        for key, size in store.list("").items()
-    )
-
-
-def _checkpointer_for(
-    directory: Path | str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[Checkpointer, int]:
-    """The Checkpointer that wrote ``{base}/{prefix}.{N}`` (or a re-save's
-    ``{prefix}.{N}~<hex>``) and N, found from N's sentinel."""
-    prefix, _, number = storage.name_of(directory).partition("~")[0].rpartition(".")
-    if not prefix or not number.isdigit():
-        raise RecordError(
-            "io", f"{directory}: not a checkpoint directory (expected '<prefix>.<number>')"
-        )
-    identifiers = [
-        parsed[0]
-        for parsed in map(parse_sentinel_name, _listing(directory, storage_options))
-        if parsed is not None and str(parsed[1]) == number
-    ]
-    if len(identifiers) != 1:
-        what = "no sentinel" if not identifiers else f"several sentinels {identifiers}"
-        raise RecordError(
-            "io", f"{directory}: {what} for checkpoint {number}, so it is not known to be complete"
-        )
-    parent = storage.parent_of(directory)
-    checkpointer = Checkpointer(parent, prefix, identifiers[0], storage_options=storage_options)
-    return checkpointer, int(number)
+    """True for a Checkpointer's data directory (``{base}/{prefix}.{N}``), local or a URL;
+    ``{prefix}.{N}`` also stands for a re-save's ``{prefix}.{N}~<hex>``."""
+    try:
+        return open_data_directory(path, storage_options) is not None
+    except RecordError:
+        return True  # a data directory that is not known to be complete: load says so
 
 
 def load(
@@ -411,30 +350,19 @@ def load(
     missing path and :class:`RecordError` (naming the file) for anything unreadable.
     """
     target = storage.location(path)
-    if is_checkpoint_directory(target, storage_options):
-        checkpointer, number = _checkpointer_for(target, storage_options)
+    opened = open_data_directory(target, storage_options)
+    if opened is not None:
+        checkpointer, number = opened
         data = checkpointer.load_checkpoint(number)
         if data is None:
             raise RecordError("io", f"{target}: checkpoint {number} is not complete")
         return from_records(data, str(target))
-    record = _load_file(target, storage_options)
+    try:
+        record = files.read_record(target, storage_options)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint not found: {target}") from None
     if not isinstance(record, StateRecord) or not isinstance(record.value, dict):
         raise RecordError(
             "validation", f"{target}: holds a {record.kind!r} record, not a checkpoint"
         )
     return record.value
-
-
-def _load_file(target: Path | str, storage_options: Mapping[str, Any] | None) -> Record:
-    if isinstance(target, Path):
-        if not target.exists():
-            raise FileNotFoundError(f"checkpoint not found: {target}")
-        return load_record(target)
-    store = storage.object_store(storage.parent_of(target), storage_options)
-    size = store.size(storage.name_of(target))
-    if size is None:
-        raise FileNotFoundError(f"checkpoint not found: {target}")
-    try:
-        return record_from_pack(fetch_pack(store, storage.name_of(target), size))
-    except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e

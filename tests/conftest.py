@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bpk import storage
-from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning
-from lightning_bpk.object_checkpoints import load_newest
+from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, load_newest
 from lightning_bpk.records.base import RecordError
 
 TESTS = Path(__file__).resolve().parent

@@ -33,6 +33,7 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.records import Record, RecordError, StateRecord
+from lightning_bpk.store import local as store_local
 
 from conftest import replace_with_symlink, run_process
 
@@ -211,9 +212,11 @@ def test_saving_the_same_iteration_twice_second_wins(tmp_path: Path) -> None:
     c.save_checkpoint(5, {"a": 1, "b": 2})
     c.save_checkpoint(5, {"a": 3})
     assert c.load_checkpoint(5) == {"a": 3}
-    assert sorted(os.listdir(tmp_path / "ckpt.5")) == ["a.bpk"]
+    assert sorted(os.listdir(c.checkpoint_path(5))) == ["a.bpk"]
     assert c.verify_checkpoint(5) == []
-    assert names(tmp_path) == ["ckpt.5", f"{SENTINEL}.5"]  # nothing displaced is left behind
+    # nothing displaced is left behind; the re-save's data has a name never used before
+    assert names(tmp_path) == [c.checkpoint_path(5).name, f"{SENTINEL}.5"]
+    assert re.fullmatch(r"ckpt\.5~[0-9a-f]{16}", c.checkpoint_path(5).name)
 
 
 def test_failure_between_data_and_sentinel_keeps_latest(tmp_path, monkeypatch) -> None:
@@ -569,7 +572,7 @@ def test_gc_never_touches_newer_checkpoints(tmp_path: Path) -> None:
 def test_gc_failure_warns_after_a_complete_save(tmp_path, monkeypatch) -> None:
     c = Checkpointer(tmp_path, checkpoint_duration=1)
     c.save_checkpoint(0, {"n": 0})
-    monkeypatch.setattr(checkpointer, "_remove", _raise_eio)
+    monkeypatch.setattr(store_local, "_remove", _raise_eio)
     with pytest.warns(CheckpointWarning, match="checkpoint 1 .* is complete, but removing"):
         c.save_checkpoint(1, {"n": 1})
     assert c.latest_checkpoint_number(verify=True) == 1

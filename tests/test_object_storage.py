@@ -37,10 +37,10 @@ from lightning_bpk.checkpointer import (
     Checkpointer,
     get_latest_checkpoint_number,
     list_checkpoints,
+    load_newest,
     verify_checkpoint,
 )
 from lightning_bpk.cli import main as cli_main
-from lightning_bpk.object_checkpoints import load_newest
 from lightning_bpk.records import ModuleRecord
 from lightning_bpk.store import objects as store_objects
 

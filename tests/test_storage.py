@@ -19,18 +19,18 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from lightning_bpk import checkpointer as ck
-from lightning_bpk import object_checkpoints, storage
+from lightning_bpk import storage
 from lightning_bpk.checkpointer import (
     Checkpointer,
     CheckpointWarning,
+    Staged,
     get_latest_checkpoint_number,
     list_checkpoints,
+    load_newest,
     verify_checkpoint,
 )
 from lightning_bpk.lease import CheckpointSupersededError, Lease
-from lightning_bpk.object_checkpoints import load_newest
-from lightning_bpk.records import ModuleRecord
+from lightning_bpk.records import ModuleRecord, files
 from lightning_bpk.store import objects as store_objects
 
 from conftest import check_a_50_gib_claim_is_refused
@@ -337,30 +337,24 @@ def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_aft
     assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
 
 
-def _rank_upload(checkpointer: Checkpointer, url: str, value: float, tmp_path: Path):
-    """What a sharded save's ranks leave in the data prefix at ``url``: one rank file."""
-    local = ModuleRecord({"w": torch.full((4,), value)}).save(tmp_path / f"shard-{value}.bpk")
-    name = storage.name_of(url)
-    store = checkpointer._remote
-    assert store is not None
-    store.upload(local, f"{name}/shard.bpk")
-    return object_checkpoints.Uploaded(name, {"shard": ck._describe(local, "module")})
+def _rank_upload(checkpointer: Checkpointer, staged: Staged, value: float) -> None:
+    """What a sharded save's ranks leave in the staging prefix of ``staged``: one rank file."""
+    record = ModuleRecord({"w": torch.full((4,), value)})
+    files.save_record(record, checkpointer.store, f"{staged.key}/shard.bpk")
 
 
 def test_a_sharded_resave_keeps_the_old_copy_until_its_sentinel(faulty, tmp_path):
-    """A sharded save's ranks upload into the prefix ``prepare`` chose before rank 0 commits:
+    """A sharded save's ranks upload into the prefix ``begin`` chose before rank 0 commits:
     a re-save of N gets a fresh prefix, so when its sentinel write fails the old N stays whole
     (and the failed upload is removed); when it succeeds the old copy is removed."""
     url = "faulty://b/sharded"
     checkpointer = Checkpointer(url, checkpoint_duration=1)
-    store = checkpointer._remote
-    assert store is not None
 
     def resave(value: float) -> str:
-        target = object_checkpoints.prepare(checkpointer, store, 1)
-        uploaded = _rank_upload(checkpointer, target, value, tmp_path)
-        object_checkpoints.save(checkpointer, store, 1, {"trainer": {"v": value}}, uploaded)
-        return target
+        staged = checkpointer.begin(1)
+        _rank_upload(checkpointer, staged, value)
+        checkpointer.save_checkpoint(1, {"trainer": {"v": value}}, staged=staged)
+        return staged.url
 
     assert resave(1.0) == f"{url}/ckpt.1"
     faulty.faults["pipe"] = (1, 10**6, ConnectionError)  # the sentinel's write, for good

@@ -16,11 +16,11 @@ from typing import Any
 
 from lightning_bpk import burnpack, checkpointer, storage
 from lightning_bpk._sharded_names import is_sharded
-from lightning_bpk.cli._locations import is_safetensors, mtime, tree_size
+from lightning_bpk.cli._locations import is_safetensors, mtime
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, progress, size_text, table
 from lightning_bpk.cli._sharded import index_problems, verify_sharded
 from lightning_bpk.interop import sets as interop_sets
-from lightning_bpk.object_checkpoints import fetch_pack
+from lightning_bpk.records import files
 
 __all__ = ["cmd_ls", "cmd_verify"]
 
@@ -32,21 +32,18 @@ def _checkpoint_rows(
     problems. ``verified`` is None when ``verify`` is off; a checkpoint without one of
     ``required_keys`` does not verify."""
     rows = []
-    for entry in checkpointer.list_checkpoints(base, identifier, prefix):
-        n, complete = entry.number, entry.complete
-        problems = (
-            checkpointer.verify_checkpoint(base, n, identifier, prefix, required_keys=required_keys)
-            if verify and complete
-            else []
-        )
-        if verify and complete and not problems and entry.data is not None:
+    for report in checkpointer.report_checkpoints(
+        base, identifier, prefix, verify=verify, required_keys=required_keys
+    ):
+        entry, problems = report.entry, report.problems or []
+        if problems == [] and report.problems is not None and entry.data is not None:
             problems = index_problems(entry.data)
         rows.append(
             {
-                "number": n,
-                "complete": complete,
-                "verified": (not problems) if verify and complete else None,
-                "size": tree_size(entry.data) if entry.data is not None else 0,
+                "number": entry.number,
+                "complete": entry.complete,
+                "verified": (not problems) if report.problems is not None else None,
+                "size": report.size,
                 "time": mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
@@ -112,16 +109,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_FOUND if any(r["verified"] is False for r in rows) else EXIT_OK
 
 
-def _verify_file(path: Path) -> dict[str, Any]:
-    """Structure and checksums of one ``.bpk`` (or structure of a ``.safetensors``) file."""
+def _verify_file(path: Path | str) -> dict[str, Any]:
+    """Structure and checksums of one ``.bpk`` (or structure of a ``.safetensors``) file, a
+    local one or an object of a store (read with ranged requests)."""
     result: dict[str, Any] = {"file": str(path), "ok": True, "problems": []}
-    if path.suffix == ".safetensors":
+    if is_safetensors(str(path)):
         return interop_sets.verify_source(path)
     try:
-        with burnpack.read(path) as pack:
+        with files.read_pack(path) as pack:
             result["tensors"] = len(pack)
             result["checksums"] = len(pack.checksums)
-            report = progress(f"verify {path.name}")
+            report = progress(f"verify {storage.name_of(path)}")
             bad = []
             for k, name in enumerate(pack.names):
                 try:
@@ -134,24 +132,6 @@ def _verify_file(path: Path) -> dict[str, Any]:
                 result["problems"] = [f"{path}: tensor '{n}' fails its checksum" for n in bad]
     except burnpack.BurnpackIOError:
         raise
-    except burnpack.BurnpackError as e:
-        result["problems"] = [str(e)]
-    result["ok"] = not result["problems"]
-    return result
-
-
-def _verify_object(url: str) -> dict[str, Any]:
-    """:func:`_verify_file` for one object of a store, read with ranged requests."""
-    store = storage.object_store(storage.parent_of(url))
-    name = storage.name_of(url)
-    size = store.size(name)
-    if size is None:
-        raise OSError(f"{url}: no such object")
-    result: dict[str, Any] = {"file": url, "ok": True, "problems": []}
-    try:
-        pack = fetch_pack(store, name, size)
-        result["tensors"], result["checksums"] = len(pack), len(pack.checksums)
-        pack.verify()
     except burnpack.BurnpackError as e:
         result["problems"] = [str(e)]
     result["ok"] = not result["problems"]
@@ -179,7 +159,7 @@ def _verify_directory(
             for r in rows
         ]
     if isinstance(target, str):
-        return target, [_verify_object(target)]
+        return target, [_verify_file(target)]
     files = sorted(target.glob("*.bpk"))
     if not files:
         raise OSError(f"{target}: no checkpoints and no .bpk files to verify")

@@ -14,22 +14,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lightning_bpk import burnpack, storage
-from lightning_bpk.object_checkpoints import fetch_pack
+from lightning_bpk import storage
 
-__all__ = ["is_safetensors", "local_copies", "mtime", "open_pack", "tree_size"]
-
-
-def open_pack(target: str) -> burnpack.Pack:
-    """A local file (memory-mapped) or an object of a store (ranged reads into memory)."""
-    location = storage.location(target)
-    if isinstance(location, Path):
-        return burnpack.read(location)
-    store = storage.object_store(storage.parent_of(location))
-    size = store.size(storage.name_of(location))
-    if size is None:
-        raise OSError(f"{location}: no such object")
-    return fetch_pack(store, storage.name_of(location), size)
+__all__ = ["is_safetensors", "local_copies", "mtime", "tree_size"]
 
 
 @contextlib.contextmanager

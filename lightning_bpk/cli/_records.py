@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from lightning_bpk import burnpack, storage
 from lightning_bpk._sharded_names import is_sharded
-from lightning_bpk.cli._locations import is_safetensors, local_copies, open_pack, tree_size
+from lightning_bpk.cli._locations import is_safetensors, local_copies, tree_size
 from lightning_bpk.cli._output import (
     EXIT_OK,
     dtype_text,
@@ -32,6 +31,7 @@ from lightning_bpk.cli._sharded import describe_sharded, save_model, sharded_tex
 from lightning_bpk.interop import convert
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE
+from lightning_bpk.records import files
 from lightning_bpk.records.base import RecordError
 
 __all__ = ["cmd_convert", "cmd_inspect"]
@@ -132,7 +132,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         info = describe_sharded(args.file)
         print(json.dumps(info, indent=2) if args.json else sharded_text(info))
         return EXIT_OK
-    with open_pack(args.file) as pack:
+    with files.read_pack(args.file) as pack:
         info = _describe(pack)
     emit(args, info, _format_text(info))
     return EXIT_OK
@@ -143,12 +143,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     a temporary file first, then uploaded)."""
     if args.max_shard_size is not None or interop_sets.is_set(args.src):
         return _convert_set(args)
-    remote_dst = not storage.is_local(args.dst)
+    store, key = storage.open_parent(args.dst)
     with contextlib.ExitStack() as stack:
-        scratch = stack.enter_context(tempfile.TemporaryDirectory())
-        dst = Path(scratch) / storage.name_of(args.dst) if remote_dst else Path(args.dst)
-        written: Path | str
-        if not storage.is_local(args.src) and is_sharded(args.src):
+        dst = stack.enter_context(store.scratch(key))  # published when the block ends
+        if is_sharded(args.src):
             # a sharded checkpoint's data: read in place (ranged reads), never downloaded whole
             written = save_model(args.src, dst)
         else:
@@ -156,13 +154,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             report = progress(f"convert {storage.name_of(storage.location(args.src))}")
             written = convert(src, dst, progress=report)
         size = Path(written).stat().st_size
-        if remote_dst:
-            target = storage.location(args.dst)
-            store = storage.object_store(storage.parent_of(target))
-            store.upload(written, storage.name_of(target))
-            written = target
-    info = {"src": args.src, "dst": str(written), "size": size}
-    emit(args, info, f"wrote {written} ({size_text(size)})")
+    target = storage.location(args.dst)
+    info = {"src": args.src, "dst": str(target), "size": size}
+    emit(args, info, f"wrote {target} ({size_text(size)})")
     return EXIT_OK
 
 

@@ -130,6 +130,10 @@ class Store(Protocol):
         """``put(key, data, create_only=True)``."""
         ...
 
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds exactly ``data`` (read back, never from a cache)."""
+        ...
+
     def scratch(self, key: str) -> AbstractContextManager[Path]:
         """A local path to write a file at; on a clean exit it is published durably as
         ``key`` (local: fsync + rename; remote: upload, then the scratch file is deleted); on
@@ -172,10 +176,11 @@ class Store(Protocol):
         downloaded copy, deleted on exit), for readers that need a file."""
         ...
 
-    def refused(self, prefix: str) -> builtins.list[str]:
+    def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
         """Why the entries of ``prefix`` (or ``prefix`` itself) are not plain files and
-        directories ([] on object stores: they have nothing else); a checkpoint holding a
-        symlink is refused by every reader, never followed."""
+        directories ([] on object stores: they have nothing else; ``names``: the entries a
+        listing of ``prefix`` just found); a checkpoint holding a symlink is refused by every
+        reader, never followed."""
         ...
 
 

@@ -64,7 +64,10 @@ class LocalStore:
         except (FileNotFoundError, NotADirectoryError):
             return {}
         return {
-            e.name: (None if e.is_dir(follow_symlinks=False) else e.stat().st_size) for e in entries
+            e.name: (
+                None if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
+            )
+            for e in entries
         }
 
     def size(self, key: str) -> int | None:
@@ -137,12 +140,17 @@ class LocalStore:
     def local_file(self, key: str) -> Iterator[Path]:
         yield self._path(key)
 
-    def refused(self, prefix: str) -> builtins.list[str]:
-        """A problem for ``prefix`` itself and for each entry below it that is a symlink (one
-        walk that follows none)."""
+    def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
+        """A problem for ``prefix`` itself and for each entry below it that is a symlink: one
+        walk that follows none, or (``names``: what a listing of ``prefix`` just found) one
+        ``lstat`` of each."""
         top = self._path(prefix)
         if top.is_symlink():
             return [f"{top} {_SYMLINK}"]
+        if names is not None:
+            return [
+                f"{top / name} {_SYMLINK}" for name in sorted(names) if (top / name).is_symlink()
+            ]
         found = []
         for folder, directories, files in os.walk(top):  # a symlinked dir: listed, not entered
             for name in sorted(directories + files):
@@ -161,13 +169,12 @@ class LocalStore:
             return True
         scratch = _fs.scratch_path(path)
         try:
-            with open(scratch, "xb", buffering=0) as f:
+            with _fs.atomic_file(scratch) as f:  # durable before it gets its name
                 _fs.write_all(f, data)
-                os.fsync(f.fileno())
             try:
-                os.link(scratch, path)  # atomic, and only ever shows the whole file
+                os.link(scratch, path)  # atomic, fails if the name exists, shows whole bytes
             except FileExistsError:
-                return self._holds(key, data)
+                return self.holds(key, data)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(scratch)
@@ -181,7 +188,8 @@ class LocalStore:
     def create(self, key: str, data: bytes) -> bool:
         return self.put(key, data, create_only=True)
 
-    def _holds(self, key: str, data: bytes) -> bool:
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether file ``key`` holds exactly ``data``."""
         try:
             return self.size(key) == len(data) and self.read(key) == data
         except (OSError, ValueError):
@@ -189,17 +197,27 @@ class LocalStore:
 
     @contextlib.contextmanager
     def scratch(self, key: str) -> Iterator[Path]:
+        """A path with the target's own name (writers that choose a format by suffix see it)
+        inside a scratch directory beside the target; fsynced and renamed into place."""
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = _fs.scratch_path(target)
+        while True:
+            folder = _fs.scratch_path(target)
+            try:
+                folder.mkdir()
+                break
+            except FileExistsError:
+                continue
+        scratch = folder / target.name
         try:
             yield scratch
             with open(scratch, "rb+", buffering=0) as f:
                 os.fsync(f.fileno())
             os.replace(scratch, target)
         except BaseException:
-            _remove(scratch)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
+        os.rmdir(folder)
         _fs.fsync_dir(target.parent)
 
     def staging(self, prefix: str) -> str:

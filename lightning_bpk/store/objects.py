@@ -426,7 +426,7 @@ class ObjectStore:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def refused(self, prefix: str) -> builtins.list[str]:
+    def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
         """Nothing: an object store holds objects only, no links."""
         return []
 
