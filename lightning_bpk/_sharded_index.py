@@ -20,16 +20,15 @@ places there with the dtype and shape the index gives, before any byte of it is 
 raises :class:`~lightning_bpk.dcp.ShardedCheckpointError` naming the index (or rank file) and
 the entry.
 
-Also the rule for local files (:mod:`lightning_bpk.layout`): a checkpoint is real files in a
-real directory. :func:`real_file` refuses a symlink anywhere on the way to a member (or a
-member that is not a regular file), :func:`real_directory` a checkpoint directory that is one.
+Also the rule that a checkpoint is real files in a real directory (:mod:`lightning_bpk.layout`):
+:func:`refuse_links` refuses a symlink anywhere on the way to a member or at the checkpoint
+itself, through the store (which refuses nothing on object storage), before it is read;
+:func:`real_directory` the same for a local checkpoint directory given as a path.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from lightning_bpk import burnpack
 from lightning_bpk._sharded_names import ShardedCheckpointError
 from lightning_bpk.burnpack.base import _short
 from lightning_bpk.layout import member_name_problem
+from lightning_bpk.store import Store
 
 __all__ = [
     "MAX_DEPTH",
@@ -53,7 +53,7 @@ __all__ = [
     "encode",
     "parse",
     "real_directory",
-    "real_file",
+    "refuse_links",
 ]
 
 FORMAT = "lightning_bpk/dcp"
@@ -384,22 +384,20 @@ def check_rank_file(placed: Mapping[str, _Placed], pack: burnpack.Pack) -> None:
             )
 
 
-def real_file(directory: Path, name: str) -> os.stat_result:
-    """The status of member ``name`` (a checked member name) of the checkpoint ``directory``, if
-    it is a regular file reached through real directories: no component is a symlink, so a
-    checkpoint's files are read only from inside it (:mod:`lightning_bpk.layout`).
-    ``FileNotFoundError`` if it is absent."""
-    path = directory
-    for component in name.split("/"):
-        path = path / component
-        status = os.lstat(path)
-        if stat.S_ISLNK(status.st_mode):
+def refuse_links(store: Store, key: str) -> None:
+    """Refuse member ``key`` of the checkpoint in ``store`` (a checked member name; ``""``: the
+    checkpoint itself) when it, or a folder on the way to it, is a symlink: a checkpoint's files
+    are read only from inside it (:mod:`lightning_bpk.layout`). What counts is what the store
+    refuses (:meth:`~lightning_bpk.store.Store.refused`: symlinks on local disk, nothing on an
+    object store, which holds objects only)."""
+    steps = key.split("/") if key else [""]
+    for i in range(len(steps)):
+        member = "/".join(steps[: i + 1])
+        url = store.url_of(member)
+        if any(problem.startswith(url + " ") for problem in store.refused(member)):
             raise ShardedCheckpointError(
-                f"{path}: a symlink; a checkpoint's files are never followed"
+                f"{url}: a symlink; a checkpoint's files are never followed"
             )
-    if not stat.S_ISREG(status.st_mode):
-        raise ShardedCheckpointError(f"{path}: not a regular file")
-    return status
 
 
 def real_directory(path: Path) -> None:

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_bpk import storage
 from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.store import open_store
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -49,7 +49,4 @@ def is_sharded(
 ) -> bool:
     """True when ``directory`` (a local path or an object-store URL) holds a committed sharded
     checkpoint: its index exists."""
-    location = storage.location(directory)
-    if isinstance(location, Path):
-        return index_path(location, prefix).is_file()
-    return storage.object_store(location, storage_options).size(index_name(prefix)) is not None
+    return open_store(directory, storage_options).size(index_name(prefix)) is not None

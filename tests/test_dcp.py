@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import uuid
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_bpk import burnpack, cli
 from lightning_bpk.dcp import (
@@ -30,6 +33,7 @@ from lightning_bpk.dcp import (
     read_index,
 )
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.store import Store, open_store
 
 from conftest import SCRIPTS, run_process
 
@@ -160,3 +164,128 @@ def test_the_command_line_reads_a_sharded_directory(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["verify", str(ckpt)]) == 1
     assert rank_file in capsys.readouterr().out
+
+
+# --- the same damage, the same error, on local disk and on an object store -----------------------
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
+
+
+def _tensor_byte(store: Store, rank_file: str, other: bytes) -> None:
+    data = store.read(rank_file)
+    store.put(rank_file, _flip(data, burnpack.loads(data).data_start))
+
+
+def _head_byte(store: Store, rank_file: str, other: bytes) -> None:
+    store.put(rank_file, _flip(store.read(rank_file), burnpack.HEADER_SIZE + 4))
+
+
+def _truncated(store: Store, rank_file: str, other: bytes) -> None:
+    store.put(rank_file, store.read(rank_file)[:-1])
+
+
+def _missing(store: Store, rank_file: str, other: bytes) -> None:
+    store.remove([rank_file])
+
+
+def _other_save(store: Store, rank_file: str, other: bytes) -> None:
+    store.put(rank_file, other)  # the same chunks and sizes, written by another save
+
+
+def _garbage_index(store: Store, rank_file: str, other: bytes) -> None:
+    store.put("sharded.index.bpk", b"not a burnpack" * 8)
+
+
+def _no_index(store: Store, rank_file: str, other: bytes) -> None:
+    store.remove(["sharded.index.bpk"])
+
+
+DAMAGE = {
+    "a tensor byte": _tensor_byte,
+    "a head byte": _head_byte,
+    "truncated": _truncated,
+    "missing": _missing,
+    "another save's file": _other_save,
+    "garbage index": _garbage_index,
+    "no index": _no_index,
+}
+
+
+def _outcome(call) -> str:
+    """What ``call`` did: its result, or the type(s) and message(s) of what it raised (DCP's
+    wrapping unwrapped per rank)."""
+    try:
+        return f"ok: {call()!r}"
+    except CheckpointException as e:
+        return "; ".join(f"{type(f).__name__}: {f}" for f, _ in e.failures.values())
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _damaged(where: Path | str, damage) -> dict[str, str]:
+    """Every reader's outcome on a checkpoint at ``where`` damaged by ``damage``, with the
+    checkpoint's location and the save id written as placeholders."""
+    state = {"w": torch.arange(64.0), "m": torch.tensor([True, False])}
+    save(f"{where}-other", {"w": torch.zeros(64), "m": torch.tensor([False, True])})
+    save(where, state)
+    store = open_store(where)
+    (rank_file,) = read_index(where).files
+    (other,) = read_index(f"{where}-other").files
+    damage(store, rank_file, open_store(f"{where}-other").read(other))
+    target = {"w": torch.zeros(64), "m": torch.zeros(2, dtype=torch.bool)}
+    outcomes = {
+        "load_full_state_dict": _outcome(lambda: sorted(load_full_state_dict(where))),
+        "dcp.load": _outcome(lambda: dcp.load(target, storage_reader=BurnpackStorageReader(where))),
+        "check_files": _outcome(lambda: read_index(where).check_files()),
+        "verify": _outcome(lambda: read_index(where).check_files(verify_tensors=True)),
+        "is_sharded": _outcome(lambda: is_sharded(where)),
+    }
+    return {
+        k: re.sub(r"sharded\.rank-0\.[0-9a-f]{8}", "<rank>", v.replace(str(where), "<ckpt>"))
+        for k, v in outcomes.items()
+    }
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damage_is_refused_alike_on_local_disk_and_memory(damage, tmp_path):
+    """One implementation reads both backends: each reader gives the same outcome (the same
+    exception types, the same messages naming the same file) on local disk and memory://."""
+    url = f"memory://dcp-{uuid.uuid4().hex[:8]}/ckpt"
+    local = _damaged(tmp_path / "ckpt", DAMAGE[damage])
+    try:
+        remote = _damaged(url, DAMAGE[damage])
+    finally:
+        open_store(url.rpartition("/")[0]).remove_prefix("")
+    assert local == remote
+    if damage not in ("no index",):  # every other damage is refused by every reader
+        assert "ShardedCheckpointError" in local["load_full_state_dict"], local
+        assert local["dcp.load"].startswith(("ShardedCheckpointError", "AssertionError")), local
+    assert "<rank>" in local["verify"] or "index" in local["verify"], local
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_under_a_callers_commit_the_index_is_an_ordinary_file_and_nothing_is_swept(
+    backend, tmp_path
+):
+    """``commit=False`` (the checkpointer's mode): the ranks write into the caller's staging
+    prefix, the index is written there whatever is there already, nothing is removed, and
+    ``files`` describes every file written (the index too) as the store lists it."""
+    root = tmp_path if backend == "local" else f"memory://dcp-{uuid.uuid4().hex[:8]}"
+    store = open_store(root)
+    staging = store.staging("ckpt.3")
+    where = store.url_of(staging)
+    dcp.save({"w": torch.ones(8)}, storage_writer=BurnpackStorageWriter(where, commit=False))
+    first = set(open_store(where).list(""))
+    writer = BurnpackStorageWriter(where, commit=False)
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=writer)  # not refused, not swept
+    listing = open_store(where).list("")
+    assert first < set(listing) and len(listing) == 3, listing
+    assert {name: info["size"] for name, info in writer.files.items()} == {
+        name: size for name, size in listing.items() if name not in first - {"sharded.index.bpk"}
+    }
+    store.publish(staging, "ckpt.3")  # the caller's commit
+    assert torch.equal(load_full_state_dict(store.url_of("ckpt.3"))["w"], torch.full((8,), 2.0))
+    if backend == "memory":
+        store.remove_prefix("")

@@ -23,6 +23,7 @@ Prints ``OK rank=<r>`` per rank on success; any mismatch raises (non-zero exit s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -49,6 +50,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_bpk import burnpack
 from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter, is_sharded
+from lightning_bpk.errors import StorageError
+from lightning_bpk.store import ObjectStore
 
 LAYOUTS = {"replicate": Replicate(), "shard0": Shard(0), "shard1": Shard(1)}
 FULL = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10) / 3  # 7 rows: uneven on 2, 3
@@ -162,6 +165,23 @@ def faulty(cls: type, method: str, rank: int):
     return type(f"Faulty{cls.__name__}", (cls,), {method: broken})
 
 
+@contextlib.contextmanager
+def failing_upload(rank: int):
+    """Every upload of this process fails as the store's retries giving up would, on ``rank``."""
+    original = ObjectStore.upload
+
+    def upload(self, local, key):
+        if dist.get_rank() == rank:
+            raise StorageError(f"upload to {self.url_of(key)}: ConnectionError: injected")
+        return original(self, local, key)
+
+    ObjectStore.upload = upload
+    try:
+        yield
+    finally:
+        ObjectStore.upload = original
+
+
 WRITER_FAULTS = [
     ("set_up_storage_writer", None),
     ("prepare_local_plan", None),
@@ -233,12 +253,18 @@ def scenario_s3(root: Path, rank: int, world: int, mesh) -> None:
     reference = full_state(net, optim)
     if rank == 0:
         burnpack.write(root / "s3-reference.bpk", reference)
-    failing = faulty(BurnpackStorageWriter, "put_file", 1)
-    for writer, what in [
-        (failing(f"{url}/failed"), "an upload failing on rank 1"),
-        (BurnpackStorageWriter(f"{url}/fsdp"), "a second save into a committed URL"),
-    ]:
-        expect_failure(lambda w=writer: dcp.save(app_state(net, optim), storage_writer=w), what)
+    with failing_upload(rank=1):  # inside the store, after its retries: as a dead network
+        expect_failure(
+            lambda: dcp.save(
+                app_state(net, optim), storage_writer=BurnpackStorageWriter(f"{url}/failed")
+            ),
+            "an upload failing on rank 1",
+        )
+    writer = BurnpackStorageWriter(f"{url}/fsdp")
+    expect_failure(
+        lambda: dcp.save(app_state(net, optim), storage_writer=writer),
+        "a second save into a committed URL",
+    )
     dist.barrier()
     assert not is_sharded(f"{url}/failed"), "a failed save committed"
 
