@@ -105,7 +105,7 @@ _EXPORTS = {
     "StorageError": "lightning_bpk.errors",
     "CheckpointSupersededError": "lightning_bpk.lease",
     "BurnpackCheckpoint": "lightning_bpk.callback",
-    "CheckpointSaveError": "lightning_bpk.callback",
+    "CheckpointSaveError": "lightning_bpk.errors",
     "CheckpointResumeError": "lightning_bpk.callback",
     "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
     "BurnpackStorageWriter": "lightning_bpk.dcp",

@@ -29,9 +29,9 @@ catch a built-in exception, the class derives from that too::
     │                                           another process is saving into the directory
     ├── lease.CheckpointSupersededError (also RuntimeError)
     │                                           a newer run took over the directory
-    ├── callback.CheckpointSaveError (also RuntimeError)
+    ├── CheckpointSaveError (also RuntimeError)
     │                                           a save failed; earlier checkpoints are intact
-    └── callback.CheckpointResumeError (also RuntimeError)
+    └── CheckpointResumeError (also RuntimeError)
                                                 fit cannot start from the checkpoints as they
                                                 are (nothing changed on disk)
 
@@ -55,6 +55,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointLockedError",
     "CheckpointResumeError",
+    "CheckpointSaveError",
     "DirectoryGoneError",
     "LightningBpkError",
     "MissingDriverError",
@@ -76,6 +77,12 @@ class CheckpointResumeError(LightningBpkError, RuntimeError):
     ``accumulate_grad_batches``). Raised from :mod:`lightning_bpk.callback` and
     :mod:`lightning_bpk.data_position`; importable from either, and from ``lightning_bpk``.
     """
+
+
+class CheckpointSaveError(LightningBpkError, RuntimeError):
+    """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched, unless the
+    checkpoint directory itself was deleted under the run, which the message then says.
+    Raised from :mod:`lightning_bpk.callback`; importable from it and from ``lightning_bpk``."""
 
 
 class StorageError(LightningBpkError, OSError):

@@ -208,7 +208,11 @@ def save_shards(
     checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
     optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
     state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
-    writer = BurnpackStorageWriter(storage.location(target), storage_options=storage_options)
+    # commit=False: the index is an ordinary file of the staging prefix; the checkpointer's
+    # sentinel, written by publish() after every rank's file is confirmed, is the one commit.
+    writer = BurnpackStorageWriter(
+        storage.location(target), storage_options=storage_options, commit=False
+    )
     try:
         dcp.save(state, storage_writer=writer)
     except CheckpointException as e:  # raised on every rank alike

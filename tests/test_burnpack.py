@@ -115,7 +115,7 @@ def test_04_four_byte_input_is_invalid_header():
 
 def test_05_data_section_start_is_aligned_for_metadata_sizes():
     sizes = [0, 1, 10, 245, 246, 247, 4096]
-    starts = [burnpack.writer._data_section_start(m) for m in sizes]
+    starts = [burnpack.writer.data_section_start(m) for m in sizes]
     assert starts == [256, 256, 256, 256, 256, 512, 4352]
     for m, s in zip(sizes, starts, strict=True):
         assert s % 256 == 0 and 10 + m <= s < 10 + m + 256
@@ -1176,7 +1176,7 @@ def craft(top, data: bytes = b"", *, version=1, meta_size=None, magic=b"NRUB", r
     """A pack with arbitrary (possibly invalid) CBOR metadata followed by ``data``."""
     blob = cbor2.dumps(top) if raw_meta is None else raw_meta
     size = len(blob) if meta_size is None else meta_size
-    pad = bytes(burnpack.writer._data_section_start(len(blob)) - 10 - len(blob))
+    pad = bytes(burnpack.writer.data_section_start(len(blob)) - 10 - len(blob))
     return magic + struct.pack("<HI", version, size) + blob + pad + data
 
 

@@ -212,7 +212,15 @@ _BURNPACK_ERRORS = {
 }
 _BURNPACK_BASE = {"CHECKSUM_PREFIX", "DType", "Scalar", "ScalarKind", *_BURNPACK_ERRORS}
 _BURNPACK_READER = {"Pack", "TensorInfo", "loads", "read", "read_into"}
-_BURNPACK_WRITER = {"BytesLike", "TensorEntry", "TensorsArg", "dumps", "size", "write"}
+_BURNPACK_WRITER = {
+    "BytesLike",
+    "TensorEntry",
+    "TensorsArg",
+    "data_section_start",
+    "dumps",
+    "size",
+    "write",
+}
 _INTEROP_ADAPTERS = {"BurnToPyTorchAdapter", "PyTorchToBurnAdapter"}
 _INTEROP_RULES = {"Item", "Items", "RemapError", "Rule", "trace_step"}
 _INTEROP_OPS = {

@@ -125,7 +125,7 @@ def test_fsdp2_killed_mid_epoch_resumes_bit_identically_and_reshards_2_to_1_to_2
     assert f"resuming from checkpoint {checkpoints / 'ckpt.3'}" in log, log[-4000:]
     for rank in (0, 1):  # every rank fails, naming the rank whose disk filled up
         assert (
-            f"[rank{rank}]: lightning_bpk.callback.CheckpointSaveError: writing the shards of "
+            f"[rank{rank}]: lightning_bpk.errors.CheckpointSaveError: writing the shards of "
             "checkpoint 4 failed: rank 1: OSError: [Errno 28] No space left on device (injected)"
             in log
         ), log[-4000:]

@@ -54,7 +54,7 @@ from lightning_bpk.burnpack.base import (
 )
 from lightning_bpk.burnpack.writer import (
     BytesLike,
-    _data_section_start,
+    data_section_start,
     tensor_bytes,
 )
 
@@ -243,7 +243,7 @@ class Pack:
             )
         self.version = version
         self.metadata_size = meta_size
-        self.data_start = _data_section_start(meta_size)
+        self.data_start = data_section_start(meta_size)
         top = _decode_metadata(buf[HEADER_SIZE : HEADER_SIZE + meta_size])
         if "tensors" not in top:
             raise MetadataError("missing 'tensors' map")

@@ -46,6 +46,7 @@ __all__ = [
     "BytesLike",
     "TensorEntry",
     "TensorsArg",
+    "data_section_start",
     "dumps",
     "size",
     "tensor_bytes",
@@ -262,10 +263,10 @@ def _align(n: int) -> int:
     return -(-n // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
 
 
-def _data_section_start(metadata_size: int) -> int:
+def data_section_start(metadata_size: int) -> int:
     """Absolute offset of the data section for a metadata blob of ``metadata_size`` bytes.
 
-    >>> [_data_section_start(m) for m in (0, 246, 247)]
+    >>> [data_section_start(m) for m in (0, 246, 247)]
     [256, 256, 512]
     """
     return _align(HEADER_SIZE + metadata_size)
@@ -418,7 +419,7 @@ def _write_plan(plan: _Plan, sink: BinaryIO) -> None:
     hashed inline and gathered with the padding into few writes.
     """
     meta = plan.encoded
-    data_start = _data_section_start(len(meta))
+    data_start = data_section_start(len(meta))
     header = _MAGIC_BYTES + struct.pack("<HI", _FORMAT_VERSION, len(meta))
     # no larger than what is gathered: a pack of big tensors needs a few hundred bytes
     small = sum(p.entry.nbytes for p in plan.tensors if p.entry.nbytes < _PARALLEL_HASH_MIN)
@@ -486,7 +487,7 @@ def size(
 ) -> int:
     """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
     plan = _plan(tensors, metadata, scalars, checksums)
-    return _data_section_start(len(plan.encoded)) + plan.data_size
+    return data_section_start(len(plan.encoded)) + plan.data_size
 
 
 def _with_suffix(path: str | os.PathLike[str]) -> Path:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
+from lightning_bpk.burnpack.writer import data_section_start
 from lightning_bpk.records.base import RecordError, StateRecord
 from lightning_bpk.store import (
     Mapped,
@@ -347,7 +348,7 @@ def _head_size(mapped: Mapped, size: int) -> int:
     metadata_size = int.from_bytes(mapped.buffer[6 : burnpack.HEADER_SIZE], "little")
     if metadata_size > burnpack.MAX_METADATA_SIZE:
         raise ShardedCheckpointError("its header claims an impossible metadata size")
-    return min(size, burnpack.data_section_start(metadata_size))
+    return min(size, data_section_start(metadata_size))
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from lightning_bpk.checkpointer import (
     summarise,
     verify_checkpoint,
 )
-from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
+from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.lightning import _compat, _resume
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
@@ -42,11 +42,6 @@ from lightning_bpk.records import ModuleRecord, OptimizerRecord
 __all__ = ["CheckpointDispatch", "CheckpointSaveError"]
 
 log = logging.getLogger("lightning_bpk")
-
-
-class CheckpointSaveError(LightningBpkError, RuntimeError):
-    """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched, unless the
-    checkpoint directory itself was deleted under the run, which the message then says."""
 
 
 def _untouched(error: BaseException) -> str:

@@ -40,8 +40,9 @@ __all__ = [
 
 log = logging.getLogger("lightning_bpk")
 
-# every_n_train_steps="auto" saves once after this many steps to measure what a save costs.
 AUTO_FIRST_SAVE = 10
+"""With ``every_n_train_steps="auto"``, the step of the first save, which measures what a save
+costs (the interval is then chosen from it)."""
 # Top-level key of a checkpoint saved when the run ended (why, and the limit it reached).
 FINISHED_KEY = "lightning_bpk_finished"
 
