@@ -30,8 +30,10 @@ from lightning_bpk.store import LocalStore, Store, location, open_store
 
 __all__ = ["INDEX_KIND", "SHARD_KIND", "BurnpackStorageWriter"]
 
-SHARD_KIND = "dcp_shard"  # the record kinds of a rank file and of the index (checkpoint manifest)
+SHARD_KIND = "dcp_shard"
+"""The record kind of a rank file (in the burnpack metadata and the checkpoint manifest)."""
 INDEX_KIND = "dcp_index"
+"""The record kind of the DCP index file."""
 _SAVE_ID_CHARS = 8  # of the save id in rank file names: distinct names per save
 
 
