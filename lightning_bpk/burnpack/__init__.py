@@ -57,7 +57,15 @@ from lightning_bpk.burnpack.base import burn_dtype as burn_dtype
 from lightning_bpk.burnpack.base import decode_json as decode_json
 from lightning_bpk.burnpack.base import torch_dtype as torch_dtype
 from lightning_bpk.burnpack.reader import Pack, TensorInfo, loads, read, read_into
-from lightning_bpk.burnpack.writer import BytesLike, TensorEntry, TensorsArg, dumps, size, write
+from lightning_bpk.burnpack.writer import (
+    BytesLike,
+    TensorEntry,
+    TensorsArg,
+    data_section_start,
+    dumps,
+    size,
+    write,
+)
 from lightning_bpk.burnpack.writer import tensor_bytes as tensor_bytes
 
 __all__ = [
@@ -80,6 +88,7 @@ __all__ = [
     "TensorsArg",
     "ValidationError",
     "VersionError",
+    "data_section_start",
     "dumps",
     "loads",
     "read",

@@ -42,8 +42,8 @@ from lightning_bpk.cli._diff import cmd_diff
 from lightning_bpk.cli._output import EXIT_BAD_FILE, EXIT_FOUND, EXIT_OK, printable
 from lightning_bpk.cli._records import cmd_convert, cmd_inspect
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.lightning.trainer_state import REQUIRED_KEYS
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.trainer_state import REQUIRED_KEYS
 
 __all__ = [
     "EXIT_BAD_FILE",

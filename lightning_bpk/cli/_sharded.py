@@ -92,6 +92,6 @@ def save_model(src: str, dst: Path) -> Path:
     """Assemble the model of the sharded checkpoint data at ``src`` (read in place, with ranged
     reads on an object store) and save it at ``dst`` (``.bpk`` or ``.safetensors``)."""
     from lightning_bpk.interop import save_module_record
-    from lightning_bpk.sharded import module_record
+    from lightning_bpk.lightning.sharded import module_record
 
     return save_module_record(module_record(src), dst)

@@ -56,8 +56,11 @@ __all__ = [
 
 INDEX_FORMAT = _sharded_index.FORMAT
 INDEX_VERSION = _sharded_index.VERSION
+"""The version of the JSON index this writer writes (readers refuse a newer one)."""
 INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
-SAVE_ID_KEY = "lightning_bpk/dcp_save"  # every rank file names the save it belongs to
+SAVE_ID_KEY = "lightning_bpk/dcp_save"
+"""Burnpack metadata entry by which every rank file names the save it belongs to (a file of
+another save is refused, never mixed in)."""
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,14 @@ from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
 from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
-from lightning_bpk.store import LocalStore, Store, location, open_store
+from lightning_bpk.store import Store, location, open_store
 
 __all__ = ["INDEX_KIND", "SHARD_KIND", "BurnpackStorageWriter"]
 
-SHARD_KIND = "dcp_shard"  # the record kinds of a rank file and of the index (checkpoint manifest)
+SHARD_KIND = "dcp_shard"
+"""The record kind of a rank file (in the burnpack metadata and the checkpoint manifest)."""
 INDEX_KIND = "dcp_index"
+"""The record kind of the DCP index file."""
 _SAVE_ID_CHARS = 8  # of the save id in rank file names: distinct names per save
 
 
@@ -164,7 +166,7 @@ class BurnpackStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         store, index = self._store(), index_name(self.prefix)
-        if self.commit and not _replaceable(store) and store.size(index) is not None:
+        if self.commit and not store.replaces_in_place and store.size(index) is not None:
             raise ShardedCheckpointError(
                 f"{store.url_of(index)}: a committed checkpoint is there already; on object "
                 "storage a sharded checkpoint is written once (its index is created only if "
@@ -243,7 +245,7 @@ class BurnpackStorageWriter(StorageWriter):
             store.put(name, index)
             return
         listing = _confirmed(store, files)
-        if not store.put(name, index, create_only=not _replaceable(store)):
+        if not store.put(name, index, create_only=not store.replaces_in_place):
             raise ShardedCheckpointError(
                 f"{store.url_of(name)}: another save committed a checkpoint here while this one "
                 "wrote its shards; not overwritten"
@@ -283,12 +285,3 @@ def _confirmed(store: Store, files: Mapping[str, Mapping[str, Any]]) -> dict[str
                 f"{expected['size']} bytes; the checkpoint is not committed"
             )
     return listing
-
-
-def _replaceable(store: Store) -> bool:
-    """Whether a re-save may replace the committed index in ``store`` (local disk: its rank
-    files stay readable to a reader that opened them, and the index is replaced atomically) or
-    a checkpoint there is written once (object storage: the index is created only if absent,
-    so two writers never both commit). The one backend difference of this package's DCP layer;
-    :class:`~lightning_bpk.store.Store` has no capability that says it."""
-    return isinstance(store, LocalStore)

@@ -365,7 +365,9 @@ def read_content(path: str | os.PathLike[str]) -> Content:
     if content is not None:
         return content
     if path.is_dir() and is_sharded(path):
-        from lightning_bpk.sharded import module_record  # Lightning-level: imported on use
+        from lightning_bpk.lightning.sharded import (
+            module_record,  # Lightning-level: imported on use
+        )
 
         return record_content(module_record(path))
     return _READERS[file_kind(path)](path)

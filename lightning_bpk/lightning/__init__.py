@@ -14,10 +14,19 @@ without a Trainer:
 - ``_resume``: the checks around a resume (a file as ``ckpt_path``, other optimizer classes,
   checkpoints the run would save over).
 
-Beside them: :mod:`~lightning_bpk.lightning.data_position` (the data's position in an epoch),
+Beside them: :mod:`~lightning_bpk.lightning.trainer_state` (Lightning's checkpoint dict as
+records, and the RNG states; no storage I/O of its own),
+:mod:`~lightning_bpk.lightning.checkpoint_io` (the ``CheckpointIO`` plugin),
+:mod:`~lightning_bpk.lightning.sharded` (FSDP2 / tensor-parallel saves through the burnpack DCP
+writer, committed by the checkpointer's sentinel),
+:mod:`~lightning_bpk.lightning.data_position` (the data's position in an epoch; ``_resample``
+replays a changed batch size or world size),
 :mod:`~lightning_bpk.lightning.async_save` (the background writer),
 :mod:`~lightning_bpk.lightning.slurm` (SLURM's requeue), and ``_compat``, every touch of
-Lightning's private API fenced in one module.
+Lightning's private API fenced in one module. The public paths ``lightning_bpk.callback``,
+``lightning_bpk.checkpoint_io``, ``lightning_bpk.trainer_state``, ``lightning_bpk.sharded``,
+``lightning_bpk.slurm``, ``lightning_bpk.data_position`` and ``lightning_bpk.async_save`` re-export
+them.
 
 Nothing is imported here, so importing one module does not import the others.
 """

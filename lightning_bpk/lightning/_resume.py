@@ -16,10 +16,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_bpk import storage, trainer_state
+from lightning_bpk import storage
 from lightning_bpk.checkpointer import Checkpointer, list_checkpoints, verify_checkpoint
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
+from lightning_bpk.lightning import trainer_state
 
 __all__ = ["check_classes", "member_of_checkpoint", "newer_checkpoints", "restored_at"]
 

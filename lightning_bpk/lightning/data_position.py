@@ -50,9 +50,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk import _resample, trainer_state
 from lightning_bpk.errors import CheckpointResumeError
-from lightning_bpk.lightning import _compat, _data_warnings
+from lightning_bpk.lightning import _compat, _data_warnings, _resample, trainer_state
 
 __all__ = [
     "POSITION_KEY",

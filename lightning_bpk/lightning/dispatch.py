@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import sharded, storage, trainer_state
+from lightning_bpk import storage
 from lightning_bpk.checkpointer import (
     Checkpointer,
     Retention,
@@ -32,7 +32,7 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
-from lightning_bpk.lightning import _compat, _resume
+from lightning_bpk.lightning import _compat, _resume, sharded, trainer_state
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.ranks import Ranks

@@ -94,6 +94,10 @@ class Store(Protocol):
     """
 
     url: str
+    replaces_in_place: bool
+    """Whether a committed object may be replaced by :meth:`put` (local disk: readers that
+    opened the old file keep reading it, and the rename is atomic) or is written once (object
+    storage: a commit is created only if absent, so two writers never both commit)."""
 
     def url_of(self, key: str) -> str:
         """The path or URL of ``key`` (for messages and for readers that take a location)."""

@@ -36,6 +36,8 @@ _SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real 
 class LocalStore:
     """Keys are relative paths inside the directory ``root`` (see the module docstring)."""
 
+    replaces_in_place = True  # readers keep an opened file; a rename replaces atomically
+
     atomic_create = True  # os.link fails when the name exists
 
     def __init__(self, root: Path) -> None:

@@ -145,6 +145,8 @@ class ObjectStore:
     not exist on object stores: a "directory" is the prefix its keys share.
     """
 
+    replaces_in_place = False  # a commit is created only if absent
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         self.fs = fs
         self.root = root

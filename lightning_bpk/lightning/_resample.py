@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-from lightning_bpk import trainer_state
 from lightning_bpk.errors import CheckpointResumeError
+from lightning_bpk.lightning import trainer_state
 
 __all__ = [
     "batches",

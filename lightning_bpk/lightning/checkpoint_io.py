@@ -1,0 +1,127 @@
+"""``BurnpackCheckpointIO``: Lightning's byte layer, in burnpack instead of ``torch.save``.
+
+::
+
+    trainer = L.Trainer(plugins=[BurnpackCheckpointIO()])
+    trainer.save_checkpoint("run/manual.ckpt")       # a burnpack file, no pickle
+    trainer.fit(model, ckpt_path="run/manual.ckpt")  # loads it back
+
+Every path Lightning hands over (``trainer.save_checkpoint``, ``ModelCheckpoint``'s
+``epoch=3-step=16.ckpt`` and ``last.ckpt``, ``OnExceptionCheckpoint``) becomes **one file** at
+exactly that path, so ModelCheckpoint's naming, top-k deletion and ``ckpt_path="last"`` work
+unchanged. It holds Lightning's whole dict as a StateRecord (see
+:mod:`lightning_bpk.trainer_state`): optimizer state keeps its int keys, tuples stay tuples,
+0-d tensors stay tensors, and the RNG states are added. The write is atomic (scratch file beside
+the target, fsync, rename), so a crash or a full disk leaves the previous file intact.
+
+``load_checkpoint`` also accepts a checkpoint directory written by
+:class:`~lightning_bpk.callback.BurnpackCheckpoint` (``checkpoints/ckpt.7``), so one plugin
+loads both. Loading reads the same bytes on every rank and gives each the same dict; it writes
+nothing. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
+
+**RNG states.** ``load_checkpoint`` also puts back the global RNG states saved with the
+checkpoint (torch, CUDA when present, numpy, Python ``random``), so ``ModelCheckpoint`` with
+``fit(ckpt_path="last")`` continues bit-identically, shuffles and dropout included. Lightning
+calls it when ``fit`` starts, before it builds the optimizers and the data iterators; random
+numbers drawn in between (say, in ``configure_optimizers``) come out of the restored stream, as
+they would not in a run that never stopped. ``validate``/``test``/``predict`` with a
+``ckpt_path`` restore them as well. Under DDP every rank gets rank 0's states.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+
+from lightning_bpk import storage
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+
+__all__ = [
+    "BurnpackCheckpointIO",
+]
+
+
+class BurnpackCheckpointIO(CheckpointIO):
+    """A :class:`~lightning.fabric.plugins.CheckpointIO` writing burnpack files (no pickle).
+
+    >>> import tempfile, torch
+    >>> io = BurnpackCheckpointIO()
+    >>> path = tempfile.mkdtemp() + "/x.ckpt"
+    >>> io.save_checkpoint({"epoch": 1, "optimizer_states": [{"state": {0: {}}}]}, path)
+    >>> io.load_checkpoint(path)["optimizer_states"]
+    [{'state': {0: {}}}]
+
+    Paths may be URLs (``ModelCheckpoint(dirpath="s3://bucket/run")`` with this plugin): each
+    file is written locally and uploaded as one object, and read back with ranged reads.
+
+    ``async_save=True`` writes on a background thread
+    (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): ``save_checkpoint`` returns after
+    copying the tensors into reused staging buffers. ``load_checkpoint`` and
+    ``remove_checkpoint`` first wait for the write in flight (ModelCheckpoint removes the old
+    file right after saving the new one), and a failed write raises at the next call or at
+    ``teardown``.
+    """
+
+    def __init__(self, async_save: bool = False) -> None:
+        super().__init__()
+        self._saver = AsyncCheckpointSaver() if async_save else None
+
+    def _wait(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
+    ) -> None:
+        """Write ``checkpoint`` atomically as one burnpack file at ``path`` (a path or a URL:
+        a local scratch file uploaded as one object)."""
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
+                f"{type(self).__name__}; configure the store through fsspec (environment, "
+                "profiles) instead"
+            )
+        if self._saver is not None:
+            record = trainer_state.file_record(checkpoint)
+            self._saver.save_record(record, path, trainer_state.write_record)
+            return
+        trainer_state.save_file(checkpoint, path)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any = None,
+        weights_only: bool | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Read a file this IO wrote, or a BurnpackCheckpoint directory, into Lightning's dict,
+        and restore the global RNG states saved with it (see the module docstring).
+
+        Tensors come back on the CPU (``map_location`` is accepted for the interface; Lightning
+        moves state to the device itself). ``weights_only`` is moot: nothing is unpickled.
+        ``state`` (the argument newer Lightning versions pass) is a dict to load into: it is
+        updated with the loaded entries and returned.
+        """
+        self._wait()
+        loaded = trainer_state.load(path)
+        rng = loaded.get(trainer_state.RNG_KEY)
+        if rng is not None:
+            trainer_state.restore_rng(rng)
+        if state is None:
+            return loaded
+        state.update(loaded)
+        return state
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
+        self._wait()  # never delete an old checkpoint before the new one is durable
+        store, name = storage.open_parent(path)
+        store.remove_prefix(name)
+
+    def teardown(self) -> None:
+        """Wait for the write in flight and re-raise its error, if it failed."""
+        if self._saver is not None:
+            self._saver.close()

@@ -1,0 +1,397 @@
+"""Sharded checkpoints for Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel).
+
+When the model's state dict holds ``DTensor`` shards,
+:class:`~lightning_bpk.callback.BurnpackCheckpoint` saves through here: every rank writes its
+own shards of the model and optimizer state with :class:`~lightning_bpk.dcp.BurnpackStorageWriter`
+(one burnpack file per rank, all at once), and rank 0 then publishes them with the schedulers
+and trainer state through the :class:`~lightning_bpk.checkpointer.Checkpointer`, whose sentinel
+is written last as always::
+
+    ckpt.7/
+    ├── sharded.index.bpk              which chunk of which tensor lies where (JSON, no pickle)
+    ├── sharded.rank-0.3f2a9c1e.bpk    rank 0's shards of the model and optimizer state
+    ├── sharded.rank-1.3f2a9c1e.bpk    rank 1's shards
+    ├── scheduler.bpk                  as in an unsharded checkpoint
+    └── trainer.bpk
+
+What the DCP files hold (flattened keys): ``model.<state_dict name>`` for the module, and per
+optimizer ``optim.state.<param id>.<Burn name>`` (Adam's ``exp_avg`` is
+``momentum.moment_1``, as in :class:`~lightning_bpk.records.OptimizerRecord`) plus its
+``optim.param_groups.<g>.<hyper-parameter>`` with parameter ids under ``params``. Resuming loads
+them through :class:`~lightning_bpk.dcp.BurnpackStorageReader` into the live (sharded) model and
+optimizers, on any number of ranks: DCP's planner reshards.
+
+A save is one collective, and one commit. Rank 0 first checks the lease and chooses where the
+shards go (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`): the checkpoint's own staging
+prefix, under a data name never used before (``ckpt.N``, or ``ckpt.N~<hex>`` for a re-save, the
+old copy staying whole until the new sentinel). Every rank writes its shards there through the
+:class:`~lightning_bpk.store.Store` (a scratch directory beside the checkpoints on local disk,
+renamed into place by the commit; the final prefix on an object store), then rank 0 commits
+them with the other records (:func:`publish`): the sentinel, written last, is the one commit.
+If any rank fails, DCP raises on every rank, rank 0 removes what was written, and every earlier
+checkpoint stays as it was; what a crash leaves behind, the next save removes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from lightning_bpk import _sharded_index, storage
+from lightning_bpk.checkpointer import Checkpointer, Retention, Staged, open_data_directory
+from lightning_bpk.dcp import (
+    DEFAULT_PREFIX,
+    INDEX_KIND,
+    SHARD_KIND,
+    BurnpackStorageReader,
+    BurnpackStorageWriter,
+    ShardedCheckpointError,
+    index_name,
+    is_sharded,
+    load_full_state_dict,
+    load_nested,
+)
+from lightning_bpk.layout import RECORD_SUFFIX
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.manifest import FileEntry
+from lightning_bpk.records import (
+    LrSchedulerRecord,
+    ModuleRecord,
+    RecordError,
+    StateRecord,
+    param_ids,
+)
+from lightning_bpk.records.optimizer import BURN_NAMES
+
+__all__ = [
+    "ShardedCheckpointError",
+    "Shards",
+    "holds_dtensors",
+    "is_sharded",
+    "lightning_dict",
+    "load",
+    "module_record",
+    "publish",
+    "records",
+    "restore",
+    "save_shards",
+]
+
+MODEL = trainer_state.MODEL_KEY
+PARAM_IDS = "param_ids"  # model parameter name -> u64 param id, for the consolidated ModuleRecord
+
+
+def holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
+    """True when Lightning's dict carries a sharded model (``DTensor`` values)."""
+    state_dict = checkpoint.get("state_dict") or {}
+    return any(isinstance(v, DTensor) for v in state_dict.values())
+
+
+# --- optimizer state: Lightning's (fqn-keyed) <-> ours (param-id keyed, Burn's names) -------------
+
+
+def _names(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    return {k: ".".join(v) for k, v in BURN_NAMES.get(type(optimizer), {}).items()}
+
+
+def _to_ids(osd: Mapping[str, Any], optimizer: torch.optim.Optimizer, ids: dict[str, int]) -> dict:
+    names = _names(optimizer)
+    state = {
+        str(ids[fqn]): {names.get(k, k): v for k, v in values.items()}
+        for fqn, values in osd["state"].items()
+    }
+    groups = [dict(g, params=[ids[f] for f in g["params"]]) for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _to_fqns(
+    ours: Mapping[str, Any], optimizer: torch.optim.Optimizer, ids: dict[str, int]
+) -> dict:
+    torch_names = {v: k for k, v in _names(optimizer).items()}
+    fqns = {pid: fqn for fqn, pid in ids.items()}
+    state = {
+        fqns[int(pid)]: {torch_names.get(k, k): v for k, v in values.items()}
+        for pid, values in ours["state"].items()
+    }
+    groups = [dict(g, params=[fqns[p] for p in g["params"]]) for g in ours["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _dcp_state(
+    module: nn.Module,
+    model_state: Mapping[str, Any],
+    optimizers: Sequence[torch.optim.Optimizer],
+    optimizer_states: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    ids = param_ids(module)
+    state: dict[str, Any] = {
+        MODEL: dict(model_state),
+        PARAM_IDS: {name: ids[name] for name in model_state if name in ids},
+    }
+    for i, (optimizer, osd) in enumerate(zip(optimizers, optimizer_states, strict=True)):
+        state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)] = _to_ids(
+            osd, optimizer, ids
+        )
+    return state
+
+
+# --- saving ---------------------------------------------------------------------------------------
+
+
+class Shards(NamedTuple):
+    """Rank 0's account of the shards every rank wrote into a checkpoint's staging prefix:
+    where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their manifest
+    entries (the DCP writer described each file as it wrote it)."""
+
+    staged: Staged
+    files: Mapping[str, FileEntry]
+
+
+def _failures(error: CheckpointException) -> str:
+    """Each failed rank and its error, on one line (DCP's own text adds every traceback)."""
+    return "; ".join(
+        f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()
+    )
+
+
+def save_shards(
+    trainer: pl.Trainer,
+    checkpointer: Checkpointer,
+    number: int,
+    checkpoint: dict,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Shards | None:
+    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective)
+    into checkpoint ``number``'s own staging prefix, which rank 0 chose
+    (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
+
+    Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
+    gives each tensor to one rank, balancing the bytes, so every rank writes a share
+    (``storage_options`` go to fsspec).
+
+    Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
+    what :func:`publish` commits (on other ranks: None). A failure on any rank raises
+    :class:`ShardedCheckpointError` on every rank, and rank 0 removes what was written.
+    """
+    staged, failure = None, None
+    if trainer.is_global_zero:
+        try:
+            staged = checkpointer.begin(number)
+        except Exception as e:  # every rank must reach the broadcast, and learn of it
+            failure = e
+    target, error = trainer.strategy.broadcast(
+        (
+            "" if staged is None else staged.url,
+            None if failure is None else f"{type(failure).__name__}: {failure}",
+        )
+    )
+    if error is not None:
+        raise ShardedCheckpointError(
+            f"preparing checkpoint {number} failed on rank 0: {error}"
+        ) from failure
+    module = trainer.lightning_module
+    checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
+    optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
+    state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
+    # commit=False: the index is an ordinary file of the staging prefix; the checkpointer's
+    # sentinel, written by publish() after every rank's file is confirmed, is the one commit.
+    writer = BurnpackStorageWriter(
+        storage.location(target), storage_options=storage_options, commit=False
+    )
+    try:
+        dcp.save(state, storage_writer=writer)
+    except CheckpointException as e:  # raised on every rank alike
+        if staged is not None:
+            checkpointer.discard(staged)
+        raise ShardedCheckpointError(
+            f"writing the shards of checkpoint {number} failed: {_failures(e)}"
+        ) from e
+    if staged is None:
+        return None
+    files = {
+        name[: -len(RECORD_SUFFIX)]: FileEntry(
+            INDEX_KIND if name == index_name() else SHARD_KIND,
+            info["size"],
+            info["head_size"],
+            info["head_xxh3"],
+        )
+        for name, info in writer.files.items()
+    }
+    return Shards(staged, files)
+
+
+def publish(
+    checkpointer: Checkpointer,
+    number: int,
+    shards: Shards,
+    rest: Mapping[str, Any],
+    retention: Retention | None = None,
+) -> Path | str | None:
+    """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
+    ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does
+    (the one commit: the shards are already in its staging prefix); shards that are not
+    committed are removed."""
+    return checkpointer.save_checkpoint(
+        number, rest, retention=retention, staged=shards.staged, described=shards.files
+    )
+
+
+def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
+    """Rank 0's other records of a sharded checkpoint: schedulers and the trainer state."""
+    data: dict[str, Any] = {}
+    for i, scheduler in enumerate(schedulers):
+        key = trainer_state.numbered_key(trainer_state.SCHEDULER_KEY, i)
+        data[key] = LrSchedulerRecord.from_scheduler(scheduler)
+    rest = {k: v for k, v in trainer_state.storable(checkpoint).items() if k != "lr_schedulers"}
+    rest[trainer_state.RNG_KEY] = trainer_state.capture_rng()
+    data[trainer_state.TRAINER_KEY] = StateRecord(rest)
+    return data
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+
+def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Lightning's dict without model and optimizer state, from the records beside the shards."""
+    if isinstance(path, Path):
+        _sharded_index.real_directory(path)  # refused before anything in it is read
+    opened = open_data_directory(path, storage_options)
+    if opened is None:
+        raise RecordError(
+            "io", f"{path}: not a checkpoint directory (expected '<prefix>.<number>')"
+        )
+    checkpointer, number = opened
+    keys = [k for k in checkpointer.data_keys(number) if not k.startswith(DEFAULT_PREFIX)]
+    data = checkpointer.load_checkpoint(number, keys)
+    if data is None or trainer_state.TRAINER_KEY not in data:
+        raise ShardedCheckpointError(f"{path}: checkpoint {number} is not complete")
+    checkpoint = dict(data[trainer_state.TRAINER_KEY])
+    checkpoint["lr_schedulers"] = [
+        r.state_dict() for r in trainer_state._numbered(data, trainer_state.SCHEDULER_KEY)
+    ]
+    return checkpoint
+
+
+def restore(
+    trainer: pl.Trainer,
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Lightning's dict for resuming ``trainer`` from the sharded checkpoint ``path`` (a local
+    directory or a URL; ``storage_options`` go to fsspec).
+
+    A sharded model that is already set up (``ModelParallelStrategy`` restores after setup) gets
+    its model and optimizer state loaded in place (:func:`load`); otherwise (DDP, one device) the
+    returned dict carries the full ``state_dict`` and positional ``optimizer_states`` for
+    Lightning to restore, as from an unsharded checkpoint.
+    """
+    module = trainer.lightning_module
+    in_place = trainer.strategy.restore_checkpoint_after_setup and any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+    if in_place:
+        return load(path, module, trainer.optimizers, storage_options=storage_options)
+    return lightning_dict(path, storage_options)
+
+
+def lightning_dict(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The whole checkpoint as Lightning's dict, in this process alone: the full model
+    ``state_dict`` and, per optimizer, ``optimizer.state_dict()``'s positional form (parameters
+    numbered in the order the saved groups list their ids)."""
+    location = storage.location(path)
+    checkpoint = _rest(location, storage_options)
+    nested = load_nested(location, storage_options=storage_options)
+    checkpoint["state_dict"] = OrderedDict(nested[MODEL])
+    checkpoint["optimizer_states"] = [
+        _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
+    ]
+    return checkpoint
+
+
+def _positional(ours: Mapping[str, Any]) -> dict[str, Any]:
+    torch_names = {".".join(v): k for names in BURN_NAMES.values() for k, v in names.items()}
+    order = [pid for group in ours["param_groups"] for pid in group["params"]]
+    position = {pid: i for i, pid in enumerate(order)}
+    state = {
+        position[int(pid)]: {torch_names.get(k, k): v for k, v in values.items()}
+        for pid, values in ours.get("state", {}).items()
+    }
+    groups = [dict(g, params=[position[p] for p in g["params"]]) for g in ours["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint directory: model and optimizer state straight into ``module``
+    and ``optimizers`` (sharded or not, on any number of ranks; every rank calls this), and the
+    rest of Lightning's dict (loops, callbacks, schedulers, RNG states) as the return value.
+
+    Without a process group it loads in this process alone, into a plain ``nn.Module``.
+    ``path`` may be a URL (each rank fetches only the byte ranges of its shards).
+    """
+    location = storage.location(path)
+    checkpoint = _rest(location, storage_options)
+    model_state = get_model_state_dict(module)
+    optimizer_states = [get_optimizer_state_dict(module, o) for o in optimizers]
+    state = _dcp_state(module, model_state, optimizers, optimizer_states)
+    if not optimizers:
+        state = {MODEL: state[MODEL], PARAM_IDS: state[PARAM_IDS]}
+    try:
+        reader = BurnpackStorageReader(location, storage_options=storage_options)
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as e:
+        raise ShardedCheckpointError(
+            f"loading the shards of {location} failed: {_failures(e)}"
+        ) from e
+    set_model_state_dict(module, state[MODEL])
+    ids = param_ids(module)
+    for i, optimizer in enumerate(optimizers):
+        ours = state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)]
+        set_optimizer_state_dict(module, optimizer, _to_fqns(ours, optimizer, ids))
+    return checkpoint
+
+
+def module_record(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ModuleRecord:
+    """The model of a sharded checkpoint as one unsharded :class:`ModuleRecord`, assembled in this
+    process without a process group (what ``lightning-bpk convert`` writes; ``.apply(module)``
+    loads it into a plain ``nn.Module``). Tensors equal the gathered full state dict.
+
+    A DCP checkpoint written without this package's callback (no ``model.`` keys) gives every
+    tensor under its flattened DCP key.
+    """
+    full = load_full_state_dict(path, verify=verify, storage_options=storage_options)
+    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    model = {k[len(MODEL) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL + ".")}
+    if not model:
+        return ModuleRecord(tensors)
+    prefix = PARAM_IDS + "."
+    ids = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
+    return ModuleRecord(model, param_ids={k: v for k, v in ids.items() if k in model})
