@@ -52,11 +52,7 @@ from lightning_bpk.burnpack.base import (
     stored_dtype,
     torch_dtype,
 )
-from lightning_bpk.burnpack.writer import (
-    BytesLike,
-    data_section_start,
-    tensor_bytes,
-)
+from lightning_bpk.burnpack.writer import BytesLike, data_section_start, tensor_bytes
 
 __all__ = [
     "Pack",
@@ -65,9 +61,6 @@ __all__ = [
     "read",
     "read_into",
 ]
-
-
-# --- Reading ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
