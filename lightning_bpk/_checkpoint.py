@@ -53,7 +53,6 @@ __all__ = [
     "has_key",
     "latest",
     "list_checkpoints",
-    "load_newest",
     "report_checkpoints",
     "sentinels",
     "summarise",
@@ -521,16 +520,3 @@ def choose_resume(
             stacklevel=3,
         )
     return Resume(-1, None, None)
-
-
-def load_newest(
-    store: Store,
-    identifier: str,
-    prefix: str | None,
-    required_keys: Sequence[str],
-    at_most: int,
-    unloaded: Sequence[str] = (),
-) -> tuple[int, dict[str, Any] | None]:
-    """:func:`choose_resume`'s number and data."""
-    choice = choose_resume(store, identifier, prefix, required_keys, at_most, unloaded)
-    return choice.number, choice.data

@@ -100,7 +100,6 @@ from lightning_bpk._checkpoint import (
     has_key,
     latest,
     list_checkpoints,
-    load_newest,
     report_checkpoints,
     summarise,
 )
@@ -153,7 +152,6 @@ __all__ = [
     "get_latest_checkpoint_number",
     "has_key",
     "list_checkpoints",
-    "load_newest",
     "open_data_directory",
     "report_checkpoints",
     "summarise",
@@ -440,24 +438,6 @@ class Checkpointer:
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
         return latest(
             self.store, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
-        )
-
-    def choose_resume(
-        self,
-        required_keys: Sequence[str] = (),
-        at_most: int | None = None,
-        unloaded: Sequence[str] = (),
-    ) -> Resume:
-        """The resume choice (:func:`choose_resume`) for this checkpointer's prefix and
-        identifier: the newest checkpoint ``<= at_most`` that verifies as it loads, the data it
-        read, and where that data lies."""
-        return choose_resume(
-            self.store,
-            self.sentinel_file_identifier,
-            self.checkpoint_file_prefix,
-            required_keys,
-            2**63 if at_most is None else at_most,
-            unloaded,
         )
 
     def data_keys(self, iteration_number: int) -> list[str]:

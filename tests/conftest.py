@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bpk import storage
-from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, load_newest
+from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, choose_resume
 from lightning_bpk.records.base import RecordError
 
 TESTS = Path(__file__).resolve().parent
@@ -198,9 +198,10 @@ def check_a_50_gib_claim_is_refused(url: str, data: Mapping[str, object]) -> Non
     store = storage.object_store(url)
     manifest = json.loads(store.read("sentinel_checkpoint_complete.0"))
     manifest["files"]["model"]["size"] = 50 * 2**30
-    store.write("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())
+    store.put("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())
     claimed = re.escape(f"{url}/ckpt.0/model.bpk: ") + r"\d+ bytes, manifest records 53687091200"
     with pytest.raises(RecordError, match=claimed):
         checkpointer.load_checkpoint(0)
     with pytest.warns(CheckpointWarning, match="manifest records 53687091200"):
-        assert load_newest(store, "checkpoint", "ckpt", ("model",), 10**9) == (-1, None)
+        choice = choose_resume(store, "checkpoint", "ckpt", ("model",), 10**9)
+        assert (choice.number, choice.data) == (-1, None)

@@ -35,9 +35,9 @@ from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import (
     Checkpointer,
+    choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
-    load_newest,
     verify_checkpoint,
 )
 from lightning_bpk.cli import main as cli_main
@@ -342,7 +342,7 @@ def test_a_transient_fault_reading_the_newest_checkpoint_is_retried(bucket, prox
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             if attempt == "resume":
-                n, data = load_newest(store, "checkpoint", "ckpt", ("model", "trainer"), 10**9)
+                n, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model", "trainer"), 10**9)
                 assert n == 2 and data is not None
                 assert torch.equal(data["model"].tensors["w"], _model(2)["model"].tensors["w"])
             else:

@@ -109,7 +109,7 @@ def _write_index(where: Path | str, text: str) -> None:
     if isinstance(where, Path):
         (where / index_name()).write_bytes(data)
     else:
-        storage.object_store(where).write(index_name(), data)
+        storage.object_store(where).put(index_name(), data)
 
 
 def _rename_rank_file(doc: dict[str, Any], name: str) -> None:
@@ -218,7 +218,7 @@ def _canary(place: tuple[Path | str, Path]) -> str:
     (rank_file,) = _document(where)["files"]
     (outside / "evil.bpk").write_bytes(_store(where).read(rank_file))
     if isinstance(where, str):  # the same object "outside" the prefix, too
-        storage.object_store(where.rsplit("/", 1)[0]).write(
+        storage.object_store(where.rsplit("/", 1)[0]).put(
             "outside/evil.bpk", _store(where).read(rank_file)
         )
     return str(outside / "evil.bpk")

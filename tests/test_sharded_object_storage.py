@@ -185,11 +185,11 @@ def test_raw_dcp_on_memory_is_written_once_and_damage_is_named():
     (rank_file,) = index.files
     good = store.read(rank_file)
     start = burnpack.loads(good).data_start  # the first tensor's first byte
-    store.write(rank_file, good[:start] + bytes([good[start] ^ 1]) + good[start + 1 :])
+    store.put(rank_file, good[:start] + bytes([good[start] ^ 1]) + good[start + 1 :])
     assert index.check_files() == []  # sizes only
     (problem,) = index.check_files(verify_tensors=True)
     assert f"{url}/{rank_file}" in problem and "fails its checksum" in problem
-    store.write(rank_file, good[:-1])
+    store.put(rank_file, good[:-1])
     assert index.check_files() == [
         f"{url}/{rank_file}: {len(good) - 1} bytes, the index records {len(good)}"
     ]
@@ -276,7 +276,7 @@ def test_a_hostile_index_in_a_bucket_opens_nothing_local_nor_outside_its_prefix(
         with pytest.raises(sharded.ShardedCheckpointError, match=named):
             load_full_state_dict(url)
         hostile._rename_rank_file(doc, f"../{rank_file}")  # the run's prefix, beside ckpt/
-        storage.object_store(f"s3://{bucket}/run").write(
+        storage.object_store(f"s3://{bucket}/run").put(
             rank_file, storage.object_store(url).read(rank_file)
         )
         hostile._write_index(url, hostile.json.dumps(doc))

@@ -24,9 +24,9 @@ from lightning_bpk.checkpointer import (
     Checkpointer,
     CheckpointWarning,
     Staged,
+    choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
-    load_newest,
     verify_checkpoint,
 )
 from lightning_bpk.lease import CheckpointSupersededError, Lease
@@ -181,7 +181,7 @@ def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
     store = storage.object_store(url)
     assert get_latest_checkpoint_number(url) == 1  # the quick checks pass
     with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
-        number, data = load_newest(store, "checkpoint", "ckpt", ("model",), at_most=1)
+        number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=1)
     assert number == 0 and data["trainer"] == {"step": 0}
 
 
@@ -198,7 +198,7 @@ def test_resume_reads_each_sentinel_once(monkeypatch):
         return read(self, key)
 
     monkeypatch.setattr(storage.ObjectStore, "read", counted)
-    number, data = load_newest(store, "checkpoint", "ckpt", ("model",), at_most=0)
+    number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=0)
     assert number == 0 and data["trainer"] == {"step": 0}
     assert reads == ["sentinel_checkpoint_complete.0"]
 

@@ -188,10 +188,6 @@ class LocalStore:
         _fs.fsync_dir(path.parent)
         return True
 
-    def write(self, key: str, data: bytes) -> None:
-        """``put(key, data)`` (the name callers used before :meth:`put`)."""
-        self.put(key, data)
-
     def create(self, key: str, data: bytes) -> bool:
         return self.put(key, data, create_only=True)
 

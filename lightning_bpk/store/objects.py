@@ -342,10 +342,6 @@ class ObjectStore:
         # create succeeded. Anything else was written by someone else.
         return self.holds(key, data)
 
-    def write(self, key: str, data: bytes) -> None:
-        """``put(key, data)`` (the name callers used before :meth:`put`)."""
-        self.put(key, data)
-
     def create(self, key: str, data: bytes) -> bool:
         """``put(key, data, create_only=True)``."""
         return self.put(key, data, create_only=True)
