@@ -97,13 +97,19 @@ class ResumableLoader:
         self._inner = inner
         self._group = LoaderGroup(None, *_data_ranks(inner))
         self._tracker = track(inner, None, None, self._group)
-        self.epoch = 0  # the index of the current pass (of the next one between passes)
+        self._passes = 0  # passes begun (iterators created), as Fabric's wrapper counts them
         self._consumed = 0  # batches handed out in the current pass
         self._in_pass = False
         self._skip = 0  # batches of a resumed pass consumed before the save
         self._rng_at_first_batch: dict | None = None
         if kind == REPLAY:
             warnings.warn(replay_message(inner), stacklevel=2)
+
+    @property
+    def epoch(self) -> int:
+        """The index of the current pass (0 for the first), or of the next one between passes:
+        what Fabric gives a ``DistributedSampler`` as its epoch."""
+        return self._passes - 1 if self._in_pass else self._passes
 
     @property
     def kind(self) -> str:
@@ -121,6 +127,7 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._consumed, self._skip = self._skip, 0
+        self._passes += 1
         self._in_pass = True
         rng, self._rng_at_first_batch = self._rng_at_first_batch, None
         for batch in self.loader:
@@ -131,7 +138,6 @@ class ResumableLoader:
             yield batch
         self._in_pass = False
         self._consumed = 0
-        self.epoch += 1
 
     # -- the checkpoint ----------------------------------------------------------------------
 
@@ -139,7 +145,7 @@ class ResumableLoader:
         """The position after the batches handed out so far in the current pass (its end once
         all are out), the pass counter and the RNG states now: plain data (tensors, ints)."""
         done = not self._in_pass or self._consumed >= loader_length(self.loader)
-        epoch = self.epoch + int(self._in_pass and done)
+        epoch = self._passes if done else self._passes - 1
         return {
             "version": _VERSION,
             "position": self._tracker.capture(0 if done else self._consumed, done),
@@ -173,7 +179,7 @@ class ResumableLoader:
             self._rng_at_first_batch = rng
         plan = position.get("resample")
         self._skip = 0 if epoch_end else int((plan or position)["batches"])
-        self.epoch = epoch
+        self._passes = epoch
         self._in_pass = False
         _compat.set_passes(self.loader, epoch)
         message = workers_warning(self._inner, self.kind, position)
