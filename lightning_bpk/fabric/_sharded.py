@@ -27,12 +27,13 @@ from lightning_bpk.errors import CheckpointSaveError
 from lightning_bpk.fabric._state import Filters, Parts
 from lightning_bpk.layout import TRAINER_KEY
 from lightning_bpk.lightning import sharded, trainer_state
+from lightning_bpk.lightning.sharded import publish
 from lightning_bpk.records import ModuleRecord
 
 __all__ = ["INDEX_KEY", "layout", "load", "module_record", "publish", "save"]
 
 INDEX_KEY = trainer_state.INDEX_KEY
-publish = sharded.publish
+"""The data key of a sharded checkpoint's index (it stands for the model's shards)."""
 
 
 def _is_sharded(module: nn.Module) -> bool:

@@ -54,9 +54,20 @@ __all__ = [
 ]
 
 FORMAT = "lightning_bpk.fabric/1"
-MODULE, OPTIMIZER, LOADER, STATEFUL, VALUE = "module", "optimizer", "loader", "stateful", "value"
+"""The ``format`` of a manager's ``trainer`` record (a callback's checkpoint has none)."""
+MODULE = "module"
+"""The kind of a ``torch.nn.Module`` in the state (its own record file)."""
+OPTIMIZER = "optimizer"
+"""The kind of a ``torch.optim.Optimizer`` (its own record file, state keyed by parameter id)."""
+LOADER = "loader"
+"""The kind of a data loader with state (every rank's own, in the ``trainer`` record)."""
+STATEFUL = "stateful"
+"""The kind of another object with ``state_dict``/``load_state_dict`` (rank 0's state)."""
+VALUE = "value"
+"""The kind of plain data (rank 0's; written back into the caller's dict on restore)."""
 
 Filters = Mapping[str, Callable[[str, Any], bool]]
+"""``filter=``: state keys to ``fn(name, value) -> bool``, as ``fabric.save`` takes it."""
 
 
 @dataclass
