@@ -30,7 +30,7 @@ its own RNG states last, and gets the remainder and the step.
 **Saves**: :meth:`~CheckpointManager.save` now, or :meth:`~CheckpointManager.save_if_due`
 after every optimizer step, which saves when ``every_n_train_steps`` (a number or ``"auto"``,
 which keeps saves under ``max_overhead`` of the loop's time) or ``train_time_interval`` falls
-due (:class:`~lightning_bpk.lightning.triggers.SaveTriggers`; rank 0's clock decides, every rank
+due (the callback's ``SaveTriggers``; rank 0's clock decides, every rank
 follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the ranks agree at the
 step boundary, save, wait for the write, requeue a SLURM job, then exit with status 0).
 Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every ``keep_every``-th
