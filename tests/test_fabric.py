@@ -6,6 +6,7 @@ test_fabric_e2e.py; the examples: test_fabric_examples.py.)"""
 
 from __future__ import annotations
 
+import signal
 import uuid
 from datetime import timedelta
 
@@ -31,6 +32,17 @@ from lightning_bpk.lightning import trainer_state
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `srun` command")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers():
+    """Every manager handles SIGTERM and SIGUSR1 from its construction until ``close()``; put
+    back what the test process had, whatever a test left."""
+    signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {s: signal.getsignal(s) for s in signums}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 def make_fabric() -> L.Fabric:
@@ -423,3 +435,24 @@ def test_an_async_plugin_write_is_drained_by_the_strategy_teardown(tmp_path, mon
 
 def _fail_with_enospc(record, path):
     raise OSError(28, "No space left on device (injected)", str(path))
+
+
+def test_slurm_requeue_applies_with_slurm_auto_requeue_only():
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from lightning_bpk.fabric._preemption import FabricPreemption, requeue_signal
+
+    slurm = DDPStrategy(cluster_environment=SLURMEnvironment(requeue_signal=signal.SIGUSR2))
+    assert requeue_signal(slurm) == signal.SIGUSR2
+    off = DDPStrategy(cluster_environment=SLURMEnvironment(auto_requeue=False))
+    assert requeue_signal(off) is None
+    assert requeue_signal(DDPStrategy(cluster_environment=LightningEnvironment())) is None
+    assert requeue_signal(SingleDeviceStrategy(torch.device("cpu"))) is None
+    preemption = FabricPreemption(["SIGTERM"], slurm, auto_requeue=True)
+    try:  # the requeue signal is handled too, and flags a requeue
+        signal.raise_signal(signal.SIGUSR2)
+        assert preemption.flag() == 2
+    finally:
+        preemption.restore()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
