@@ -194,7 +194,7 @@ def test_restore_continues_bit_identically_and_returns_the_remainder(tmp_path):
     fabric = make_fabric()
     model, _ = model_and_optimizer(fabric)
     state = {"model": model, "step": -1}
-    restored = CheckpointManager(fabric, tmp_path / "run").restore(state)
+    restored = CheckpointManager(fabric, tmp_path / "run", verify=False).restore(state)
     assert restored.step == 12 and state["step"] == 12  # the newest: run() saves every 4
     assert set(restored.remainder) == {"optimizer", "data", "tag"}
     assert restored.remainder["tag"] == "run"

@@ -63,6 +63,7 @@ from lightning_bpk.checkpointer import (
     bound_override_number,
     check_settings,
     choose_resume,
+    get_latest_checkpoint_number,
     list_checkpoints,
     summarise,
     verify_checkpoint,
@@ -292,14 +293,14 @@ class CheckpointManager:
 
     def _choose_on_rank0(self) -> tuple[int, str, bool, str | None]:
         checkpointer = self.checkpointer
+        names = (checkpointer.sentinel_file_identifier, checkpointer.checkpoint_file_prefix)
         override = self.override_number
         if override is None:
             override = bound_override_number()
-        if override is None:
+        if override is None and self.verify:  # every byte verified as it is read, once
             choice = choose_resume(
                 checkpointer.store,
-                checkpointer.sentinel_file_identifier,
-                checkpointer.checkpoint_file_prefix,
+                *names,
                 (TRAINER_KEY,),
                 at_most=2**63,
                 unloaded=(_sharded.INDEX_KEY,),
@@ -307,29 +308,29 @@ class CheckpointManager:
             self._preloaded = choice.data
             where = "" if choice.location is None else str(choice.location)
             return choice.number, where, choice.number >= 0 and choice.data is None, None
+        if override is None:  # sentinels and file sizes only; every rank reads it to restore
+            override = get_latest_checkpoint_number(
+                self.directory, None, *names, False, self.storage_options, (TRAINER_KEY,)
+            )
+        elif override >= 0:
+            problems = verify_checkpoint(
+                self.directory,
+                override,
+                *names,
+                self.storage_options,
+                full=self.verify,
+                required_keys=(TRAINER_KEY,),
+            )
+            if problems:
+                complete = [e.number for e in self._complete()]
+                error = (
+                    f"cannot restore checkpoint {override} in {self.directory} (override_number"
+                    f" = {override}): {summarise(problems)}. Complete checkpoints there: "
+                    f"{complete or 'none'}; nothing was changed"
+                )
+                return -1, "", False, error
         if override < 0:
             return -1, "", False, None
-        problems = verify_checkpoint(
-            self.directory,
-            override,
-            checkpointer.sentinel_file_identifier,
-            checkpointer.checkpoint_file_prefix,
-            self.storage_options,
-            full=self.verify,
-            required_keys=(TRAINER_KEY,),
-        )
-        if problems:
-            complete = [e.number for e in self._complete()]
-            return (
-                -1,
-                "",
-                False,
-                (
-                    f"cannot restore checkpoint {override} in {self.directory} (override_number = "
-                    f"{override}): {summarise(problems)}. Complete checkpoints there: "
-                    f"{complete or 'none'}; nothing was changed"
-                ),
-            )
         where = str(checkpointer.checkpoint_path(override))
         return override, where, _sharded.INDEX_KEY in checkpointer.data_keys(override), None
 
