@@ -109,6 +109,16 @@ class FabricOverhead:
         return lines
 
 
+def _train_step(fabric: L.Fabric, state: dict, batch: list) -> int:
+    """One optimizer step on ``batch``; the step count after it."""
+    x, y = batch
+    fabric.backward(nn.functional.cross_entropy(state["model"](x), y))
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+    state["step"] += 1
+    return state["step"]
+
+
 def _run(root: Path, variant: str, steps: int, blocked: list[float]) -> tuple[float, float, int]:
     """One whole loop of ``variant``: its wall time, its thread's CPU time, and the bytes of
     its model and optimizer state."""
@@ -134,13 +144,8 @@ def _run(root: Path, variant: str, steps: int, blocked: list[float]) -> tuple[fl
         )
     start, cpu = time.perf_counter(), time.thread_time()
     while state["step"] < steps:
-        for x, y in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            state["step"] += 1
-            step = state["step"]
+        for batch in loader:
+            step = _train_step(fabric, state, batch)
             if manager is not None:
                 before = time.perf_counter()
                 if manager.save_if_due(step, state) and variant == "async":

@@ -37,18 +37,8 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bpk.fabric import _compat
+from lightning_bpk.lightning import loaders as positions
 from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.loaders import (
-    REPLAY,
-    STATEFUL,
-    LoaderGroup,
-    continuation,
-    loader_kind,
-    loader_length,
-    replay_message,
-    track,
-    workers_warning,
-)
 
 __all__ = ["ResumableLoader"]
 
@@ -87,23 +77,23 @@ class ResumableLoader:
 
     def __init__(self, loader: Any) -> None:
         inner = _compat.inner_loader(loader)
-        kind = loader_kind(inner)
-        if kind == REPLAY and not isinstance(inner, DataLoader):
+        kind = positions.loader_kind(inner)
+        if kind == positions.REPLAY and not isinstance(inner, DataLoader):
             raise TypeError(
                 f"ResumableLoader cannot position a {type(inner).__name__}: give it a "
                 "torch.utils.data.DataLoader or a loader with state_dict/load_state_dict"
             )
         self.loader = loader
         self._inner = inner
-        self._group = LoaderGroup(None, *_data_ranks(inner))
-        self._tracker = track(inner, None, None, self._group)
+        self._group = positions.LoaderGroup(None, *_data_ranks(inner))
+        self._tracker = positions.track(inner, None, None, self._group)
         self._passes = 0  # passes begun (iterators created), as Fabric's wrapper counts them
         self._consumed = 0  # batches handed out in the current pass
         self._in_pass = False
         self._skip = 0  # batches of a resumed pass consumed before the save
         self._rng_at_first_batch: dict | None = None
-        if kind == REPLAY:
-            warnings.warn(replay_message(inner), stacklevel=2)
+        if kind == positions.REPLAY:
+            warnings.warn(positions.replay_message(inner), stacklevel=2)
 
     @property
     def epoch(self) -> int:
@@ -144,7 +134,7 @@ class ResumableLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the batches handed out so far in the current pass (its end once
         all are out), the pass counter and the RNG states now: plain data (tensors, ints)."""
-        done = not self._in_pass or self._consumed >= loader_length(self.loader)
+        done = not self._in_pass or self._consumed >= positions.loader_length(self.loader)
         epoch = self._passes if done else self._passes - 1
         return {
             "version": _VERSION,
@@ -170,18 +160,18 @@ class ResumableLoader:
         epoch_end = bool(position["epoch_end"])
         if not epoch_end:
             where = f"pass {epoch} of the data (batch {position['batches']})"
-            position = continuation(
+            position = positions.continuation(
                 self._tracker, position, self._group.world_size, saved_world_size, where
             )
         self._group.restart(rng if epoch_end else None)
         self._tracker.resume(position, rng)
-        if self.kind == STATEFUL and not epoch_end:
+        if self.kind == positions.STATEFUL and not epoch_end:
             self._rng_at_first_batch = rng
         plan = position.get("resample")
         self._skip = 0 if epoch_end else int((plan or position)["batches"])
         self._passes = epoch
         self._in_pass = False
         _compat.set_passes(self.loader, epoch)
-        message = workers_warning(self._inner, self.kind, position)
+        message = positions.workers_warning(self._inner, self.kind, position)
         if message is not None:
             warnings.warn(message, stacklevel=2)

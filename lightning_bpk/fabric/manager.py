@@ -185,6 +185,7 @@ class CheckpointManager:
             None if keep_every is None else keep_every * step,
         )
         self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
+        self._reserved = False  # the async saver's staging buffers were requested
         self.preemption = FabricPreemption(preemption_signals, fabric.strategy, auto_requeue)
 
     def _open(self, prefix: str, identifier: str, duration: int, keep: int | None) -> Checkpointer:
@@ -353,6 +354,8 @@ class CheckpointManager:
         ``state`` as checkpoint ``step`` when the cadence falls due, and on an agreed preemption
         signal saves, waits for the write, requeues a SLURM job and exits with status 0
         (``SystemExit``). Returns whether it saved."""
+        if self._saver is not None and not self._reserved:
+            self._reserve(state, filter or {})
         triggers = self.triggers
         rank0_due = self.fabric.is_global_zero and triggers.rank0_due(step)
         preempt, timed = self._ranks.agree_all([self.preemption.flag(), int(rank0_due)])
@@ -371,6 +374,17 @@ class CheckpointManager:
                 path = str(self.checkpointer.checkpoint_path(step))
             self.preemption.stop(self.fabric.is_global_zero, step, path)
         return True
+
+    def _reserve(self, state: Mapping[str, Any], filters: _state.Filters) -> None:
+        """Rank 0 with ``async_save``, after the first optimizer step (its state exists now):
+        the writer thread allocates and faults in the staging buffers of the module and
+        optimizer records, so the first save costs the loop a copy too (sharded models write
+        their shards themselves and need none)."""
+        self._reserved = True
+        parts = _state.split(state)
+        if self._saver is None or _sharded.layout(parts, filters) is not None:
+            return
+        self._saver.reserve(_state.module_records(parts, filters))
 
     def save(
         self,
