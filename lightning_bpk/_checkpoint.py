@@ -43,21 +43,6 @@ from lightning_bpk.records.files import open_pack
 from lightning_bpk.store import Store, location, open_store
 from lightning_bpk.store.local import RefusedFileError
 
-__all__ = [
-    "CheckpointEntry",
-    "CheckpointReport",
-    "CheckpointView",
-    "CheckpointWarning",
-    "Resume",
-    "choose_resume",
-    "has_key",
-    "latest",
-    "list_checkpoints",
-    "report_checkpoints",
-    "sentinels",
-    "summarise",
-]
-
 T = TypeVar("T")
 # A problem list longer than this is summarised in warnings ("... and N more").
 _SHOWN_PROBLEMS = 5

@@ -58,17 +58,6 @@ from lightning_bpk.records.base import Record, RecordError, StateRecord
 from lightning_bpk.records.files import describe, save_record
 from lightning_bpk.store import Store
 
-__all__ = [
-    "Names",
-    "Retention",
-    "Staged",
-    "begin",
-    "collect_garbage",
-    "commit",
-    "discard",
-    "remove",
-]
-
 # What _fs.scratch_path appends to a name: "<name>.<pid>-<counter>.tmp".
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)
 

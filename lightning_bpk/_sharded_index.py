@@ -44,18 +44,6 @@ from lightning_bpk.burnpack.base import _short
 from lightning_bpk.layout import member_name_problem
 from lightning_bpk.store import Store
 
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_ENTRIES",
-    "Document",
-    "Location",
-    "check_rank_file",
-    "encode",
-    "parse",
-    "real_directory",
-    "refuse_links",
-]
-
 FORMAT = "lightning_bpk/dcp"
 VERSION = 1
 MAX_DEPTH = 32  # an index nests 7 levels (to a chunk's offsets): room to spare, never a stack

@@ -15,15 +15,6 @@ from typing import Any
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.store import open_store
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "INDEX_KEY",
-    "ShardedCheckpointError",
-    "index_name",
-    "index_path",
-    "is_sharded",
-]
-
 DEFAULT_PREFIX = "sharded"
 INDEX_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
 

@@ -22,8 +22,6 @@ from lightning_bpk.cli._sharded import index_problems, verify_sharded
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.records import files
 
-__all__ = ["cmd_ls", "cmd_verify"]
-
 
 def _checkpoint_rows(
     base: Path | str, identifier: str, prefix: str, verify: bool, required_keys: Sequence[str] = ()

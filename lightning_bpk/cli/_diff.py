@@ -24,8 +24,6 @@ from lightning_bpk.interop import Content
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE
 
-__all__ = ["cmd_diff"]
-
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b| (NaN in both places counts as equal, NaN in one as infinite)."""

@@ -34,8 +34,6 @@ from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RecordError
 
-__all__ = ["cmd_convert", "cmd_inspect"]
-
 
 def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""

@@ -15,8 +15,6 @@ from typing import Any
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.cli._output import dtype_text, table
 
-__all__ = ["describe_sharded", "index_problems", "save_model", "sharded_text", "verify_sharded"]
-
 
 def describe_sharded(target: str | os.PathLike[str]) -> dict[str, Any]:
     """What ``inspect`` shows for a sharded checkpoint directory (local or a URL prefix): its

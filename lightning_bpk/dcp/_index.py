@@ -44,16 +44,6 @@ from lightning_bpk.store import (
     open_store,
 )
 
-__all__ = [
-    "INDEX_FORMAT",
-    "INDEX_KEY",
-    "INDEX_VERSION",
-    "SAVE_ID_KEY",
-    "Index",
-    "read_index",
-    "servable",
-]
-
 INDEX_FORMAT = _sharded_index.FORMAT
 INDEX_VERSION = _sharded_index.VERSION
 """The version of the JSON index this writer writes (readers refuse a newer one)."""

@@ -22,8 +22,6 @@ from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError,
 from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index, servable
 from lightning_bpk.store import location
 
-__all__ = ["BurnpackStorageReader", "load_full_state_dict", "load_nested"]
-
 
 class BurnpackStorageReader(StorageReader):
     """DCP storage reader for checkpoints written by :class:`BurnpackStorageWriter`.

@@ -28,8 +28,6 @@ from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
 from lightning_bpk.store import Store, location, open_store
 
-__all__ = ["INDEX_KIND", "SHARD_KIND", "BurnpackStorageWriter"]
-
 SHARD_KIND = "dcp_shard"
 """The record kind of a rank file (in the burnpack metadata and the checkpoint manifest)."""
 INDEX_KIND = "dcp_index"

@@ -22,8 +22,6 @@ from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
 from lightning_bpk.lightning import trainer_state
 
-__all__ = ["check_classes", "member_of_checkpoint", "newer_checkpoints", "restored_at"]
-
 log = logging.getLogger("lightning_bpk")
 
 
