@@ -177,7 +177,7 @@ def _tensor(fqn: str, value: object, placer: _Placer) -> None:
     t = _dict(value, f"tensor '{fqn}'", ("dtype", "shape", "requires_grad", "chunks"))
     dtype = t["dtype"]
     try:
-        itemsize = torch.empty((), dtype=burnpack.torch_dtype(dtype)).element_size()
+        itemsize = torch.empty((), dtype=burnpack._torch_dtype(dtype)).element_size()
     except (burnpack.BurnpackError, TypeError):
         raise _Problem(f"tensor '{fqn}': unknown dtype {_short(dtype)}") from None
     if not isinstance(t["requires_grad"], bool):
@@ -319,7 +319,7 @@ def encode(
                 }
             )
         tensors[fqn] = {
-            "dtype": burnpack.burn_dtype(md.properties.dtype),
+            "dtype": burnpack._burn_dtype(md.properties.dtype),
             "shape": list(md.size),
             "requires_grad": bool(md.properties.requires_grad),
             "chunks": chunks,
@@ -346,7 +346,7 @@ def parse(raw: object, where: str) -> Document:
     if raw is None:
         raise ShardedCheckpointError(f"{where}: not a {FORMAT} index")
     try:
-        return _document(burnpack.decode_json(raw, what="the index", max_depth=MAX_DEPTH))
+        return _document(burnpack._decode_json(raw, what="the index", max_depth=MAX_DEPTH))
     except burnpack.MetadataError as e:
         raise ShardedCheckpointError(f"{where}: {e}") from None
     except _Problem as e:

@@ -321,7 +321,6 @@ MEANT = {
 # public function or class be in __all__, so they stay listed until they get a leading underscore
 # after the layers' rewrite merges; then each leaves this table (the table only shrinks).
 CROSS_LAYER_PENDING = {
-    "lightning_bpk.burnpack.base": {"burn_dtype", "decode_json", "stored_dtype", "torch_dtype"},
     "lightning_bpk.burnpack.writer": {"tensor_bytes"},
     "lightning_bpk.records.base": {"class_name", "record_from_pack"},
     "lightning_bpk.records.module": {"load_tensor", "owning_module", "set_param_id"},

@@ -84,7 +84,7 @@ class Index:
                 )
                 storage[MetadataIndex(fqn, c["offsets"], i)] = (c["file"], c["name"])
             props = TensorProperties(
-                dtype=burnpack.torch_dtype(t["dtype"]), requires_grad=t["requires_grad"]
+                dtype=burnpack._torch_dtype(t["dtype"]), requires_grad=t["requires_grad"]
             )
             state[fqn] = TensorStorageMetadata(props, torch.Size(t["shape"]), chunks)
         for fqn, o in self.objects.items():
@@ -209,7 +209,7 @@ class _Packs:
         pack = self.pack(file)
         try:
             info = pack.entries[name]
-            return pack, info, burnpack.torch_dtype(info.dtype)
+            return pack, info, burnpack._torch_dtype(info.dtype)
         except (KeyError, burnpack.BurnpackError) as e:
             raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
 

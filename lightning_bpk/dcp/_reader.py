@@ -147,7 +147,7 @@ def load_full_state_dict(
     out: dict[str, Any] = {}
     with _opened(index, verify) as packs:
         for fqn, t in index.tensors.items():  # read_index checked that the chunks tile it
-            full = torch.empty(t["shape"], dtype=burnpack.torch_dtype(t["dtype"]))
+            full = torch.empty(t["shape"], dtype=burnpack._torch_dtype(t["dtype"]))
             for c in t["chunks"]:
                 region = full
                 for dim, (start, length) in enumerate(zip(c["offsets"], c["sizes"], strict=True)):

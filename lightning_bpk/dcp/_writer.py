@@ -93,7 +93,7 @@ def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
         return tensor.detach().to("cpu", dtype).contiguous()
 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return burnpack.TensorEntry(burnpack.burn_dtype(dtype), shape, resolve, nbytes=nbytes)
+    return burnpack.TensorEntry(burnpack._burn_dtype(dtype), shape, resolve, nbytes=nbytes)
 
 
 class BurnpackStorageWriter(StorageWriter):
