@@ -38,7 +38,7 @@ from lightning_bpk.layout import (
     sentinel_stem,
 )
 from lightning_bpk.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
-from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
+from lightning_bpk.records.base import RecordError, StateRecord, _record_from_pack
 from lightning_bpk.records.files import open_pack
 from lightning_bpk.store import Store, location, open_store
 from lightning_bpk.store.local import RefusedFileError
@@ -317,7 +317,7 @@ def _verify(pack: burnpack.Pack) -> None:
 
 def _record(pack: burnpack.Pack) -> Any:
     with pack:
-        return record_from_pack(pack)
+        return _record_from_pack(pack)
 
 
 def _not_a_data_directory(url: str) -> str:

@@ -322,7 +322,6 @@ MEANT = {
 # after the layers' rewrite merges; then each leaves this table (the table only shrinks).
 CROSS_LAYER_PENDING = {
     "lightning_bpk.burnpack.writer": {"tensor_bytes"},
-    "lightning_bpk.records.base": {"class_name", "record_from_pack"},
     "lightning_bpk.records.module": {"load_tensor", "owning_module", "set_param_id"},
     "lightning_bpk.interop.conversions": {"WeightTransform"},
     "lightning_bpk.interop.formats": {"file_kind", "record_content", "register_set_reader"},

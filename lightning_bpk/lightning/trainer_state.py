@@ -61,7 +61,7 @@ from lightning_bpk.records import (
     StateRecord,
     files,
 )
-from lightning_bpk.records.base import class_name
+from lightning_bpk.records.base import _class_name
 
 __all__ = [
     "CLASSES_KEY",
@@ -288,7 +288,7 @@ def class_mismatches(
         ("LR scheduler", "lr_schedulers", schedulers),
     ):
         saved = list(classes.get(key, []))
-        configured = [class_name(x) for x in live]
+        configured = [_class_name(x) for x in live]
         if len(saved) != len(configured):
             problems.append(
                 f"it holds {len(saved)} {what} state(s) {saved}, the module configures "
