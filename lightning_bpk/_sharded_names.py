@@ -17,6 +17,9 @@ from lightning_bpk.store import open_store
 
 DEFAULT_PREFIX = "sharded"
 INDEX_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
+# The callback's DCP state: the module under ``model`` (layout.MODEL_KEY), and under this key its
+# parameter name -> u64 param id map, so the consolidated ModuleRecord keeps Burn's param ids.
+PARAM_IDS_KEY = "param_ids"
 
 
 class ShardedCheckpointError(LightningBpkError, RuntimeError):

@@ -86,7 +86,12 @@ from lightning_bpk.dcp._index import INDEX_FORMAT, Index, read_index
 from lightning_bpk.dcp._index import INDEX_KEY as INDEX_KEY
 from lightning_bpk.dcp._index import INDEX_VERSION as INDEX_VERSION
 from lightning_bpk.dcp._index import SAVE_ID_KEY as SAVE_ID_KEY
-from lightning_bpk.dcp._reader import BurnpackStorageReader, load_full_state_dict, load_nested
+from lightning_bpk.dcp._reader import (
+    BurnpackStorageReader,
+    load_full_state_dict,
+    load_nested,
+    module_record,
+)
 from lightning_bpk.dcp._writer import INDEX_KIND as INDEX_KIND
 from lightning_bpk.dcp._writer import SHARD_KIND as SHARD_KIND
 from lightning_bpk.dcp._writer import BurnpackStorageWriter
@@ -102,5 +107,6 @@ __all__ = [
     "is_sharded",
     "load_full_state_dict",
     "load_nested",
+    "module_record",
     "read_index",
 ]

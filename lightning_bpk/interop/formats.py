@@ -365,9 +365,7 @@ def read_content(path: str | os.PathLike[str]) -> Content:
     if content is not None:
         return content
     if path.is_dir() and is_sharded(path):
-        from lightning_bpk.lightning.sharded import (
-            module_record,  # Lightning-level: imported on use
-        )
+        from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
         return record_content(module_record(path))
     return _READERS[file_kind(path)](path)

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _sharded_index, storage
+from lightning_bpk._sharded_names import PARAM_IDS_KEY
 from lightning_bpk.checkpointer import Checkpointer, Retention, Staged, open_data_directory
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
@@ -64,19 +65,13 @@ from lightning_bpk.dcp import (
     ShardedCheckpointError,
     index_name,
     is_sharded,
-    load_full_state_dict,
     load_nested,
+    module_record,
 )
-from lightning_bpk.layout import RECORD_SUFFIX
+from lightning_bpk.layout import MODEL_KEY, RECORD_SUFFIX
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.manifest import FileEntry
-from lightning_bpk.records import (
-    LrSchedulerRecord,
-    ModuleRecord,
-    RecordError,
-    StateRecord,
-    param_ids,
-)
+from lightning_bpk.records import LrSchedulerRecord, RecordError, StateRecord, param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
 
 __all__ = [
@@ -92,9 +87,6 @@ __all__ = [
     "restore",
     "save_shards",
 ]
-
-MODEL = trainer_state.MODEL_KEY
-PARAM_IDS = "param_ids"  # model parameter name -> u64 param id, for the consolidated ModuleRecord
 
 
 def holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
@@ -141,8 +133,8 @@ def _dcp_state(
 ) -> dict[str, Any]:
     ids = param_ids(module)
     state: dict[str, Any] = {
-        MODEL: dict(model_state),
-        PARAM_IDS: {name: ids[name] for name in model_state if name in ids},
+        MODEL_KEY: dict(model_state),
+        PARAM_IDS_KEY: {name: ids[name] for name in model_state if name in ids},
     }
     for i, (optimizer, osd) in enumerate(zip(optimizers, optimizer_states, strict=True)):
         state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)] = _to_ids(
@@ -319,7 +311,7 @@ def lightning_dict(
     location = storage.location(path)
     checkpoint = _rest(location, storage_options)
     nested = load_nested(location, storage_options=storage_options)
-    checkpoint["state_dict"] = OrderedDict(nested[MODEL])
+    checkpoint["state_dict"] = OrderedDict(nested[MODEL_KEY])
     checkpoint["optimizer_states"] = [
         _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
     ]
@@ -358,7 +350,7 @@ def load(
     optimizer_states = [get_optimizer_state_dict(module, o) for o in optimizers]
     state = _dcp_state(module, model_state, optimizers, optimizer_states)
     if not optimizers:
-        state = {MODEL: state[MODEL], PARAM_IDS: state[PARAM_IDS]}
+        state = {MODEL_KEY: state[MODEL_KEY], PARAM_IDS_KEY: state[PARAM_IDS_KEY]}
     try:
         reader = BurnpackStorageReader(location, storage_options=storage_options)
         dcp.load(state, storage_reader=reader)
@@ -366,32 +358,9 @@ def load(
         raise ShardedCheckpointError(
             f"loading the shards of {location} failed: {_failures(e)}"
         ) from e
-    set_model_state_dict(module, state[MODEL])
+    set_model_state_dict(module, state[MODEL_KEY])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):
         ours = state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)]
         set_optimizer_state_dict(module, optimizer, _to_fqns(ours, optimizer, ids))
     return checkpoint
-
-
-def module_record(
-    path: str | os.PathLike[str],
-    *,
-    verify: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-) -> ModuleRecord:
-    """The model of a sharded checkpoint as one unsharded :class:`ModuleRecord`, assembled in this
-    process without a process group (what ``lightning-bpk convert`` writes; ``.apply(module)``
-    loads it into a plain ``nn.Module``). Tensors equal the gathered full state dict.
-
-    A DCP checkpoint written without this package's callback (no ``model.`` keys) gives every
-    tensor under its flattened DCP key.
-    """
-    full = load_full_state_dict(path, verify=verify, storage_options=storage_options)
-    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-    model = {k[len(MODEL) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL + ".")}
-    if not model:
-        return ModuleRecord(tensors)
-    prefix = PARAM_IDS + "."
-    ids = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
-    return ModuleRecord(model, param_ids={k: v for k, v in ids.items() if k in model})
