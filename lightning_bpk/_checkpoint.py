@@ -389,24 +389,21 @@ class CheckpointReport:
 
 
 def report_checkpoints(
-    base_directory: str | os.PathLike[str],
-    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
-    checkpoint_file_prefix: str = DEFAULT_PREFIX,
-    storage_options: Mapping[str, Any] | None = None,
+    store: Store,
+    listing: Mapping[str, int | None],
+    identifier: str,
+    prefix: str,
     *,
-    verify: bool = True,
+    verify: bool,
     required_keys: Sequence[str] = (),
 ) -> list[CheckpointReport]:
-    """:func:`list_checkpoints` with each complete checkpoint verified (``verify``: every byte,
-    as :func:`verify_checkpoint`) and sized: one listing of the directory and one of each
-    checkpoint's data, each sentinel read once."""
-    store = open_store(base_directory, storage_options)
-    listing = store.list("")
+    """The checkpoints of ``store`` (``listing``: its listing) as :func:`list_checkpoints`
+    finds them, each complete one verified (``verify``: every byte, as
+    :func:`verify_checkpoint`) and sized: one listing of each checkpoint's data, each sentinel
+    read once."""
     reports = []
-    for entry in _entries(store, listing, sentinel_file_identifier, checkpoint_file_prefix):
-        view = CheckpointView(
-            store, entry.number, sentinel_file_identifier, checkpoint_file_prefix, listing
-        )
+    for entry in _entries(store, listing, identifier, prefix):
+        view = CheckpointView(store, entry.number, identifier, prefix, listing)
         name = None if entry.data is None else str(entry.data).rpartition("/")[2]
         if entry.complete:
             with contextlib.suppress(OSError, ValueError):
