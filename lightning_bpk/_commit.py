@@ -25,10 +25,8 @@ data that step 2 or the garbage collection of a later save removes. A failure in
 raises and removes what this save wrote (never after losing the lease); every other
 checkpoint, including an earlier save of the same N, stays as it was.
 
-The retention is Dopamine's (``N - f*d`` goes), kept literally: after saving N it keeps the
-``d`` newest complete checkpoints ``<= N`` plus the multiples of ``keep_every*f`` and removes
-the others ``<= N``, sentinels whose data is gone, and data ``< N`` without a sentinel.
-Checkpoints newer than N are never touched; a failure warns, the save stands.
+The retention is Dopamine's, kept literally (:mod:`lightning_bpk.checkpointer` says how and why);
+checkpoints newer than N are never touched, and a failure warns: the save stands.
 """
 
 from __future__ import annotations

@@ -24,24 +24,17 @@ what a sentinel promises. A checkpoint directory looks like this (defaults ``pre
                                                crashed one; removed by the next save)
 
 Saving iteration N (when ``N % checkpoint_frequency == 0``) is the one commit of
-:mod:`lightning_bpk._commit`: stage the records (each fsynced), publish them under a data name
-never used before (``ckpt.N``, or ``ckpt.N~<hex>`` when N already has data), confirm them with a
-listing, check the lease, write the sentinel last (create-only for a new N; one atomic replace
-for a re-save), then drop the superseded copy and collect garbage. A failed save raises and
-leaves every earlier checkpoint, including an earlier save of the same N, as it was; a crash at
-any moment (even SIGKILL or power loss) leaves the newest complete N complete, because a
-sentinel only ever names data that is already durable and whole. Data directories of older
-versions (always ``ckpt.N``) keep loading: the manifest names the data either way.
+:mod:`lightning_bpk._commit`, whose docstring lists its steps: the records are staged, published
+under a data name never used before and confirmed, and the sentinel is written last. A failed
+save raises and leaves every earlier checkpoint, including an earlier save of the same N, as it
+was; a crash at any moment (even SIGKILL or power loss) leaves the newest complete N complete,
+because a sentinel only ever names data that is already durable and whole.
 
-**The sentinel is a manifest**, not Dopamine's ``b'done'``: format tag and version, the
-iteration, the data directory name and, per file, its key, record kind, size and the xxh3-64 of
-its head (the header and CBOR metadata up to the data section). The head holds the per-tensor
-xxh3 checksums every record file carries, so hashing the few-KiB head at save time pins every
-byte that matters without reading the tensors back (a whole-file hash would cost one more full
-read per save, about 0.1 s/GiB here; verification costs the same either way, since it checks
-the tensor checksums at ~28 GiB/s). Only the zero padding between tensors is not covered.
-A sentinel holding exactly ``b'done'`` (written by Dopamine) still counts as complete when its
-data exists, but it is unverifiable; verifying it says so.
+**The sentinel is a manifest** (:mod:`lightning_bpk.manifest`), not Dopamine's ``b'done'``: it
+names the data directory and the size and head digest of each file, so a checkpoint is verified
+without a second copy of its bytes. Data directories of older versions (always ``ckpt.N``) keep
+loading, and a sentinel holding exactly ``b'done'`` (written by Dopamine) still counts as
+complete when its data exists, but it is unverifiable; verifying it says so.
 
 Deviations from Dopamine, all deliberate:
 
@@ -92,16 +85,12 @@ import gin
 from lightning_bpk import _commit, _gin
 from lightning_bpk._checkpoint import (
     CheckpointEntry,
-    CheckpointReport,
     CheckpointView,
     CheckpointWarning,
     Resume,
     choose_resume,
-    has_key,
     latest,
     list_checkpoints,
-    report_checkpoints,
-    summarise,
 )
 from lightning_bpk._commit import Retention, Staged
 from lightning_bpk.errors import CheckpointLockedError, StorageError
@@ -109,7 +98,6 @@ from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
     RECORD_SUFFIX,
-    RUN_SUBDIRECTORY,
     data_name,
     iteration,
     parse_data_name,
@@ -118,29 +106,13 @@ from lightning_bpk.layout import (
     sentinel_name,
 )
 from lightning_bpk.lease import Lease
-from lightning_bpk.manifest import (
-    LEGACY_SENTINEL,
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
-    MAX_SENTINEL_SIZE,
-    FileEntry,
-    quote,
-)
+from lightning_bpk.manifest import FileEntry, quote
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.store import Store, location, open_parent, open_store
-from lightning_bpk.store.local import LOCK_FILE_NAME
 
 __all__ = [
-    "LEGACY_SENTINEL",
-    "LOCK_FILE_NAME",
-    "MANIFEST_FORMAT",
-    "MANIFEST_VERSION",
-    "MAX_SENTINEL_SIZE",
-    "RECORD_SUFFIX",
-    "RUN_SUBDIRECTORY",
     "CheckpointEntry",
     "CheckpointLockedError",
-    "CheckpointReport",
     "CheckpointWarning",
     "Checkpointer",
     "Resume",
@@ -150,11 +122,8 @@ __all__ = [
     "check_settings",
     "choose_resume",
     "get_latest_checkpoint_number",
-    "has_key",
     "list_checkpoints",
     "open_data_directory",
-    "report_checkpoints",
-    "summarise",
     "verify_checkpoint",
 ]
 

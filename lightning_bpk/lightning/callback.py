@@ -102,9 +102,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_bpk import _gin, storage
-from lightning_bpk.checkpointer import RUN_SUBDIRECTORY, check_settings
+from lightning_bpk.checkpointer import check_settings
 from lightning_bpk.errors import CheckpointResumeError
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
 from lightning_bpk.lightning import _compat, _resume, slurm, trainer_state
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bpk import storage
+from lightning_bpk._checkpoint import summarise
 from lightning_bpk.checkpointer import (
     Checkpointer,
     Retention,
@@ -28,7 +29,6 @@ from lightning_bpk.checkpointer import (
     choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
-    summarise,
     verify_checkpoint,
 )
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
