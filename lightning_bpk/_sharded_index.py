@@ -22,8 +22,7 @@ the entry.
 
 Also the rule that a checkpoint is real files in a real directory (:mod:`lightning_bpk.layout`):
 :func:`refuse_links` refuses a symlink anywhere on the way to a member or at the checkpoint
-itself, through the store (which refuses nothing on object storage), before it is read;
-:func:`real_directory` the same for a local checkpoint directory given as a path.
+itself, through the store (which refuses nothing on object storage), before it is read.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -386,9 +384,3 @@ def refuse_links(store: Store, key: str) -> None:
             raise ShardedCheckpointError(
                 f"{url}: a symlink; a checkpoint's files are never followed"
             )
-
-
-def real_directory(path: Path) -> None:
-    """Refuse a checkpoint directory that is a symlink (:mod:`lightning_bpk.layout`)."""
-    if path.is_symlink():
-        raise ShardedCheckpointError(f"{path}: a symlink; a checkpoint directory is never followed")

@@ -220,6 +220,13 @@ def to_records(
     data: dict[str, Any] = {MODEL_KEY: ModuleRecord.from_module(module)}
     for i, optimizer in enumerate(optimizers):
         data[numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
+    return data | _other_records(checkpoint, schedulers)
+
+
+def _other_records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
+    """The schedulers' records and ``trainer`` (the other keys, with the current RNG states):
+    what a sharded save's rank 0 writes beside the shards of the model and optimizers."""
+    data: dict[str, Any] = {}
     for i, scheduler in enumerate(schedulers):
         data[numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
     rest = {k: v for k, v in storable(checkpoint).items() if k not in _RECORD_KEYS}
