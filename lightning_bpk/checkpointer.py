@@ -97,18 +97,14 @@ from lightning_bpk.errors import CheckpointLockedError, StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
-    RECORD_SUFFIX,
     data_name,
     iteration,
-    parse_data_name,
-    parse_sentinel_name,
     safe_name,
     sentinel_name,
 )
 from lightning_bpk.lease import Lease
 from lightning_bpk.manifest import FileEntry, quote
-from lightning_bpk.records.base import RecordError
-from lightning_bpk.store import Store, location, open_parent, open_store
+from lightning_bpk.store import Store, location, open_store
 
 __all__ = [
     "CheckpointEntry",
@@ -123,7 +119,6 @@ __all__ = [
     "choose_resume",
     "get_latest_checkpoint_number",
     "list_checkpoints",
-    "open_data_directory",
     "verify_checkpoint",
 ]
 
@@ -134,10 +129,6 @@ _TAKE_OVER_WAIT = 10.0
 # gin's selectors stay those of this module's real name (see lightning_bpk._gin)
 _GIN_MODULE = "lightning_bpk.checkpointer"
 _gin_configurable = _gin.configurable(_GIN_MODULE)
-
-
-def _store(base_directory: str | os.PathLike[str], options: Mapping[str, Any] | None) -> Store:
-    return open_store(base_directory, options)
 
 
 def _names(identifier: str, prefix: str | None) -> tuple[str, str | None]:
@@ -176,7 +167,7 @@ def get_latest_checkpoint_number(
     if override_number is not None:
         return override_number
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
-    store = _store(base_directory, storage_options)
+    store = open_store(base_directory, storage_options)
     return latest(store, identifier, prefix, verify, tuple(required_keys))
 
 
@@ -210,51 +201,9 @@ def verify_checkpoint(
     ['/does/not/exist/sentinel_checkpoint_complete.3: no sentinel (iteration 3 is not complete)']
     """
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
-    view = CheckpointView(
-        _store(base_directory, storage_options), iteration(iteration_number), identifier, prefix
-    )
+    store = open_store(base_directory, storage_options)
+    view = CheckpointView(store, iteration(iteration_number), identifier, prefix)
     return view.problems(full=full, required_keys=tuple(required_keys))
-
-
-def open_data_directory(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> tuple[Checkpointer, int] | None:
-    """The Checkpointer that wrote the data directory ``{base}/{prefix}.{N}`` (or a re-save's
-    ``{prefix}.{N}~<hex>``, for which ``{prefix}.{N}`` also stands) and N; None when ``path``
-    is not a data directory. ``RecordError`` when it is one whose sentinel is missing or
-    ambiguous (so it is not known to be complete)."""
-    parent, name = open_parent(path, storage_options)
-    refused = parent.refused(name, ())
-    if refused:  # a data directory that is a symlink: refused, never followed
-        raise RecordError("io", refused)
-    listing = parent.list("")
-    base = name.partition("~")[0]
-    if not any(
-        size is None and (key == name or key.partition("~")[0] == base)
-        for key, size in listing.items()
-    ):
-        return None
-    number = parse_data_name(name, None)
-    prefix = base.rpartition(".")[0]
-    if number is None:
-        raise RecordError(
-            "io", f"{location(path)}: not a checkpoint directory (expected '<prefix>.<number>')"
-        )
-    identifiers = [
-        parsed[0]
-        for parsed in map(parse_sentinel_name, listing)
-        if parsed is not None and parsed[1] == number
-    ]
-    if len(identifiers) != 1:
-        what = "no sentinel" if not identifiers else f"several sentinels {identifiers}"
-        raise RecordError(
-            "io",
-            f"{location(path)}: {what} for checkpoint {number}, so it is not known to be complete",
-        )
-    checkpointer = Checkpointer(
-        parent.url, prefix, identifiers[0], storage_options=storage_options, _store=parent
-    )
-    return checkpointer, number
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
@@ -315,8 +264,6 @@ class Checkpointer:
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        *,
-        _store: Store | None = None,
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
@@ -337,9 +284,7 @@ class Checkpointer:
         # Set by take_over(): then every commit and garbage collection first checks that no
         # newer run took over the directory (lightning_bpk.lease).
         self.lease: Lease | None = None
-        self.store: Store = (
-            _store if _store is not None else open_store(self.base_directory, storage_options)
-        )
+        self.store: Store = open_store(self.base_directory, storage_options)
         try:
             # unreachable, wrong credentials, no bucket: fail now; a local directory is made
             self.store.check(create=True)
@@ -407,22 +352,6 @@ class Checkpointer:
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
         return latest(
             self.store, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
-        )
-
-    def data_keys(self, iteration_number: int) -> list[str]:
-        """The data keys checkpoint ``iteration_number`` holds, as its sentinel lists them
-        ([] when it has no readable sentinel; a Dopamine ``b'done'``: its files)."""
-        view = self._view(iteration_number)
-        try:
-            manifest = view.read_manifest()
-        except (OSError, ValueError):
-            return []
-        if manifest is not None:
-            return list(manifest.files)
-        return sorted(
-            name[: -len(RECORD_SUFFIX)]
-            for name in self.store.list(view.data_name(None))
-            if name.endswith(RECORD_SUFFIX)
         )
 
     def verify_checkpoint(self, iteration_number: int) -> list[str]:

@@ -51,8 +51,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _sharded_index, storage
+from lightning_bpk._checkpoint import open_data_directory
 from lightning_bpk._sharded_names import PARAM_IDS_KEY
-from lightning_bpk.checkpointer import Checkpointer, Staged, open_data_directory
+from lightning_bpk.checkpointer import Checkpointer, Staged
 from lightning_bpk.dcp import (
     DEFAULT_PREFIX,
     INDEX_KIND,
@@ -220,16 +221,14 @@ def _save_shards(
 def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
     _sharded_index.refuse_links(storage.open_store(path, storage_options), "")  # before reading
-    opened = open_data_directory(path, storage_options)
-    if opened is None:
+    view = open_data_directory(path, storage_options)
+    if view is None:
         raise RecordError(
             "io", f"{path}: not a checkpoint directory (expected '<prefix>.<number>')"
         )
-    checkpointer, number = opened
-    keys = [k for k in checkpointer.data_keys(number) if not k.startswith(DEFAULT_PREFIX)]
-    data = checkpointer.load_checkpoint(number, keys)
+    data = view.load([k for k in view.data_keys() if not k.startswith(DEFAULT_PREFIX)])
     if data is None or trainer_state.TRAINER_KEY not in data:
-        raise ShardedCheckpointError(f"{path}: checkpoint {number} is not complete")
+        raise ShardedCheckpointError(f"{path}: checkpoint {view.iteration} is not complete")
     checkpoint = dict(data[trainer_state.TRAINER_KEY])
     checkpoint["lr_schedulers"] = [
         r.state_dict() for r in trainer_state._numbered(data, trainer_state.SCHEDULER_KEY)

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from lightning_bpk import state, storage
+from lightning_bpk._checkpoint import open_data_directory
 from lightning_bpk._sharded_names import INDEX_KEY
-from lightning_bpk.checkpointer import open_data_directory
 from lightning_bpk.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -357,12 +357,11 @@ def load(
     missing path and :class:`RecordError` (naming the file) for anything unreadable.
     """
     target = storage.location(path)
-    opened = open_data_directory(target, storage_options)
-    if opened is not None:
-        checkpointer, number = opened
-        data = checkpointer.load_checkpoint(number)
+    view = open_data_directory(target, storage_options)
+    if view is not None:
+        data = view.load()
         if data is None:
-            raise RecordError("io", f"{target}: checkpoint {number} is not complete")
+            raise RecordError("io", f"{target}: checkpoint {view.iteration} is not complete")
         return from_records(data, str(target))
     try:
         record = files.read_record(target, storage_options)
