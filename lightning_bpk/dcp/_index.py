@@ -44,9 +44,6 @@ from lightning_bpk.store import (
     open_store,
 )
 
-INDEX_FORMAT = _sharded_index.FORMAT
-INDEX_VERSION = _sharded_index.VERSION
-"""The version of the JSON index this writer writes (readers refuse a newer one)."""
 INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
 SAVE_ID_KEY = "lightning_bpk/dcp_save"
 """Burnpack metadata entry by which every rank file names the save it belongs to (a file of

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bpk import storage
 from lightning_bpk._checkpoint import summarise
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.checkpointer import (
     Checkpointer,
     Retention,
@@ -113,7 +114,7 @@ class CheckpointDispatch:
                 self.checkpoint_file_prefix,
                 required,
                 at_most=2**63,
-                unloaded=(trainer_state.INDEX_KEY,),
+                unloaded=(INDEX_DATA_KEY,),
             )
             self._preloaded, self._resume_location = choice.data, choice.location
             return choice.number, None

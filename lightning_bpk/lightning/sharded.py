@@ -52,10 +52,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _sharded_index, storage
 from lightning_bpk._checkpoint import open_data_directory
-from lightning_bpk._sharded_names import PARAM_IDS_KEY
+from lightning_bpk._sharded_names import DEFAULT_PREFIX, PARAM_IDS_KEY
 from lightning_bpk.checkpointer import Checkpointer, Staged
 from lightning_bpk.dcp import (
-    DEFAULT_PREFIX,
     INDEX_KIND,
     SHARD_KIND,
     BurnpackStorageReader,

@@ -45,7 +45,7 @@ import torch
 
 from lightning_bpk import state, storage
 from lightning_bpk._checkpoint import open_data_directory
-from lightning_bpk._sharded_names import INDEX_KEY
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -91,7 +91,7 @@ __all__ = [
 
 # What resume cannot do without (the optimizers and schedulers may be none); a sharded
 # checkpoint's index stands for the model (its shards hold the model; Checkpointer's has_key).
-REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_KEY}", TRAINER_KEY)
+REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_DATA_KEY}", TRAINER_KEY)
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
