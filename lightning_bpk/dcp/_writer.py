@@ -26,6 +26,7 @@ from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
 from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
+from lightning_bpk.records.files import Described, describe
 from lightning_bpk.store import Store, location, open_store
 
 SHARD_KIND = "dcp_shard"
@@ -44,16 +45,6 @@ def _chunk_name(index: MetadataIndex) -> str:
     if index.offset is None or not any(index.offset):
         return index.fqn
     return f"{index.fqn}@{','.join(map(str, index.offset))}"
-
-
-def _head(path: Path) -> tuple[int, int, str]:
-    """A written file's size, its head's size and the xxh3 of its head (header and metadata,
-    with the tensor checksums)."""
-    with burnpack.read(path) as pack:
-        head_size = pack.data_start
-    with open(path, "rb") as f:
-        digest = xxhash.xxh3_64_hexdigest(f.read(head_size))
-    return path.stat().st_size, head_size, digest
 
 
 def _stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list[str]:
@@ -185,12 +176,12 @@ class BurnpackStorageWriter(StorageWriter):
         entries = {_chunk_name(item.index): _entry(planner, item) for item in plan.items}
         results = []
         if entries:
-            size, head_size, digest = self._write_rank_file(
+            head = self._write_rank_file(
                 file, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id}
             )
             for item in plan.items:
                 location = _sharded_index.Location(
-                    file, _chunk_name(item.index), size, digest, head_size
+                    file, _chunk_name(item.index), head.size, head.head_xxh3, head.head_size
                 )
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
         future: Future[list[WriteResult]] = Future()
@@ -199,14 +190,14 @@ class BurnpackStorageWriter(StorageWriter):
 
     def _write_rank_file(
         self, file: str, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
-    ) -> tuple[int, int, str]:
+    ) -> Described:
         """Write this rank's file through the store; its size, head size and head digest."""
         store = self._store()
         described = None
         try:
             with store.scratch(file) as scratch:
                 self.write_file(scratch, entries, metadata)  # its errors are raised as they are
-                described = _head(scratch)
+                described = describe(open_store(scratch.parent), scratch.name)
         except OSError as e:
             if described is None:
                 raise
