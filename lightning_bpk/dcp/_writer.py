@@ -96,20 +96,16 @@ class BurnpackStorageWriter(StorageWriter):
             of keys); ``dcp.save(checkpoint_id=...)`` may give it instead.
         prefix: file names are ``{prefix}.rank-{r}.{id}.bpk`` and ``{prefix}.index.bpk``.
         storage_options: passed to fsspec for a URL (credentials, endpoint).
-        commit: ``True`` (the default, the writer used on its own): the index is the commit.
-            ``finish`` confirms every rank's file with one listing, then writes the index
-            create-only (on local disk, where a re-save may replace a committed checkpoint,
-            atomically over the old one), then removes the rank files of earlier or failed
-            saves. ``False``: the caller commits. ``path`` is then a staging prefix the caller
-            made for this save (:meth:`lightning_bpk.store.Store.staging`, as a location:
-            ``store.url_of(staging)``); ``finish`` writes the index there as an ordinary file
-            and removes nothing; the caller confirms, publishes and writes its own sentinel last
-            (the checkpointer does, with :attr:`files` in its manifest).
+        commit: ``True`` (the default, the writer used on its own): the index is the commit
+            (step 3 of the protocol in :mod:`lightning_bpk.dcp`). ``False``: the caller
+            commits; ``path`` is a staging prefix it made for this save (the location of a
+            :meth:`lightning_bpk.store.Store.staging` prefix), ``finish`` writes the index
+            there as an ordinary file and removes nothing, and the caller confirms, publishes
+            and writes its own sentinel last (the checkpointer does, with :attr:`files` in its
+            manifest).
 
-    Every rank writes its file through :meth:`write_file` (one call per rank and save) into a
-    scratch path of the store, which the store publishes durably under the file's name (local:
-    fsync and rename; object store: upload). After a save, the coordinator's :attr:`files`
-    describes every file it wrote (the index too): name -> size, head size and head digest.
+    After a save, the coordinator's :attr:`files` describes every file it wrote (the index
+    too): name -> size, head size and head digest.
     """
 
     def __init__(
