@@ -4,7 +4,5 @@ import sys
 
 from lightning_bpk.cli import main
 
-__all__: list[str] = []
-
 if __name__ == "__main__":  # importing it (pytest's doctest collection) must not run the CLI
     sys.exit(main())

@@ -34,29 +34,16 @@ from lightning_bpk.layout import (
     data_name,
     data_names,
     numbered,
+    parse_data_name,
+    parse_sentinel_name,
     sentinel_name,
     sentinel_stem,
 )
 from lightning_bpk.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
-from lightning_bpk.records.base import RecordError, StateRecord, record_from_pack
+from lightning_bpk.records.base import RecordError, StateRecord, _record_from_pack
 from lightning_bpk.records.files import open_pack
-from lightning_bpk.store import Store, location, open_store
+from lightning_bpk.store import Store, location, open_parent, open_store
 from lightning_bpk.store.local import RefusedFileError
-
-__all__ = [
-    "CheckpointEntry",
-    "CheckpointReport",
-    "CheckpointView",
-    "CheckpointWarning",
-    "Resume",
-    "choose_resume",
-    "has_key",
-    "latest",
-    "list_checkpoints",
-    "report_checkpoints",
-    "sentinels",
-    "summarise",
-]
 
 T = TypeVar("T")
 # A problem list longer than this is summarised in warnings ("... and N more").
@@ -180,6 +167,17 @@ class CheckpointView:
         except (OSError, ValueError) as e:
             return None, [f"{self.sentinel}: {e}"]
 
+    def data_keys(self) -> list[str]:
+        """The data keys the sentinel lists ([] when it is unreadable; Dopamine's ``b'done'``,
+        which lists none: the files of its data)."""
+        try:
+            manifest = self.read_manifest()
+        except (OSError, ValueError):
+            return []
+        if manifest is not None:
+            return list(manifest.files)
+        return _keys_of(self.data(self.data_name(None))[0])
+
     def data_name(self, manifest: Manifest | None) -> str:
         """The data the sentinel stands for: the manifest's, or (``b'done'``, which names none)
         ``<prefix>.<N>``."""
@@ -295,7 +293,7 @@ class CheckpointView:
             raise RecordError("io", refused)
         if listing[name] is not None:
             raise RecordError("io", _not_a_data_directory(url))
-        held = _keys_of(present) if manifest is None else list(manifest.files)
+        held = self.data_keys()
         wanted = held if keys is None else list(keys)
         missing = [k for k in wanted if k not in held]
         if missing:
@@ -332,11 +330,48 @@ def _verify(pack: burnpack.Pack) -> None:
 
 def _record(pack: burnpack.Pack) -> Any:
     with pack:
-        return record_from_pack(pack)
+        return _record_from_pack(pack)
 
 
 def _not_a_data_directory(url: str) -> str:
     return f"{url} is not a lightning_bpk data directory (a Dopamine pickle?); not loadable"
+
+
+def open_data_directory(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> CheckpointView | None:
+    """The checkpoint whose data directory is ``path`` (``{base}/{prefix}.{N}``, or a re-save's
+    ``{prefix}.{N}~<hex>``, for which ``{prefix}.{N}`` also stands); None when ``path`` is not
+    a data directory. ``RecordError`` when it is one whose sentinel is missing or ambiguous (so
+    it is not known to be complete)."""
+    parent, name = open_parent(path, storage_options)
+    refused = parent.refused(name, ())
+    if refused:  # a data directory that is a symlink: refused, never followed
+        raise RecordError("io", refused)
+    listing = parent.list("")
+    base = name.partition("~")[0]
+    if not any(
+        size is None and (key == name or key.partition("~")[0] == base)
+        for key, size in listing.items()
+    ):
+        return None
+    number = parse_data_name(name, None)
+    if number is None:
+        raise RecordError(
+            "io", f"{location(path)}: not a checkpoint directory (expected '<prefix>.<number>')"
+        )
+    identifiers = [
+        parsed[0]
+        for parsed in map(parse_sentinel_name, listing)
+        if parsed is not None and parsed[1] == number
+    ]
+    if len(identifiers) != 1:
+        what = "no sentinel" if not identifiers else f"several sentinels {identifiers}"
+        raise RecordError(
+            "io",
+            f"{location(path)}: {what} for checkpoint {number}, so it is not known to be complete",
+        )
+    return CheckpointView(parent, number, identifiers[0], base.rpartition(".")[0], listing)
 
 
 # --- what a directory holds ---------------------------------------------------------------------
@@ -404,24 +439,21 @@ class CheckpointReport:
 
 
 def report_checkpoints(
-    base_directory: str | os.PathLike[str],
-    sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
-    checkpoint_file_prefix: str = DEFAULT_PREFIX,
-    storage_options: Mapping[str, Any] | None = None,
+    store: Store,
+    listing: Mapping[str, int | None],
+    identifier: str,
+    prefix: str,
     *,
-    verify: bool = True,
+    verify: bool,
     required_keys: Sequence[str] = (),
 ) -> list[CheckpointReport]:
-    """:func:`list_checkpoints` with each complete checkpoint verified (``verify``: every byte,
-    as :func:`verify_checkpoint`) and sized: one listing of the directory and one of each
-    checkpoint's data, each sentinel read once."""
-    store = open_store(base_directory, storage_options)
-    listing = store.list("")
+    """The checkpoints of ``store`` (``listing``: its listing) as :func:`list_checkpoints`
+    finds them, each complete one verified (``verify``: every byte, as
+    :func:`verify_checkpoint`) and sized: one listing of each checkpoint's data, each sentinel
+    read once."""
     reports = []
-    for entry in _entries(store, listing, sentinel_file_identifier, checkpoint_file_prefix):
-        view = CheckpointView(
-            store, entry.number, sentinel_file_identifier, checkpoint_file_prefix, listing
-        )
+    for entry in _entries(store, listing, identifier, prefix):
+        view = CheckpointView(store, entry.number, identifier, prefix, listing)
         name = None if entry.data is None else str(entry.data).rpartition("/")[2]
         if entry.complete:
             with contextlib.suppress(OSError, ValueError):

@@ -25,10 +25,8 @@ data that step 2 or the garbage collection of a later save removes. A failure in
 raises and removes what this save wrote (never after losing the lease); every other
 checkpoint, including an earlier save of the same N, stays as it was.
 
-The retention is Dopamine's (``N - f*d`` goes), kept literally: after saving N it keeps the
-``d`` newest complete checkpoints ``<= N`` plus the multiples of ``keep_every*f`` and removes
-the others ``<= N``, sentinels whose data is gone, and data ``< N`` without a sentinel.
-Checkpoints newer than N are never touched; a failure warns, the save stands.
+The retention is Dopamine's, kept literally (:mod:`lightning_bpk.checkpointer` says how and why);
+checkpoints newer than N are never touched, and a failure warns: the save stands.
 """
 
 from __future__ import annotations
@@ -57,17 +55,6 @@ from lightning_bpk.manifest import FileEntry, Manifest, encode
 from lightning_bpk.records.base import Record, RecordError, StateRecord
 from lightning_bpk.records.files import describe, save_record
 from lightning_bpk.store import Store
-
-__all__ = [
-    "Names",
-    "Retention",
-    "Staged",
-    "begin",
-    "collect_garbage",
-    "commit",
-    "discard",
-    "remove",
-]
 
 # What _fs.scratch_path appends to a name: "<name>.<pid>-<counter>.tmp".
 _SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)
@@ -122,26 +109,26 @@ def _check(lease: Lease | None) -> None:
         lease.check()
 
 
-def _choose(names: Names, listing: Mapping[str, int | None], n: int) -> str:
-    """Step 3 (and the second half of step 2): N's data name, never used before. Data of N
-    without a sentinel of N is deleted now; with one (a re-save) it stays until the new
-    sentinel replaces the old."""
+def _stage_at(names: Names, listing: Mapping[str, int | None], n: int) -> Staged:
+    """Step 3 (and the second half of step 2): where N is staged, under a data name never used
+    before. Data of N without a sentinel of N is deleted now; with one (a re-save) it stays
+    until the new sentinel replaces the old."""
     earlier = data_names(listing, names.prefix).get(n, [])
     if sentinel_name(names.identifier, n) not in listing:
         for old in earlier:
             names.store.remove_prefix(old)
     # a fresh name when N had data: the old copy stays whole until the new sentinel, and no
     # upload still landing from a failed save mixes into the new one
-    return fresh_data_name(names.prefix, n) if earlier else data_name(names.prefix, n)
+    name = fresh_data_name(names.prefix, n) if earlier else data_name(names.prefix, n)
+    key = names.store.staging(name)
+    return Staged(n, name, key, names.store.url_of(key))
 
 
 def begin(names: Names, n: int, lease: Lease | None) -> Staged:
     """Steps 1-3 ahead of a save whose files other processes write (a sharded save's ranks):
     where to write them. :func:`commit` with ``staged`` then commits them."""
     _check(lease)
-    name = _choose(names, names.store.list(""), n)
-    key = names.store.staging(name)
-    return Staged(n, name, key, names.store.url_of(key))
+    return _stage_at(names, names.store.list(""), n)
 
 
 def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[str]:
@@ -214,9 +201,7 @@ def commit(
         for leftover in _leftovers(names, listing, None if staged is None else staged.key):
             store.remove_prefix(leftover)
         if staged is None:
-            name = _choose(names, listing, n)
-            key = store.staging(name)
-            staged = Staged(n, name, key, store.url_of(key))
+            staged = _stage_at(names, listing, n)
         sentinel = sentinel_name(names.identifier, n)
         resave = sentinel in listing
         superseded = [
@@ -276,17 +261,12 @@ def _holds(store: Store, key: str, data: bytes) -> bool | None:
 def discard(names: Names, staged: Staged, lease: Lease | None) -> None:
     """Remove what a failed save wrote for ``staged``, unless a newer run owns the directory
     now (best effort: a failure warns, and a later save removes the rest)."""
-    if _still_owner(lease):
-        keys = dict.fromkeys([staged.key, staged.name])
-        _remove_quietly(names.store, keys, f"the files of a failed save ({staged.name})")
-
-
-def _still_owner(lease: Lease | None) -> bool:
     try:
         _check(lease)
     except Exception:
-        return False
-    return True
+        return  # superseded (or the directory is gone): nothing here is this run's to remove
+    keys = dict.fromkeys([staged.key, staged.name])
+    _remove_quietly(names.store, keys, f"the files of a failed save ({staged.name})")
 
 
 def _remove_quietly(store: Store, prefixes: Iterable[str], what: str) -> None:

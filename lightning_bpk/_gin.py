@@ -21,8 +21,6 @@ from typing import Any, TypeVar, cast
 
 import gin
 
-__all__ = ["CONFIGURABLES", "configurable", "register_stand_ins"]
-
 T = TypeVar("T")
 
 # gin selector -> the module that defines it (the attribute is the selector's last part).

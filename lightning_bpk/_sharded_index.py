@@ -22,8 +22,7 @@ the entry.
 
 Also the rule that a checkpoint is real files in a real directory (:mod:`lightning_bpk.layout`):
 :func:`refuse_links` refuses a symlink anywhere on the way to a member or at the checkpoint
-itself, through the store (which refuses nothing on object storage), before it is read;
-:func:`real_directory` the same for a local checkpoint directory given as a path.
+itself, through the store (which refuses nothing on object storage), before it is read.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,18 +41,6 @@ from lightning_bpk._sharded_names import ShardedCheckpointError
 from lightning_bpk.burnpack.base import _short
 from lightning_bpk.layout import member_name_problem
 from lightning_bpk.store import Store
-
-__all__ = [
-    "MAX_DEPTH",
-    "MAX_ENTRIES",
-    "Document",
-    "Location",
-    "check_rank_file",
-    "encode",
-    "parse",
-    "real_directory",
-    "refuse_links",
-]
 
 FORMAT = "lightning_bpk/dcp"
 VERSION = 1
@@ -189,7 +175,7 @@ def _tensor(fqn: str, value: object, placer: _Placer) -> None:
     t = _dict(value, f"tensor '{fqn}'", ("dtype", "shape", "requires_grad", "chunks"))
     dtype = t["dtype"]
     try:
-        itemsize = torch.empty((), dtype=burnpack.torch_dtype(dtype)).element_size()
+        itemsize = torch.empty((), dtype=burnpack._torch_dtype(dtype)).element_size()
     except (burnpack.BurnpackError, TypeError):
         raise _Problem(f"tensor '{fqn}': unknown dtype {_short(dtype)}") from None
     if not isinstance(t["requires_grad"], bool):
@@ -331,7 +317,7 @@ def encode(
                 }
             )
         tensors[fqn] = {
-            "dtype": burnpack.burn_dtype(md.properties.dtype),
+            "dtype": burnpack._burn_dtype(md.properties.dtype),
             "shape": list(md.size),
             "requires_grad": bool(md.properties.requires_grad),
             "chunks": chunks,
@@ -358,7 +344,7 @@ def parse(raw: object, where: str) -> Document:
     if raw is None:
         raise ShardedCheckpointError(f"{where}: not a {FORMAT} index")
     try:
-        return _document(burnpack.decode_json(raw, what="the index", max_depth=MAX_DEPTH))
+        return _document(burnpack._decode_json(raw, what="the index", max_depth=MAX_DEPTH))
     except burnpack.MetadataError as e:
         raise ShardedCheckpointError(f"{where}: {e}") from None
     except _Problem as e:
@@ -398,9 +384,3 @@ def refuse_links(store: Store, key: str) -> None:
             raise ShardedCheckpointError(
                 f"{url}: a symlink; a checkpoint's files are never followed"
             )
-
-
-def real_directory(path: Path) -> None:
-    """Refuse a checkpoint directory that is a symlink (:mod:`lightning_bpk.layout`)."""
-    if path.is_symlink():
-        raise ShardedCheckpointError(f"{path}: a symlink; a checkpoint directory is never followed")

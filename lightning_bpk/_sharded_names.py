@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.store import open_store
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "INDEX_KEY",
-    "ShardedCheckpointError",
-    "index_name",
-    "index_path",
-    "is_sharded",
-]
-
 DEFAULT_PREFIX = "sharded"
-INDEX_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
+INDEX_DATA_KEY = f"{DEFAULT_PREFIX}.index"  # the index's data key in a checkpoint (beside trainer)
+# The callback's DCP state: the module under ``model`` (layout.MODEL_KEY), and under this key its
+# parameter name -> u64 param id map, so the consolidated ModuleRecord keeps Burn's param ids.
+PARAM_IDS_KEY = "param_ids"
 
 
 class ShardedCheckpointError(LightningBpkError, RuntimeError):
@@ -35,11 +28,6 @@ class ShardedCheckpointError(LightningBpkError, RuntimeError):
 def index_name(prefix: str = DEFAULT_PREFIX) -> str:
     """The file (or object) name of the index inside a sharded checkpoint."""
     return f"{prefix}.index.bpk"
-
-
-def index_path(directory: str | os.PathLike[str], prefix: str = DEFAULT_PREFIX) -> Path:
-    """Where the index of the sharded checkpoint in ``directory`` lives."""
-    return Path(directory) / index_name(prefix)
 
 
 def is_sharded(

@@ -24,24 +24,17 @@ what a sentinel promises. A checkpoint directory looks like this (defaults ``pre
                                                crashed one; removed by the next save)
 
 Saving iteration N (when ``N % checkpoint_frequency == 0``) is the one commit of
-:mod:`lightning_bpk._commit`: stage the records (each fsynced), publish them under a data name
-never used before (``ckpt.N``, or ``ckpt.N~<hex>`` when N already has data), confirm them with a
-listing, check the lease, write the sentinel last (create-only for a new N; one atomic replace
-for a re-save), then drop the superseded copy and collect garbage. A failed save raises and
-leaves every earlier checkpoint, including an earlier save of the same N, as it was; a crash at
-any moment (even SIGKILL or power loss) leaves the newest complete N complete, because a
-sentinel only ever names data that is already durable and whole. Data directories of older
-versions (always ``ckpt.N``) keep loading: the manifest names the data either way.
+:mod:`lightning_bpk._commit`, whose docstring lists its steps: the records are staged, published
+under a data name never used before and confirmed, and the sentinel is written last. A failed
+save raises and leaves every earlier checkpoint, including an earlier save of the same N, as it
+was; a crash at any moment (even SIGKILL or power loss) leaves the newest complete N complete,
+because a sentinel only ever names data that is already durable and whole.
 
-**The sentinel is a manifest**, not Dopamine's ``b'done'``: format tag and version, the
-iteration, the data directory name and, per file, its key, record kind, size and the xxh3-64 of
-its head (the header and CBOR metadata up to the data section). The head holds the per-tensor
-xxh3 checksums every record file carries, so hashing the few-KiB head at save time pins every
-byte that matters without reading the tensors back (a whole-file hash would cost one more full
-read per save, about 0.1 s/GiB here; verification costs the same either way, since it checks
-the tensor checksums at ~28 GiB/s). Only the zero padding between tensors is not covered.
-A sentinel holding exactly ``b'done'`` (written by Dopamine) still counts as complete when its
-data exists, but it is unverifiable; verifying it says so.
+**The sentinel is a manifest** (:mod:`lightning_bpk.manifest`), not Dopamine's ``b'done'``: it
+names the data directory and the size and head digest of each file, so a checkpoint is verified
+without a second copy of its bytes. Data directories of older versions (always ``ckpt.N``) keep
+loading, and a sentinel holding exactly ``b'done'`` (written by Dopamine) still counts as
+complete when its data exists, but it is unverifiable; verifying it says so.
 
 Deviations from Dopamine, all deliberate:
 
@@ -92,55 +85,30 @@ import gin
 from lightning_bpk import _commit, _gin
 from lightning_bpk._checkpoint import (
     CheckpointEntry,
-    CheckpointReport,
     CheckpointView,
     CheckpointWarning,
     Resume,
     choose_resume,
-    has_key,
     latest,
     list_checkpoints,
-    report_checkpoints,
-    summarise,
 )
 from lightning_bpk._commit import Retention, Staged
 from lightning_bpk.errors import CheckpointLockedError, StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
-    RECORD_SUFFIX,
-    RUN_SUBDIRECTORY,
     data_name,
     iteration,
-    parse_data_name,
-    parse_sentinel_name,
     safe_name,
     sentinel_name,
 )
 from lightning_bpk.lease import Lease
-from lightning_bpk.manifest import (
-    LEGACY_SENTINEL,
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
-    MAX_SENTINEL_SIZE,
-    FileEntry,
-    quote,
-)
-from lightning_bpk.records.base import RecordError
-from lightning_bpk.store import Store, location, open_parent, open_store
-from lightning_bpk.store.local import LOCK_FILE_NAME
+from lightning_bpk.manifest import FileEntry, quote
+from lightning_bpk.store import Store, location, open_store
 
 __all__ = [
-    "LEGACY_SENTINEL",
-    "LOCK_FILE_NAME",
-    "MANIFEST_FORMAT",
-    "MANIFEST_VERSION",
-    "MAX_SENTINEL_SIZE",
-    "RECORD_SUFFIX",
-    "RUN_SUBDIRECTORY",
     "CheckpointEntry",
     "CheckpointLockedError",
-    "CheckpointReport",
     "CheckpointWarning",
     "Checkpointer",
     "Resume",
@@ -150,11 +118,7 @@ __all__ = [
     "check_settings",
     "choose_resume",
     "get_latest_checkpoint_number",
-    "has_key",
     "list_checkpoints",
-    "open_data_directory",
-    "report_checkpoints",
-    "summarise",
     "verify_checkpoint",
 ]
 
@@ -165,10 +129,6 @@ _TAKE_OVER_WAIT = 10.0
 # gin's selectors stay those of this module's real name (see lightning_bpk._gin)
 _GIN_MODULE = "lightning_bpk.checkpointer"
 _gin_configurable = _gin.configurable(_GIN_MODULE)
-
-
-def _store(base_directory: str | os.PathLike[str], options: Mapping[str, Any] | None) -> Store:
-    return open_store(base_directory, options)
 
 
 def _names(identifier: str, prefix: str | None) -> tuple[str, str | None]:
@@ -207,7 +167,7 @@ def get_latest_checkpoint_number(
     if override_number is not None:
         return override_number
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
-    store = _store(base_directory, storage_options)
+    store = open_store(base_directory, storage_options)
     return latest(store, identifier, prefix, verify, tuple(required_keys))
 
 
@@ -241,51 +201,9 @@ def verify_checkpoint(
     ['/does/not/exist/sentinel_checkpoint_complete.3: no sentinel (iteration 3 is not complete)']
     """
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
-    view = CheckpointView(
-        _store(base_directory, storage_options), iteration(iteration_number), identifier, prefix
-    )
+    store = open_store(base_directory, storage_options)
+    view = CheckpointView(store, iteration(iteration_number), identifier, prefix)
     return view.problems(full=full, required_keys=tuple(required_keys))
-
-
-def open_data_directory(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> tuple[Checkpointer, int] | None:
-    """The Checkpointer that wrote the data directory ``{base}/{prefix}.{N}`` (or a re-save's
-    ``{prefix}.{N}~<hex>``, for which ``{prefix}.{N}`` also stands) and N; None when ``path``
-    is not a data directory. ``RecordError`` when it is one whose sentinel is missing or
-    ambiguous (so it is not known to be complete)."""
-    parent, name = open_parent(path, storage_options)
-    refused = parent.refused(name, ())
-    if refused:  # a data directory that is a symlink: refused, never followed
-        raise RecordError("io", refused)
-    listing = parent.list("")
-    base = name.partition("~")[0]
-    if not any(
-        size is None and (key == name or key.partition("~")[0] == base)
-        for key, size in listing.items()
-    ):
-        return None
-    number = parse_data_name(name, None)
-    prefix = base.rpartition(".")[0]
-    if number is None:
-        raise RecordError(
-            "io", f"{location(path)}: not a checkpoint directory (expected '<prefix>.<number>')"
-        )
-    identifiers = [
-        parsed[0]
-        for parsed in map(parse_sentinel_name, listing)
-        if parsed is not None and parsed[1] == number
-    ]
-    if len(identifiers) != 1:
-        what = "no sentinel" if not identifiers else f"several sentinels {identifiers}"
-        raise RecordError(
-            "io",
-            f"{location(path)}: {what} for checkpoint {number}, so it is not known to be complete",
-        )
-    checkpointer = Checkpointer(
-        parent.url, prefix, identifiers[0], storage_options=storage_options, _store=parent
-    )
-    return checkpointer, number
 
 
 # --- the checkpointer ---------------------------------------------------------------------------
@@ -346,8 +264,6 @@ class Checkpointer:
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        *,
-        _store: Store | None = None,
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
@@ -368,9 +284,7 @@ class Checkpointer:
         # Set by take_over(): then every commit and garbage collection first checks that no
         # newer run took over the directory (lightning_bpk.lease).
         self.lease: Lease | None = None
-        self.store: Store = (
-            _store if _store is not None else open_store(self.base_directory, storage_options)
-        )
+        self.store: Store = open_store(self.base_directory, storage_options)
         try:
             # unreachable, wrong credentials, no bucket: fail now; a local directory is made
             self.store.check(create=True)
@@ -438,22 +352,6 @@ class Checkpointer:
         (gin bindings of that function, such as ``override_number``, do not apply here)."""
         return latest(
             self.store, self.sentinel_file_identifier, self.checkpoint_file_prefix, verify
-        )
-
-    def data_keys(self, iteration_number: int) -> list[str]:
-        """The data keys checkpoint ``iteration_number`` holds, as its sentinel lists them
-        ([] when it has no readable sentinel; a Dopamine ``b'done'``: its files)."""
-        view = self._view(iteration_number)
-        try:
-            manifest = view.read_manifest()
-        except (OSError, ValueError):
-            return []
-        if manifest is not None:
-            return list(manifest.files)
-        return sorted(
-            name[: -len(RECORD_SUFFIX)]
-            for name in self.store.list(view.data_name(None))
-            if name.endswith(RECORD_SUFFIX)
         )
 
     def verify_checkpoint(self, iteration_number: int) -> list[str]:

@@ -1,17 +1,4 @@
 """The public path of :mod:`lightning_bpk.lightning.slurm`, which holds the code."""
 
-from lightning_bpk.lightning.slurm import (
-    job_id,
-    log_restart,
-    requeue,
-    requeue_signal,
-    restart_count,
-)
-
-__all__ = [
-    "job_id",
-    "log_restart",
-    "requeue",
-    "requeue_signal",
-    "restart_count",
-]
+from lightning_bpk.lightning.slurm import *  # noqa: F403
+from lightning_bpk.lightning.slurm import __all__ as __all__

@@ -221,7 +221,7 @@ class _Encoder:
         if tensor.layout != torch.strided:
             raise StateError(f"{_where(path)}: {tensor.layout} tensors are not supported")
         try:
-            return burnpack.burn_dtype(tensor.dtype)
+            return burnpack._burn_dtype(tensor.dtype)
         except burnpack.BurnpackError:
             raise StateError(
                 f"{_where(path)}: tensor dtype {tensor.dtype} has no burnpack equivalent"
@@ -323,7 +323,7 @@ class _Decoder:
         _, name, dtype_value = node
         scalar = self.leaf(self.scalars, name, "scalar", path)
         try:
-            dtype = burnpack.torch_dtype(dtype_value)
+            dtype = burnpack._torch_dtype(dtype_value)
         except (burnpack.BurnpackError, TypeError):
             raise StateError(f"{_where(path)}: unknown dtype {str(dtype_value)[:40]}") from None
         value = scalar.value
@@ -384,7 +384,7 @@ def decode(source: burnpack.Pack | Content, *, verify: bool = True) -> Any:
     if raw is None:
         raise StateError(f"no '{_STRUCTURE_KEY}' metadata entry: this pack holds no encoded state")
     try:
-        header = burnpack.decode_json(raw, what=f"'{_STRUCTURE_KEY}'", max_depth=_TREE_JSON_DEPTH)
+        header = burnpack._decode_json(raw, what=f"'{_STRUCTURE_KEY}'", max_depth=_TREE_JSON_DEPTH)
     except burnpack.MetadataError as e:
         raise StateError(str(e)) from None
     if not isinstance(header, dict) or "tree" not in header:

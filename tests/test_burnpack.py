@@ -685,7 +685,7 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("burn", sorted(TORCH_DTYPES))
 def test_every_numeric_dtype_round_trips(burn):
     t = _sample(TORCH_DTYPES[burn])
-    assert burnpack.burn_dtype(t.dtype) == burn and burnpack.torch_dtype(burn) == t.dtype
+    assert burnpack._burn_dtype(t.dtype) == burn and burnpack._torch_dtype(burn) == t.dtype
     pack = burnpack.loads(burnpack.dumps({"t": t}))
     assert pack.entries["t"].dtype == burn
     back = pack.tensor("t")
@@ -1723,13 +1723,13 @@ def test_write_add_suffix_false_writes_exactly_the_path(tmp_path):
 
 def test_json_in_a_metadata_value_is_bounded_before_it_is_parsed():
     value = {"a": ["[[[{", {"b": [1, '\\"]]']}]}  # brackets in strings, escaped quotes
-    assert burnpack.decode_json(json.dumps(value), what="x", max_depth=4) == value
+    assert burnpack._decode_json(json.dumps(value), what="x", max_depth=4) == value
     with pytest.raises(burnpack.MetadataError, match=r"^x: JSON nested 5 levels deep \(at most 4"):
-        burnpack.decode_json(json.dumps([value]), what="x", max_depth=4)
+        burnpack._decode_json(json.dumps([value]), what="x", max_depth=4)
     deep = "[" * 100_000 + "]" * 100_000  # json.loads alone: RecursionError
     with pytest.raises(burnpack.MetadataError, match=r"^the index: JSON nested 100000 levels"):
-        burnpack.decode_json(deep, what="the index")
+        burnpack._decode_json(deep, what="the index")
     with pytest.raises(burnpack.MetadataError, match=r"^x: not valid JSON"):
-        burnpack.decode_json('["unterminated', what="x")
+        burnpack._decode_json('["unterminated', what="x")
     with pytest.raises(burnpack.MetadataError, match=r"^x: a bytes, not JSON text"):
-        burnpack.decode_json(b"[]", what="x")
+        burnpack._decode_json(b"[]", what="x")

@@ -25,15 +25,16 @@ import torch
 
 from lightning_bpk import _fs, burnpack, checkpointer
 from lightning_bpk.checkpointer import (
-    LOCK_FILE_NAME,
     Checkpointer,
     CheckpointLockedError,
     CheckpointWarning,
     get_latest_checkpoint_number,
     verify_checkpoint,
 )
+from lightning_bpk.manifest import MANIFEST_FORMAT
 from lightning_bpk.records import Record, RecordError, StateRecord
 from lightning_bpk.store import local as store_local
+from lightning_bpk.store.local import LOCK_FILE_NAME
 
 from conftest import replace_with_symlink, run_process
 
@@ -284,7 +285,7 @@ def test_records_and_plain_data_round_trip(tmp_path: Path) -> None:
     )
     assert loaded["optim-1"] == {"lr": 0.1} and loaded["trainer"] == {"e": 1}
     manifest = json.loads(c.sentinel_path(2).read_bytes())
-    assert manifest["format"] == checkpointer.MANIFEST_FORMAT and manifest["iteration"] == 2
+    assert manifest["format"] == MANIFEST_FORMAT and manifest["iteration"] == 2
     assert manifest["data"] == "ckpt.2"
     assert {k: v["kind"] for k, v in manifest["files"].items()} == {
         "model": "test_tensors", "optim-1": "state", "trainer": "state",
@@ -464,7 +465,7 @@ def test_a_huge_damaged_manifest_gives_short_messages(tmp_path: Path) -> None:
         (2, {"data": "ckpt.2", "files": {f"k{i}": {} for i in range(10_000)}}),
     ):
         c.checkpoint_path(n).mkdir()
-        manifest = {"format": checkpointer.MANIFEST_FORMAT, "version": 1, "iteration": n, **doc}
+        manifest = {"format": MANIFEST_FORMAT, "version": 1, "iteration": n, **doc}
         c.sentinel_path(n).write_text(json.dumps(manifest))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -481,7 +482,7 @@ def test_a_huge_damaged_manifest_gives_short_messages(tmp_path: Path) -> None:
             "head_size": 1,
             "head_xxh3": "0" * 16,
         }
-    manifest = {"format": checkpointer.MANIFEST_FORMAT, "version": 1, "iteration": 2, **doc}
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "iteration": 2, **doc}
     c.sentinel_path(2).write_text(json.dumps(manifest))
     with pytest.warns(CheckpointWarning, match=r"k4\.bpk: listed .*; \.\.\. and 9995 more$") as w:
         assert get_latest_checkpoint_number(tmp_path) == 0

@@ -38,7 +38,7 @@ def pack_path(tmp_path_factory) -> Path:
 
 
 def test_every_command_is_registered_with_a_handler():
-    parser = cli.build_parser()
+    parser = cli._build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert sorted(sub.choices) == ["convert", "diff", "inspect", "ls", "verify"]
     for name, command in sub.choices.items():

@@ -45,7 +45,7 @@ def test_every_default_comes_from_the_layout(tmp_path: Path) -> None:
     c = checkpointer.Checkpointer(tmp_path, "run", "mine")
     assert c.sentinel_path(5).name == layout.sentinel_name("mine", 5)
     assert trainer_state.MODEL_KEY + layout.RECORD_SUFFIX == formats.CHECKPOINT_MODEL_FILE
-    args = cli.build_parser().parse_args(["ls", str(tmp_path)])
+    args = cli._build_parser().parse_args(["ls", str(tmp_path)])
     assert (args.prefix, args.identifier) == (layout.DEFAULT_PREFIX, layout.DEFAULT_IDENTIFIER)
 
 

@@ -53,9 +53,9 @@ from lightning_bpk.burnpack.base import MAX_FILE_SIZE as MAX_FILE_SIZE
 from lightning_bpk.burnpack.base import MAX_METADATA_SIZE as MAX_METADATA_SIZE
 from lightning_bpk.burnpack.base import MAX_RANK as MAX_RANK
 from lightning_bpk.burnpack.base import TENSOR_ALIGNMENT as TENSOR_ALIGNMENT
-from lightning_bpk.burnpack.base import burn_dtype as burn_dtype
-from lightning_bpk.burnpack.base import decode_json as decode_json
-from lightning_bpk.burnpack.base import torch_dtype as torch_dtype
+from lightning_bpk.burnpack.base import _burn_dtype as _burn_dtype
+from lightning_bpk.burnpack.base import _decode_json as _decode_json
+from lightning_bpk.burnpack.base import _torch_dtype as _torch_dtype
 from lightning_bpk.burnpack.reader import Pack, TensorInfo, loads, read, read_into
 from lightning_bpk.burnpack.writer import (
     BytesLike,

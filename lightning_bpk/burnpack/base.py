@@ -29,10 +29,6 @@ __all__ = [
     "TensorNotFoundError",
     "ValidationError",
     "VersionError",
-    "burn_dtype",
-    "decode_json",
-    "stored_dtype",
-    "torch_dtype",
 ]
 
 
@@ -282,10 +278,10 @@ def _dtype_info(dtype: object) -> _DTypeInfo | None:
     return None
 
 
-def burn_dtype(dtype: torch.dtype) -> DType:
+def _burn_dtype(dtype: torch.dtype) -> DType:
     """Burn's dtype value for a torch dtype (``torch.float32`` -> ``"F32"``).
 
-    >>> burn_dtype(torch.bool)
+    >>> _burn_dtype(torch.bool)
     {'Bool': 'Native'}
     """
     try:
@@ -294,7 +290,7 @@ def burn_dtype(dtype: torch.dtype) -> DType:
         raise ValidationError(f"torch dtype {dtype} has no burnpack equivalent") from None
 
 
-def torch_dtype(dtype: DType) -> torch.dtype:
+def _torch_dtype(dtype: DType) -> torch.dtype:
     """The torch dtype a tensor of Burn dtype ``dtype`` reads as (Bool variants -> torch.bool)."""
     info = _dtype_info(dtype)
     if info is None or info.torch_dtype is None:
@@ -302,13 +298,13 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     return torch.bool if isinstance(dtype, dict) else info.torch_dtype
 
 
-def stored_dtype(dtype: DType) -> torch.dtype | None:
+def _stored_dtype(dtype: DType) -> torch.dtype | None:
     """The torch dtype of the stored bytes of a tensor of Burn dtype ``dtype`` (the view of
     :meth:`~lightning_bpk.burnpack.Pack.raw`; a byte range can be read straight into it), or
-    ``None`` for the opaque QFloat. It differs from :func:`torch_dtype` for the Bool variants
+    ``None`` for the opaque QFloat. It differs from :func:`_torch_dtype` for the Bool variants
     stored as integers. ``dtype`` is one a parsed header accepted (else :class:`ValidationError`).
 
-    >>> stored_dtype({"Bool": "U32"}), torch_dtype({"Bool": "U32"}), stored_dtype("F16")
+    >>> _stored_dtype({"Bool": "U32"}), _torch_dtype({"Bool": "U32"}), _stored_dtype("F16")
     (torch.uint32, torch.bool, torch.float16)
     """
     return _parsed_dtype_info(dtype).torch_dtype
@@ -340,7 +336,7 @@ def _json_depth(text: str) -> int:
     return int(numpy.frombuffer(brackets.encode("latin-1"), numpy.int8).cumsum().max())
 
 
-def decode_json(text: object, *, what: str, max_depth: int = _MAX_JSON_DEPTH) -> Any:
+def _decode_json(text: object, *, what: str, max_depth: int = _MAX_JSON_DEPTH) -> Any:
     """The value of a metadata entry holding JSON (upper layers keep their structure there).
 
     Nesting is measured before parsing, so a hostile value can never exhaust the stack of the
@@ -348,9 +344,9 @@ def decode_json(text: object, *, what: str, max_depth: int = _MAX_JSON_DEPTH) ->
     JSON raises :class:`MetadataError` naming ``what``. Its size is already bounded by
     :data:`MAX_METADATA_SIZE`.
 
-    >>> decode_json('{"a": [1, "]]"]}', what="x")
+    >>> _decode_json('{"a": [1, "]]"]}', what="x")
     {'a': [1, ']]']}
-    >>> decode_json("[" * 200 + "]" * 200, what="the index")
+    >>> _decode_json("[" * 200 + "]" * 200, what="the index")
     Traceback (most recent call last):
     ...
     lightning_bpk.burnpack.base.MetadataError: the index: JSON nested 200 levels deep (at most 128)

@@ -49,8 +49,8 @@ from lightning_bpk.burnpack.base import (
     _is_digest,
     _parsed_dtype_info,
     _short,
-    stored_dtype,
-    torch_dtype,
+    _stored_dtype,
+    _torch_dtype,
 )
 from lightning_bpk.burnpack.writer import BytesLike, data_section_start, tensor_bytes
 
@@ -383,7 +383,7 @@ class Pack:
             )
         view = self.raw(name, verify=verify)
         if view.nbytes == 0:
-            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+            return torch.empty(info.shape, dtype=_torch_dtype(info.dtype))
         assert dinfo.torch_dtype is not None  # only QFloat has none, refused above
         flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
         tensor = flat.reshape(info.shape)
@@ -570,9 +570,9 @@ def read_into(
                     f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the target "
                     f"{list(target.shape)}"
                 )
-            dtype = torch_dtype(info.dtype)
+            dtype = _torch_dtype(info.dtype)
             # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-            plain = stored_dtype(info.dtype) is dtype and dtype is not torch.bool
+            plain = _stored_dtype(info.dtype) is dtype and dtype is not torch.bool
             flat = _writable_bytes(target, dtype) if plain else None
             plan.append((name, target, info, flat))
         buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums

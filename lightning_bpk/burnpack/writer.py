@@ -38,8 +38,8 @@ from lightning_bpk.burnpack.base import (
     Scalar,
     SizeMismatchError,
     ValidationError,
+    _burn_dtype,
     _dtype_info,
-    burn_dtype,
 )
 
 __all__ = [
@@ -95,7 +95,7 @@ class TensorEntry:
     def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
         """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU."""
         return cls(
-            burn_dtype(tensor.dtype),
+            _burn_dtype(tensor.dtype),
             tensor.shape,
             tensor,
             param_id=param_id,

@@ -1,6 +1,6 @@
 """The ``lightning-bpk`` command line (also ``python -m lightning_bpk``).
 
-Each subcommand is one ``cmd_<name>(args) -> int`` handler registered in :func:`build_parser`,
+Each subcommand is one ``cmd_<name>(args) -> int`` handler registered in ``_add_commands``,
 in a private module by concern (``_records``: ``inspect``, ``convert``; ``_checkpoints``: ``ls``,
 ``verify``; ``_diff``; ``_sharded`` for DCP directories; ``_output`` and ``_locations`` shared),
 so a command can be added beside the others without touching them. A bad file is reported on
@@ -49,12 +49,11 @@ __all__ = [
     "EXIT_BAD_FILE",
     "EXIT_FOUND",
     "EXIT_OK",
-    "build_parser",
     "main",
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     """The argument parser; each subparser sets ``func`` to its ``cmd_*`` handler."""
     parser = argparse.ArgumentParser(
         prog="lightning-bpk", description="Inspect Burn burnpack (.bpk) files."
@@ -69,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["inspect", "/nonexistent.bpk"])
     2
     """
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", checkpointer.CheckpointWarning)
         try:

@@ -10,30 +10,48 @@ directory stands for its ``checkpoints/``; a URL is read in place.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from pathlib import Path
+import contextlib
 from typing import Any
 
-from lightning_bpk import burnpack, checkpointer, storage
+from lightning_bpk import burnpack, storage
+from lightning_bpk._checkpoint import report_checkpoints
 from lightning_bpk._sharded_names import is_sharded
 from lightning_bpk.cli._locations import is_safetensors, mtime
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, progress, size_text, table
 from lightning_bpk.cli._sharded import index_problems, verify_sharded
 from lightning_bpk.interop import sets as interop_sets
+from lightning_bpk.layout import RECORD_SUFFIX, RUN_SUBDIRECTORY
 from lightning_bpk.records import files
+from lightning_bpk.store import Store
 
-__all__ = ["cmd_ls", "cmd_verify"]
+
+def _checkpoints(
+    target: str, args: argparse.Namespace, verify: bool
+) -> tuple[Store, dict[str, int | None], list[dict[str, Any]]]:
+    """The store ``target`` names (a path or URL), its listing, and its checkpoints (newest
+    first): number, complete, verified (None when not ``verify``), size, time, problems; a
+    checkpoint without one of the ``--require`` keys does not verify. A run directory's
+    ``checkpoints/`` (where BurnpackCheckpoint saves by default) stands for it when it holds
+    none itself. An unreachable URL or a missing bucket fails here, naming it."""
+    store = storage.open_store(target)
+    with contextlib.suppress(NotADirectoryError):  # a file: nothing is listed under it
+        store.check()
+    listing = store.list("")
+    rows = _rows(store, listing, args, verify)
+    if not rows and listing.get(RUN_SUBDIRECTORY, 0) is None:
+        store = storage.open_store(store.url_of(RUN_SUBDIRECTORY))
+        listing = store.list("")
+        rows = _rows(store, listing, args, verify)
+    return store, listing, rows
 
 
-def _checkpoint_rows(
-    base: Path | str, identifier: str, prefix: str, verify: bool, required_keys: Sequence[str] = ()
+def _rows(
+    store: Store, listing: dict[str, int | None], args: argparse.Namespace, verify: bool
 ) -> list[dict[str, Any]]:
-    """Every checkpoint in ``base`` (newest first): number, complete, verified, size, time,
-    problems. ``verified`` is None when ``verify`` is off; a checkpoint without one of
-    ``required_keys`` does not verify."""
+    required = [k for k in args.require.split(",") if k]
     rows = []
-    for report in checkpointer.report_checkpoints(
-        base, identifier, prefix, verify=verify, required_keys=required_keys
+    for report in report_checkpoints(
+        store, listing, args.identifier, args.prefix, verify=verify, required_keys=required
     ):
         entry, problems = report.entry, report.problems or []
         if problems == [] and report.problems is not None and entry.data is not None:
@@ -52,21 +70,15 @@ def _checkpoint_rows(
     return rows
 
 
+def _is_directory(target: str) -> bool:
+    """Whether ``target``, which lists nothing, is an empty directory (not a file, or nothing):
+    its parent's listing says."""
+    parent, name = storage.open_parent(target)
+    return parent.list("").get(name, -1) is None  # a directory lists as None
+
+
 def _yes_no(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
-
-
-def _checkpoint_base(path: Path, args: argparse.Namespace) -> Path:
-    """``path``, or a run directory's ``checkpoints/`` (where BurnpackCheckpoint saves by
-    default) when ``path`` holds no checkpoints itself and that folder exists."""
-    inner = path / checkpointer.RUN_SUBDIRECTORY
-    if not checkpointer.list_checkpoints(path, args.identifier, args.prefix) and inner.is_dir():
-        return inner
-    return path
-
-
-def _required(args: argparse.Namespace) -> list[str]:
-    return [k for k in args.require.split(",") if k]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -80,16 +92,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         shards = {"index": info["index"], "shards": info["shards"]}
         emit(args, shards, f"{info['index']}:\n{table(shard_rows)}")
         return EXIT_OK
-    base = storage.location(args.dir)
-    if isinstance(base, str):
-        storage.object_store(base).check()  # a wrong URL fails here, naming it
-    elif not base.is_dir():
-        raise OSError(f"{base}: not a directory")
-    else:
-        base = _checkpoint_base(base, args)
-    rows = _checkpoint_rows(
-        base, args.identifier, args.prefix, not args.no_verify, required_keys=_required(args)
-    )
+    store, listing, rows = _checkpoints(args.dir, args, not args.no_verify)
+    if not listing and not _is_directory(args.dir):
+        raise OSError(f"{store.url}: not a directory")
     rows_text = [["number", "complete", "verified", "size", "time"]]
     rows_text += [
         [
@@ -101,19 +106,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
-    text = table(rows_text) if rows else f"{base}: no checkpoints"
-    if base != Path(args.dir):
-        text = f"{base}:\n{text}"
+    text = table(rows_text) if rows else f"{store.url}: no checkpoints"
+    if store.url != str(storage.location(args.dir)):  # a run directory's checkpoints/
+        text = f"{store.url}:\n{text}"
     text += "".join(f"\n{r['number']}: {p}" for r in rows for p in r["problems"])
-    emit(args, {"directory": str(base), "checkpoints": rows}, text)
+    emit(args, {"directory": store.url, "checkpoints": rows}, text)
     return EXIT_FOUND if any(r["verified"] is False for r in rows) else EXIT_OK
 
 
-def _verify_file(path: Path | str) -> dict[str, Any]:
+def _verify_file(path: str) -> dict[str, Any]:
     """Structure and checksums of one ``.bpk`` (or structure of a ``.safetensors``) file, a
     local one or an object of a store (read with ranged requests)."""
-    result: dict[str, Any] = {"file": str(path), "ok": True, "problems": []}
-    if is_safetensors(str(path)):
+    result: dict[str, Any] = {"file": path, "ok": True, "problems": []}
+    if is_safetensors(path):
         return interop_sets.verify_source(path)
     try:
         with files.read_pack(path) as pack:
@@ -138,32 +143,26 @@ def _verify_file(path: Path | str) -> dict[str, Any]:
     return result
 
 
-def _verify_directory(
-    target: Path | str, args: argparse.Namespace
-) -> tuple[Path | str, list[dict[str, Any]]]:
-    """``verify`` of a directory or a URL prefix: its checkpoints (a run directory's
-    ``checkpoints/``); without any, its ``.bpk`` files (or the one object a URL names).
-    Returns the directory verified (``checkpoints/`` for a run directory) and the results."""
-    if isinstance(target, str):
-        storage.object_store(target).check()  # a wrong URL fails here, naming it
-    else:
-        target = _checkpoint_base(target, args)
-    rows = _checkpoint_rows(
-        target, args.identifier, args.prefix, verify=True, required_keys=_required(args)
-    )
+def _verify_directory(target: str, args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """``verify`` of anything else: the checkpoints of a directory or a URL prefix (a run
+    directory's ``checkpoints/``); without any, its ``.bpk`` files; a file or an object itself.
+    Returns what was verified (``checkpoints/`` for a run directory) and the results."""
+    store, listing, rows = _checkpoints(target, args, verify=True)
     if rows:
-        return target, [
+        return store.url, [
             {"checkpoint": r["number"], "ok": bool(r["verified"]), "problems": r["problems"]}
             if r["complete"]
             else {"checkpoint": r["number"], "ok": True, "problems": [], "incomplete": True}
             for r in rows
         ]
-    if isinstance(target, str):
+    if not listing and not _is_directory(target):  # a file or an object (or nothing)
         return target, [_verify_file(target)]
-    files = sorted(target.glob("*.bpk"))
-    if not files:
-        raise OSError(f"{target}: no checkpoints and no .bpk files to verify")
-    return target, [_verify_file(f) for f in files]
+    names = sorted(
+        n for n, size in listing.items() if size is not None and n.endswith(RECORD_SUFFIX)
+    )
+    if not names:
+        raise OSError(f"{store.url}: no checkpoints and no .bpk files to verify")
+    return store.url, [_verify_file(store.url_of(name)) for name in names]
 
 
 def _verify_text(results: list[dict[str, Any]]) -> str:
@@ -188,18 +187,14 @@ def _verify_text(results: list[dict[str, Any]]) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``verify TARGET``: structure and checksums of a file, a set, a sharded directory or
     every checkpoint of a directory; :data:`~lightning_bpk.cli.EXIT_FOUND` on damage."""
-    target = storage.location(args.target)
+    target = args.target
     results: list[dict[str, Any]]
-    if interop_sets.is_set(args.target) or is_safetensors(args.target):
-        results = [interop_sets.verify_source(args.target)]
+    if interop_sets.is_set(target) or is_safetensors(target):
+        results = [interop_sets.verify_source(target)]
     elif is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
-        results = [verify_sharded(target)]
-    elif isinstance(target, str) or target.is_dir():
-        target, results = _verify_directory(target, args)
-    elif target.exists():
-        results = [_verify_file(target)]
+        results = [verify_sharded(storage.location(target))]
     else:
-        raise OSError(f"{target}: no such file or directory")
+        target, results = _verify_directory(target, args)
     ok = all(r["ok"] for r in results)
     emit(args, {"target": str(target), "ok": ok, "results": results}, _verify_text(results))
     return EXIT_OK if ok else EXIT_FOUND

@@ -16,15 +16,13 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, checkpointer, storage
+from lightning_bpk import burnpack, storage
 from lightning_bpk._sharded_names import is_sharded
 from lightning_bpk.cli._locations import local_copies
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, json_value, progress, table
 from lightning_bpk.interop import Content
 from lightning_bpk.interop import sets as interop_sets
-from lightning_bpk.layout import MODEL_FILE
-
-__all__ = ["cmd_diff"]
+from lightning_bpk.layout import MODEL_FILE, RECORD_SUFFIX
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,12 +227,11 @@ def _diff(a: Path, b: Path, args: argparse.Namespace) -> int:
         emit(args, info, text)
         return EXIT_OK if info["identical"] else EXIT_FOUND
     # Two checkpoint directories: every record file, matched by name.
-    names_a = {p.name for p in a.glob("*" + checkpointer.RECORD_SUFFIX)}
-    names_b = {p.name for p in b.glob("*" + checkpointer.RECORD_SUFFIX)}
+    names_a = {p.name for p in a.glob("*" + RECORD_SUFFIX)}
+    names_b = {p.name for p in b.glob("*" + RECORD_SUFFIX)}
     if not names_a and not names_b:
         raise OSError(
-            f"{shown(a, a, args.a)} and {shown(b, b, args.b)}: no "
-            f"{checkpointer.RECORD_SUFFIX} files to compare"
+            f"{shown(a, a, args.a)} and {shown(b, b, args.b)}: no {RECORD_SUFFIX} files to compare"
         )
     files, texts = [], []
     for name in sorted(names_a | names_b):

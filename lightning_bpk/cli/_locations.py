@@ -16,8 +16,6 @@ from pathlib import Path
 
 from lightning_bpk import storage
 
-__all__ = ["is_safetensors", "local_copies", "mtime", "tree_size"]
-
 
 @contextlib.contextmanager
 def local_copies(*targets: str, only: str | None = None) -> Iterator[list[Path]]:

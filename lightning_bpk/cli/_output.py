@@ -17,19 +17,6 @@ from typing import Any
 
 from lightning_bpk import burnpack
 
-__all__ = [
-    "EXIT_BAD_FILE",
-    "EXIT_FOUND",
-    "EXIT_OK",
-    "dtype_text",
-    "emit",
-    "json_value",
-    "printable",
-    "progress",
-    "size_text",
-    "table",
-]
-
 EXIT_OK = 0
 EXIT_FOUND = 1  # differences (diff) or damage (verify, ls) found
 EXIT_BAD_FILE = 2  # argparse also exits with 2 on usage errors: "the input was not usable"

@@ -34,8 +34,6 @@ from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RecordError
 
-__all__ = ["cmd_convert", "cmd_inspect"]
-
 
 def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain JSON-ready data (tensors in data-section order)."""
@@ -65,6 +63,32 @@ def _describe(pack: burnpack.Pack) -> dict[str, Any]:
     }
 
 
+def _tensor_lines(tensors: list[dict[str, Any]], title: str) -> list[str]:
+    """The tensor table of ``inspect`` (a checksum column for ``.bpk`` files, whose rows have
+    one)."""
+    lines = ["", f"tensors ({len(tensors)}{title}):"]
+    if not tensors:
+        return lines
+    checksums = "checksum" in tensors[0]
+    rows = [["name", "dtype", "shape", "bytes", "param_id"] + (["checksum"] if checksums else [])]
+    rows += [
+        [
+            t["name"],
+            dtype_text(t["dtype"]),
+            "[" + ", ".join(map(str, t["shape"])) + "]",
+            str(t["bytes"]),
+            "-" if t["param_id"] is None else str(t["param_id"]),
+        ]
+        + (["xxh3" if t["checksum"] else "-"] if checksums else [])
+        for t in tensors
+    ]
+    return [*lines, table(rows)]
+
+
+def _metadata_lines(metadata: dict[str, Any]) -> list[str]:
+    return ["", f"metadata ({len(metadata)}):", *(f"  {k} = {v!r}" for k, v in metadata.items())]
+
+
 def _format_text(info: dict[str, Any]) -> str:
     """The human-readable ``inspect`` report of :func:`_describe`'s output."""
     h = info["header"]
@@ -72,28 +96,12 @@ def _format_text(info: dict[str, Any]) -> str:
         f"file: {info['file']}",
         f"burnpack v{h['version']}: metadata {h['metadata_size']} bytes, "
         f"data section at {h['data_start']}, file {h['file_size']} bytes",
+        *_tensor_lines(info["tensors"], ", data order"),
         "",
-        f"tensors ({len(info['tensors'])}, data order):",
+        f"scalars ({len(info['scalars'])}):",
     ]
-    if info["tensors"]:
-        rows = [["name", "dtype", "shape", "bytes", "param_id", "checksum"]]
-        rows += [
-            [
-                t["name"],
-                dtype_text(t["dtype"]),
-                "[" + ", ".join(map(str, t["shape"])) + "]",
-                str(t["bytes"]),
-                "-" if t["param_id"] is None else str(t["param_id"]),
-                "xxh3" if t["checksum"] else "-",
-            ]
-            for t in info["tensors"]
-        ]
-        lines.append(table(rows))
-    lines += ["", f"scalars ({len(info['scalars'])}):"]
     lines += [f"  {k} = {s['kind']}({s['value']!r})" for k, s in info["scalars"].items()]
-    lines += ["", f"metadata ({len(info['metadata'])}):"]
-    lines += [f"  {k} = {v!r}" for k, v in info["metadata"].items()]
-    return "\n".join(lines)
+    return "\n".join(lines + _metadata_lines(info["metadata"]))
 
 
 def _source_text(info: dict[str, Any]) -> str:
@@ -103,23 +111,8 @@ def _source_text(info: dict[str, Any]) -> str:
         rows = [["shard", "tensors", "bytes"]]
         rows += [[s["name"], str(s["tensors"]), str(s["bytes"])] for s in info["shards"]]
         lines += ["", f"shards ({len(info['shards'])}):", table(rows)]
-    lines += ["", f"tensors ({len(info['tensors'])}):"]
-    if info["tensors"]:
-        rows = [["name", "dtype", "shape", "bytes", "param_id"]]
-        rows += [
-            [
-                t["name"],
-                t["dtype"],
-                "[" + ", ".join(map(str, t["shape"])) + "]",
-                str(t["bytes"]),
-                "-" if t["param_id"] is None else str(t["param_id"]),
-            ]
-            for t in info["tensors"]
-        ]
-        lines.append(table(rows))
-    lines += ["", f"metadata ({len(info['metadata'])}):"]
-    lines += [f"  {k} = {v!r}" for k, v in info["metadata"].items()]
-    return "\n".join(lines)
+    lines += _tensor_lines(info["tensors"], "")
+    return "\n".join(lines + _metadata_lines(info["metadata"]))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

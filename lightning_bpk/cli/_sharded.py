@@ -1,8 +1,8 @@
 """The command line on sharded (DCP) checkpoints: describe, verify and convert them.
 
-Importing :mod:`lightning_bpk.dcp` (torch.distributed.checkpoint) or :mod:`lightning_bpk.sharded`
-(Lightning) takes seconds, so this module imports them inside each function: only a command
-given a sharded directory pays for them, and ``lightning-bpk --help`` starts fast. A command
+Importing :mod:`lightning_bpk.dcp` (torch.distributed.checkpoint) takes seconds, so this module
+imports it inside each function: only a command given a sharded directory pays for it, and
+``lightning-bpk --help`` starts fast. A command
 first tells a sharded directory apart with :func:`lightning_bpk._sharded_names.is_sharded`.
 """
 
@@ -14,8 +14,6 @@ from typing import Any
 
 from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.cli._output import dtype_text, table
-
-__all__ = ["describe_sharded", "index_problems", "save_model", "sharded_text", "verify_sharded"]
 
 
 def describe_sharded(target: str | os.PathLike[str]) -> dict[str, Any]:
@@ -91,7 +89,7 @@ def verify_sharded(target: Path | str) -> dict[str, Any]:
 def save_model(src: str, dst: Path) -> Path:
     """Assemble the model of the sharded checkpoint data at ``src`` (read in place, with ranged
     reads on an object store) and save it at ``dst`` (``.bpk`` or ``.safetensors``)."""
+    from lightning_bpk.dcp import module_record
     from lightning_bpk.interop import save_module_record
-    from lightning_bpk.lightning.sharded import module_record
 
     return save_module_record(module_record(src), dst)

@@ -72,35 +72,31 @@ Example (one process, no process group)::
 
 from __future__ import annotations
 
-from lightning_bpk._sharded_names import (
-    DEFAULT_PREFIX,
-    ShardedCheckpointError,
-    index_path,
-    is_sharded,
-)
+from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk._sharded_names import index_name as index_name
-from lightning_bpk.dcp._index import INDEX_FORMAT, Index, read_index
 
 # Importable from here too, outside the documented surface (an explicit re-export each): the
-# record kinds the checkpointer's manifest records, the metadata keys, the index's version.
+# metadata key of the index, and the record kinds the checkpointer's manifest records.
 from lightning_bpk.dcp._index import INDEX_KEY as INDEX_KEY
-from lightning_bpk.dcp._index import INDEX_VERSION as INDEX_VERSION
-from lightning_bpk.dcp._index import SAVE_ID_KEY as SAVE_ID_KEY
-from lightning_bpk.dcp._reader import BurnpackStorageReader, load_full_state_dict, load_nested
+from lightning_bpk.dcp._index import Index, read_index
+from lightning_bpk.dcp._reader import (
+    BurnpackStorageReader,
+    load_full_state_dict,
+    load_nested,
+    module_record,
+)
 from lightning_bpk.dcp._writer import INDEX_KIND as INDEX_KIND
 from lightning_bpk.dcp._writer import SHARD_KIND as SHARD_KIND
 from lightning_bpk.dcp._writer import BurnpackStorageWriter
 
 __all__ = [
-    "DEFAULT_PREFIX",
-    "INDEX_FORMAT",
     "BurnpackStorageReader",
     "BurnpackStorageWriter",
     "Index",
     "ShardedCheckpointError",
-    "index_path",
     "is_sharded",
     "load_full_state_dict",
     "load_nested",
+    "module_record",
     "read_index",
 ]

@@ -44,19 +44,6 @@ from lightning_bpk.store import (
     open_store,
 )
 
-__all__ = [
-    "INDEX_FORMAT",
-    "INDEX_KEY",
-    "INDEX_VERSION",
-    "SAVE_ID_KEY",
-    "Index",
-    "read_index",
-    "servable",
-]
-
-INDEX_FORMAT = _sharded_index.FORMAT
-INDEX_VERSION = _sharded_index.VERSION
-"""The version of the JSON index this writer writes (readers refuse a newer one)."""
 INDEX_KEY = "lightning_bpk/dcp_index"  # burnpack metadata entry holding the JSON index
 SAVE_ID_KEY = "lightning_bpk/dcp_save"
 """Burnpack metadata entry by which every rank file names the save it belongs to (a file of
@@ -94,7 +81,7 @@ class Index:
                 )
                 storage[MetadataIndex(fqn, c["offsets"], i)] = (c["file"], c["name"])
             props = TensorProperties(
-                dtype=burnpack.torch_dtype(t["dtype"]), requires_grad=t["requires_grad"]
+                dtype=burnpack._torch_dtype(t["dtype"]), requires_grad=t["requires_grad"]
             )
             state[fqn] = TensorStorageMetadata(props, torch.Size(t["shape"]), chunks)
         for fqn, o in self.objects.items():
@@ -219,7 +206,7 @@ class _Packs:
         pack = self.pack(file)
         try:
             info = pack.entries[name]
-            return pack, info, burnpack.torch_dtype(info.dtype)
+            return pack, info, burnpack._torch_dtype(info.dtype)
         except (KeyError, burnpack.BurnpackError) as e:
             raise ShardedCheckpointError(f"{pack.source}: chunk '{name}': {e}") from e
 

@@ -1,6 +1,6 @@
 """The reading half of the DCP storage layer: :class:`BurnpackStorageReader`, and loading a
 whole checkpoint in one process without a process group (:func:`load_full_state_dict`,
-:func:`load_nested`)."""
+:func:`load_nested`, :func:`module_record`)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,16 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from lightning_bpk import burnpack
-from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, is_sharded
+from lightning_bpk._sharded_names import (
+    DEFAULT_PREFIX,
+    PARAM_IDS_KEY,
+    ShardedCheckpointError,
+    is_sharded,
+)
 from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index, servable
+from lightning_bpk.layout import MODEL_KEY
+from lightning_bpk.records import ModuleRecord
 from lightning_bpk.store import location
-
-__all__ = ["BurnpackStorageReader", "load_full_state_dict", "load_nested"]
 
 
 class BurnpackStorageReader(StorageReader):
@@ -149,7 +154,7 @@ def load_full_state_dict(
     out: dict[str, Any] = {}
     with _opened(index, verify) as packs:
         for fqn, t in index.tensors.items():  # read_index checked that the chunks tile it
-            full = torch.empty(t["shape"], dtype=burnpack.torch_dtype(t["dtype"]))
+            full = torch.empty(t["shape"], dtype=burnpack._torch_dtype(t["dtype"]))
             for c in t["chunks"]:
                 region = full
                 for dim, (start, length) in enumerate(zip(c["offsets"], c["sizes"], strict=True)):
@@ -206,3 +211,28 @@ def load_nested(
         path = mapping.get(key, (key,))
         _put(nested, tuple(path), value)
     return nested
+
+
+def module_record(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ModuleRecord:
+    """The model of a sharded checkpoint as one unsharded :class:`ModuleRecord`, assembled in this
+    process without a process group (what ``lightning-bpk convert`` writes; ``.apply(module)``
+    loads it into a plain ``nn.Module``). Tensors equal the gathered full state dict.
+
+    A DCP checkpoint written without this package's callback (no ``model.`` keys) gives every
+    tensor under its flattened DCP key.
+    """
+    full = load_full_state_dict(path, verify=verify, storage_options=storage_options)
+    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+    model = {
+        k[len(MODEL_KEY) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL_KEY + ".")
+    }
+    if not model:
+        return ModuleRecord(tensors)
+    prefix = PARAM_IDS_KEY + "."
+    ids = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
+    return ModuleRecord(model, param_ids={k: v for k, v in ids.items() if k in model})

@@ -26,9 +26,8 @@ from lightning_bpk import _sharded_index, burnpack
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
 from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
+from lightning_bpk.records.files import Described, describe
 from lightning_bpk.store import Store, location, open_store
-
-__all__ = ["INDEX_KIND", "SHARD_KIND", "BurnpackStorageWriter"]
 
 SHARD_KIND = "dcp_shard"
 """The record kind of a rank file (in the burnpack metadata and the checkpoint manifest)."""
@@ -46,16 +45,6 @@ def _chunk_name(index: MetadataIndex) -> str:
     if index.offset is None or not any(index.offset):
         return index.fqn
     return f"{index.fqn}@{','.join(map(str, index.offset))}"
-
-
-def _head(path: Path) -> tuple[int, int, str]:
-    """A written file's size, its head's size and the xxh3 of its head (header and metadata,
-    with the tensor checksums)."""
-    with burnpack.read(path) as pack:
-        head_size = pack.data_start
-    with open(path, "rb") as f:
-        digest = xxhash.xxh3_64_hexdigest(f.read(head_size))
-    return path.stat().st_size, head_size, digest
 
 
 def _stale_rank_files(prefix: str, names: Iterable[str], live: set[str]) -> list[str]:
@@ -95,7 +84,7 @@ def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
         return tensor.detach().to("cpu", dtype).contiguous()
 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return burnpack.TensorEntry(burnpack.burn_dtype(dtype), shape, resolve, nbytes=nbytes)
+    return burnpack.TensorEntry(burnpack._burn_dtype(dtype), shape, resolve, nbytes=nbytes)
 
 
 class BurnpackStorageWriter(StorageWriter):
@@ -107,20 +96,16 @@ class BurnpackStorageWriter(StorageWriter):
             of keys); ``dcp.save(checkpoint_id=...)`` may give it instead.
         prefix: file names are ``{prefix}.rank-{r}.{id}.bpk`` and ``{prefix}.index.bpk``.
         storage_options: passed to fsspec for a URL (credentials, endpoint).
-        commit: ``True`` (the default, the writer used on its own): the index is the commit.
-            ``finish`` confirms every rank's file with one listing, then writes the index
-            create-only (on local disk, where a re-save may replace a committed checkpoint,
-            atomically over the old one), then removes the rank files of earlier or failed
-            saves. ``False``: the caller commits. ``path`` is then a staging prefix the caller
-            made for this save (:meth:`lightning_bpk.store.Store.staging`, as a location:
-            ``store.url_of(staging)``); ``finish`` writes the index there as an ordinary file
-            and removes nothing; the caller confirms, publishes and writes its own sentinel last
-            (the checkpointer does, with :attr:`files` in its manifest).
+        commit: ``True`` (the default, the writer used on its own): the index is the commit
+            (step 3 of the protocol in :mod:`lightning_bpk.dcp`). ``False``: the caller
+            commits; ``path`` is a staging prefix it made for this save (the location of a
+            :meth:`lightning_bpk.store.Store.staging` prefix), ``finish`` writes the index
+            there as an ordinary file and removes nothing, and the caller confirms, publishes
+            and writes its own sentinel last (the checkpointer does, with :attr:`files` in its
+            manifest).
 
-    Every rank writes its file through :meth:`write_file` (one call per rank and save) into a
-    scratch path of the store, which the store publishes durably under the file's name (local:
-    fsync and rename; object store: upload). After a save, the coordinator's :attr:`files`
-    describes every file it wrote (the index too): name -> size, head size and head digest.
+    After a save, the coordinator's :attr:`files` describes every file it wrote (the index
+    too): name -> size, head size and head digest.
     """
 
     def __init__(
@@ -187,12 +172,12 @@ class BurnpackStorageWriter(StorageWriter):
         entries = {_chunk_name(item.index): _entry(planner, item) for item in plan.items}
         results = []
         if entries:
-            size, head_size, digest = self._write_rank_file(
+            head = self._write_rank_file(
                 file, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id}
             )
             for item in plan.items:
                 location = _sharded_index.Location(
-                    file, _chunk_name(item.index), size, digest, head_size
+                    file, _chunk_name(item.index), head.size, head.head_xxh3, head.head_size
                 )
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
         future: Future[list[WriteResult]] = Future()
@@ -201,14 +186,14 @@ class BurnpackStorageWriter(StorageWriter):
 
     def _write_rank_file(
         self, file: str, entries: Mapping[str, burnpack.TensorEntry], metadata: dict[str, str]
-    ) -> tuple[int, int, str]:
+    ) -> Described:
         """Write this rank's file through the store; its size, head size and head digest."""
         store = self._store()
         described = None
         try:
             with store.scratch(file) as scratch:
                 self.write_file(scratch, entries, metadata)  # its errors are raised as they are
-                described = _head(scratch)
+                described = describe(open_store(scratch.parent), scratch.name)
         except OSError as e:
             if described is None:
                 raise

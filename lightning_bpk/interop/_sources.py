@@ -34,7 +34,7 @@ import safetensors
 import torch
 
 from lightning_bpk import burnpack, storage
-from lightning_bpk.burnpack.base import MAX_RANK, stored_dtype
+from lightning_bpk.burnpack.base import MAX_RANK, _stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
     CheckpointSet,
@@ -188,7 +188,7 @@ def _open_remote(url: str) -> Iterator[Source]:
 
 
 def _st_dtype(name: str) -> torch.dtype:
-    return torch.bool if name == ST_BOOL else burnpack.torch_dtype(name)
+    return torch.bool if name == ST_BOOL else burnpack._torch_dtype(name)
 
 
 def _safetensors_header(
@@ -259,7 +259,7 @@ def _open_bpk(pack: burnpack.Pack, where: str) -> Iterator[Source]:
         metadata = {k: v for k, v in pack.metadata.items() if k != RECORD_KIND_KEY}
         yield Source(
             {
-                n: (pack.entries[n].shape, burnpack.torch_dtype(pack.entries[n].dtype))
+                n: (pack.entries[n].shape, burnpack._torch_dtype(pack.entries[n].dtype))
                 for n in order
             },
             {n: pid for n in order if (pid := pack.entries[n].param_id) is not None},
@@ -273,7 +273,7 @@ def _open_bpk(pack: burnpack.Pack, where: str) -> Iterator[Source]:
 
 def _bpk_span(pack: burnpack.Pack, name: str, where: str) -> Span:
     info = pack.entries[name]
-    stored = stored_dtype(info.dtype)
+    stored = _stored_dtype(info.dtype)
     if stored is None:  # refused before: quantized tensors have no torch dtype
         raise RecordError("validation", f"{where}: tensor '{name}' is quantized (QFloat)")
     start, end = info.data_offsets

@@ -92,7 +92,7 @@ class Content:
 
 def _st_dtype(dtype: torch.dtype) -> str:
     """Safetensors' name of a torch dtype; raises ``burnpack.ValidationError`` if it has none."""
-    return ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
+    return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
 
 
 def file_kind(path: Path) -> str:
@@ -130,7 +130,7 @@ def _read_bpk(path: str | os.PathLike[str]) -> Content:
                 dtypes={
                     n: entries[n].dtype
                     for n, t in tensors.items()
-                    if burnpack.burn_dtype(t.dtype) != entries[n].dtype
+                    if burnpack._burn_dtype(t.dtype) != entries[n].dtype
                 },
                 metadata=dict(pack.metadata),
                 scalars=dict(pack.scalars),
@@ -155,7 +155,7 @@ def _write_bpk(
         if isinstance(dtype, dict) and "Bool" in dtype:
             data = tensor.to(_BOOL_STORAGE[dtype["Bool"]])
         entry = burnpack.TensorEntry(
-            dtype if dtype is not None else burnpack.burn_dtype(tensor.dtype),
+            dtype if dtype is not None else burnpack._burn_dtype(tensor.dtype),
             tensor.shape,
             _reporting(data, k + 1, total, name, progress),
             param_id=content.param_ids.get(name),
@@ -365,9 +365,7 @@ def read_content(path: str | os.PathLike[str]) -> Content:
     if content is not None:
         return content
     if path.is_dir() and is_sharded(path):
-        from lightning_bpk.lightning.sharded import (
-            module_record,  # Lightning-level: imported on use
-        )
+        from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
         return record_content(module_record(path))
     return _READERS[file_kind(path)](path)

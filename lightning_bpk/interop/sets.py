@@ -165,7 +165,7 @@ def write_set(
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return ST_BOOL if dtype == torch.bool else str(burnpack.burn_dtype(dtype))
+    return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
 
 
 def describe_source(path: str | os.PathLike[str]) -> dict[str, Any]:

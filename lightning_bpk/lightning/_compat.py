@@ -22,27 +22,6 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-__all__ = [
-    "SIGNAL_CONNECTOR_MODULE",
-    "cluster_environment",
-    "composed_signal_handlers",
-    "dump_checkpoint",
-    "generate_state_key",
-    "handlers_restored_at_teardown",
-    "intercept_resume_start",
-    "intercept_train_dataloaders",
-    "is_last_batch",
-    "is_lightning_signal_handler",
-    "release_resume_start",
-    "release_train_dataloaders",
-    "resume_swa_mid_epoch",
-    "route_last_ckpt_path",
-    "shift_batch_progress",
-    "timer_duration",
-    "train_combined_mode",
-    "validation_follows",
-]
-
 # The module whose handlers Lightning installs for SIGTERM (and SIGUSR1 under SLURM).
 SIGNAL_CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["replay_message", "unpositioned_message", "workers_message"]
-
 
 def replay_message(loader: Any) -> str:
     dataset = type(getattr(loader, "dataset", loader)).__name__

@@ -20,16 +20,6 @@ from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Se
 from lightning_bpk.errors import CheckpointResumeError
 from lightning_bpk.lightning import trainer_state
 
-__all__ = [
-    "batches",
-    "check_accumulation",
-    "check_unchanged",
-    "geometry",
-    "remaining_for_rank",
-    "replan",
-    "saved_order",
-]
-
 
 def geometry(batch_sampler: Any, world_size: int, resampled: dict | None) -> dict[str, Any]:
     """What a mid-epoch position of a DataLoader with this (unwrapped) batch sampler depends on:

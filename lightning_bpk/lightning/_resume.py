@@ -9,8 +9,7 @@ says what to do instead.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ from lightning_bpk.checkpointer import Checkpointer, list_checkpoints, verify_ch
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
 from lightning_bpk.lightning import trainer_state
-
-__all__ = ["check_classes", "member_of_checkpoint", "newer_checkpoints", "restored_at"]
 
 log = logging.getLogger("lightning_bpk")
 
@@ -43,11 +40,7 @@ def member_of_checkpoint(path: Any, storage_options: Mapping[str, Any] | None) -
     if not number.isdigit():
         return None
     try:
-        beside = storage.parent_of(directory)
-        if isinstance(beside, Path):
-            names: Sequence[str] = os.listdir(beside) if beside.is_dir() else []
-        else:
-            names = list(storage.object_store(beside, storage_options).list(""))
+        names = storage.open_store(storage.parent_of(directory), storage_options).list("")
     except (OSError, LightningBpkError):
         return None  # not readable: Lightning's own reader reports the path
     sentinels = [parse_sentinel_name(name) for name in names]

@@ -21,6 +21,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_bpk import storage
+from lightning_bpk._checkpoint import summarise
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.checkpointer import (
     Checkpointer,
     Retention,
@@ -28,7 +30,6 @@ from lightning_bpk.checkpointer import (
     choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
-    summarise,
     verify_checkpoint,
 )
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
@@ -113,7 +114,7 @@ class CheckpointDispatch:
                 self.checkpoint_file_prefix,
                 required,
                 at_most=2**63,
-                unloaded=(trainer_state.INDEX_KEY,),
+                unloaded=(INDEX_DATA_KEY,),
             )
             self._preloaded, self._resume_location = choice.data, choice.location
             return choice.number, None
@@ -172,7 +173,7 @@ class CheckpointDispatch:
                 return path, trainer_state.from_records(data, str(path))
             if sharded.is_sharded(path, storage_options=self.storage_options):  # FSDP2 etc.
                 # every rank reads its part
-                return path, sharded.restore(trainer, path, self.storage_options)
+                return path, sharded._restore(trainer, path, self.storage_options)
             return path, trainer_state.load(path, self.storage_options)
 
         _compat.intercept_resume_start(trainer, resume_start)
@@ -220,11 +221,11 @@ class CheckpointDispatch:
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _compat.dump_checkpoint(trainer)
-        staged: Any = {}  # sharded.save_shards' result on rank 0
+        staged: Any = {}  # sharded._save_shards' result on rank 0
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
-                staged = sharded.save_shards(
+                staged = sharded._save_shards(
                     trainer, self.checkpointer, number, checkpoint, self.storage_options
                 )
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike
@@ -265,7 +266,7 @@ class CheckpointDispatch:
 
     def _sharded(self, trainer: pl.Trainer, checkpoint: dict) -> bool:
         """Every rank writes its share: FSDP2 / tensor parallel, or ``distributed_save``."""
-        return sharded.holds_dtensors(checkpoint) or (
+        return sharded._holds_dtensors(checkpoint) or (
             self.distributed_save and trainer.world_size > 1
         )
 
@@ -280,9 +281,11 @@ class CheckpointDispatch:
             f, k = self.checkpoint_frequency, self.keep_every
             retention = Retention(1, self.checkpoint_duration, None if k is None else k * f)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        if staged:  # the shards are written; publish them with the rest, synchronously
-            rest = sharded.records(checkpoint, schedulers)
-            path = sharded.publish(checkpointer, number, staged, rest, retention)
+        if staged:  # the shards are written: commit them with the rest, synchronously
+            rest = trainer_state._other_records(checkpoint, schedulers)
+            path = checkpointer.save_checkpoint(
+                number, rest, retention=retention, staged=staged.staged, described=staged.files
+            )
             log.info("saved sharded checkpoint %d at %s", number, path)
             return
         data = trainer_state.to_records(

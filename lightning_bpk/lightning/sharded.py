@@ -21,15 +21,12 @@ optimizer ``optim.state.<param id>.<Burn name>`` (Adam's ``exp_avg`` is
 them through :class:`~lightning_bpk.dcp.BurnpackStorageReader` into the live (sharded) model and
 optimizers, on any number of ranks: DCP's planner reshards.
 
-A save is one collective, and one commit. Rank 0 first checks the lease and chooses where the
-shards go (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`): the checkpoint's own staging
-prefix, under a data name never used before (``ckpt.N``, or ``ckpt.N~<hex>`` for a re-save, the
-old copy staying whole until the new sentinel). Every rank writes its shards there through the
-:class:`~lightning_bpk.store.Store` (a scratch directory beside the checkpoints on local disk,
-renamed into place by the commit; the final prefix on an object store), then rank 0 commits
-them with the other records (:func:`publish`): the sentinel, written last, is the one commit.
-If any rank fails, DCP raises on every rank, rank 0 removes what was written, and every earlier
-checkpoint stays as it was; what a crash leaves behind, the next save removes.
+A save is one collective, and one commit: rank 0 checks the lease and chooses the checkpoint's
+staging prefix (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`), every rank writes its
+shards there (the DCP writer with ``commit=False``), and rank 0 commits them with the other
+records through :meth:`~lightning_bpk.checkpointer.Checkpointer.save_checkpoint`, whose
+sentinel, written last, is the one commit. If any rank fails, DCP raises on every rank, rank 0
+removes what was written, and every earlier checkpoint stays as it was.
 """
 
 from __future__ import annotations
@@ -54,9 +51,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _sharded_index, storage
-from lightning_bpk.checkpointer import Checkpointer, Retention, Staged, open_data_directory
+from lightning_bpk._checkpoint import open_data_directory
+from lightning_bpk._sharded_names import DEFAULT_PREFIX, PARAM_IDS_KEY
+from lightning_bpk.checkpointer import Checkpointer, Staged
 from lightning_bpk.dcp import (
-    DEFAULT_PREFIX,
     INDEX_KIND,
     SHARD_KIND,
     BurnpackStorageReader,
@@ -64,40 +62,19 @@ from lightning_bpk.dcp import (
     ShardedCheckpointError,
     index_name,
     is_sharded,
-    load_full_state_dict,
     load_nested,
+    module_record,
 )
-from lightning_bpk.layout import RECORD_SUFFIX
+from lightning_bpk.layout import MODEL_KEY, RECORD_SUFFIX
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.manifest import FileEntry
-from lightning_bpk.records import (
-    LrSchedulerRecord,
-    ModuleRecord,
-    RecordError,
-    StateRecord,
-    param_ids,
-)
+from lightning_bpk.records import RecordError, param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
 
-__all__ = [
-    "ShardedCheckpointError",
-    "Shards",
-    "holds_dtensors",
-    "is_sharded",
-    "lightning_dict",
-    "load",
-    "module_record",
-    "publish",
-    "records",
-    "restore",
-    "save_shards",
-]
-
-MODEL = trainer_state.MODEL_KEY
-PARAM_IDS = "param_ids"  # model parameter name -> u64 param id, for the consolidated ModuleRecord
+__all__ = ["ShardedCheckpointError", "is_sharded", "lightning_dict", "load", "module_record"]
 
 
-def holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
+def _holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
     """True when Lightning's dict carries a sharded model (``DTensor`` values)."""
     state_dict = checkpoint.get("state_dict") or {}
     return any(isinstance(v, DTensor) for v in state_dict.values())
@@ -141,8 +118,8 @@ def _dcp_state(
 ) -> dict[str, Any]:
     ids = param_ids(module)
     state: dict[str, Any] = {
-        MODEL: dict(model_state),
-        PARAM_IDS: {name: ids[name] for name in model_state if name in ids},
+        MODEL_KEY: dict(model_state),
+        PARAM_IDS_KEY: {name: ids[name] for name in model_state if name in ids},
     }
     for i, (optimizer, osd) in enumerate(zip(optimizers, optimizer_states, strict=True)):
         state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)] = _to_ids(
@@ -154,7 +131,7 @@ def _dcp_state(
 # --- saving ---------------------------------------------------------------------------------------
 
 
-class Shards(NamedTuple):
+class _Shards(NamedTuple):
     """Rank 0's account of the shards every rank wrote into a checkpoint's staging prefix:
     where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their manifest
     entries (the DCP writer described each file as it wrote it)."""
@@ -170,13 +147,13 @@ def _failures(error: CheckpointException) -> str:
     )
 
 
-def save_shards(
+def _save_shards(
     trainer: pl.Trainer,
     checkpointer: Checkpointer,
     number: int,
     checkpoint: dict,
     storage_options: Mapping[str, Any] | None = None,
-) -> Shards | None:
+) -> _Shards | None:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective)
     into checkpoint ``number``'s own staging prefix, which rank 0 chose
     (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
@@ -186,8 +163,9 @@ def save_shards(
     (``storage_options`` go to fsspec).
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
-    what :func:`publish` commits (on other ranks: None). A failure on any rank raises
-    :class:`ShardedCheckpointError` on every rank, and rank 0 removes what was written.
+    what ``save_checkpoint(staged=..., described=...)`` commits (on other ranks: None). A
+    failure on any rank raises :class:`ShardedCheckpointError` on every rank, and rank 0
+    removes what was written.
     """
     staged, failure = None, None
     if trainer.is_global_zero:
@@ -233,35 +211,7 @@ def save_shards(
         )
         for name, info in writer.files.items()
     }
-    return Shards(staged, files)
-
-
-def publish(
-    checkpointer: Checkpointer,
-    number: int,
-    shards: Shards,
-    rest: Mapping[str, Any],
-    retention: Retention | None = None,
-) -> Path | str | None:
-    """Rank 0: commit checkpoint ``number``: the shards :func:`save_shards` wrote together with
-    ``rest`` (:func:`records`), its sentinel last, as :meth:`Checkpointer.save_checkpoint` does
-    (the one commit: the shards are already in its staging prefix); shards that are not
-    committed are removed."""
-    return checkpointer.save_checkpoint(
-        number, rest, retention=retention, staged=shards.staged, described=shards.files
-    )
-
-
-def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
-    """Rank 0's other records of a sharded checkpoint: schedulers and the trainer state."""
-    data: dict[str, Any] = {}
-    for i, scheduler in enumerate(schedulers):
-        key = trainer_state.numbered_key(trainer_state.SCHEDULER_KEY, i)
-        data[key] = LrSchedulerRecord.from_scheduler(scheduler)
-    rest = {k: v for k, v in trainer_state.storable(checkpoint).items() if k != "lr_schedulers"}
-    rest[trainer_state.RNG_KEY] = trainer_state.capture_rng()
-    data[trainer_state.TRAINER_KEY] = StateRecord(rest)
-    return data
+    return _Shards(staged, files)
 
 
 # --- loading --------------------------------------------------------------------------------------
@@ -269,18 +219,15 @@ def records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[st
 
 def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
-    if isinstance(path, Path):
-        _sharded_index.real_directory(path)  # refused before anything in it is read
-    opened = open_data_directory(path, storage_options)
-    if opened is None:
+    _sharded_index.refuse_links(storage.open_store(path, storage_options), "")  # before reading
+    view = open_data_directory(path, storage_options)
+    if view is None:
         raise RecordError(
             "io", f"{path}: not a checkpoint directory (expected '<prefix>.<number>')"
         )
-    checkpointer, number = opened
-    keys = [k for k in checkpointer.data_keys(number) if not k.startswith(DEFAULT_PREFIX)]
-    data = checkpointer.load_checkpoint(number, keys)
+    data = view.load([k for k in view.data_keys() if not k.startswith(DEFAULT_PREFIX)])
     if data is None or trainer_state.TRAINER_KEY not in data:
-        raise ShardedCheckpointError(f"{path}: checkpoint {number} is not complete")
+        raise ShardedCheckpointError(f"{path}: checkpoint {view.iteration} is not complete")
     checkpoint = dict(data[trainer_state.TRAINER_KEY])
     checkpoint["lr_schedulers"] = [
         r.state_dict() for r in trainer_state._numbered(data, trainer_state.SCHEDULER_KEY)
@@ -288,7 +235,7 @@ def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[s
     return checkpoint
 
 
-def restore(
+def _restore(
     trainer: pl.Trainer,
     path: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
@@ -319,7 +266,7 @@ def lightning_dict(
     location = storage.location(path)
     checkpoint = _rest(location, storage_options)
     nested = load_nested(location, storage_options=storage_options)
-    checkpoint["state_dict"] = OrderedDict(nested[MODEL])
+    checkpoint["state_dict"] = OrderedDict(nested[MODEL_KEY])
     checkpoint["optimizer_states"] = [
         _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
     ]
@@ -358,7 +305,7 @@ def load(
     optimizer_states = [get_optimizer_state_dict(module, o) for o in optimizers]
     state = _dcp_state(module, model_state, optimizers, optimizer_states)
     if not optimizers:
-        state = {MODEL: state[MODEL], PARAM_IDS: state[PARAM_IDS]}
+        state = {MODEL_KEY: state[MODEL_KEY], PARAM_IDS_KEY: state[PARAM_IDS_KEY]}
     try:
         reader = BurnpackStorageReader(location, storage_options=storage_options)
         dcp.load(state, storage_reader=reader)
@@ -366,32 +313,9 @@ def load(
         raise ShardedCheckpointError(
             f"loading the shards of {location} failed: {_failures(e)}"
         ) from e
-    set_model_state_dict(module, state[MODEL])
+    set_model_state_dict(module, state[MODEL_KEY])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):
         ours = state[trainer_state.numbered_key(trainer_state.OPTIMIZER_KEY, i)]
         set_optimizer_state_dict(module, optimizer, _to_fqns(ours, optimizer, ids))
     return checkpoint
-
-
-def module_record(
-    path: str | os.PathLike[str],
-    *,
-    verify: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-) -> ModuleRecord:
-    """The model of a sharded checkpoint as one unsharded :class:`ModuleRecord`, assembled in this
-    process without a process group (what ``lightning-bpk convert`` writes; ``.apply(module)``
-    loads it into a plain ``nn.Module``). Tensors equal the gathered full state dict.
-
-    A DCP checkpoint written without this package's callback (no ``model.`` keys) gives every
-    tensor under its flattened DCP key.
-    """
-    full = load_full_state_dict(path, verify=verify, storage_options=storage_options)
-    tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-    model = {k[len(MODEL) + 1 :]: v for k, v in tensors.items() if k.startswith(MODEL + ".")}
-    if not model:
-        return ModuleRecord(tensors)
-    prefix = PARAM_IDS + "."
-    ids = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
-    return ModuleRecord(model, param_ids={k: v for k, v in ids.items() if k in model})

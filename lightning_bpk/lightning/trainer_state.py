@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from lightning_bpk import state, storage
-from lightning_bpk._sharded_names import INDEX_KEY
-from lightning_bpk.checkpointer import open_data_directory
+from lightning_bpk._checkpoint import open_data_directory
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -61,7 +61,7 @@ from lightning_bpk.records import (
     StateRecord,
     files,
 )
-from lightning_bpk.records.base import class_name
+from lightning_bpk.records.base import _class_name
 
 __all__ = [
     "CLASSES_KEY",
@@ -91,7 +91,7 @@ __all__ = [
 
 # What resume cannot do without (the optimizers and schedulers may be none); a sharded
 # checkpoint's index stands for the model (its shards hold the model; Checkpointer's has_key).
-REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_KEY}", TRAINER_KEY)
+REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_DATA_KEY}", TRAINER_KEY)
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
@@ -220,6 +220,13 @@ def to_records(
     data: dict[str, Any] = {MODEL_KEY: ModuleRecord.from_module(module)}
     for i, optimizer in enumerate(optimizers):
         data[numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
+    return data | _other_records(checkpoint, schedulers)
+
+
+def _other_records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
+    """The schedulers' records and ``trainer`` (the other keys, with the current RNG states):
+    what a sharded save's rank 0 writes beside the shards of the model and optimizers."""
+    data: dict[str, Any] = {}
     for i, scheduler in enumerate(schedulers):
         data[numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
     rest = {k: v for k, v in storable(checkpoint).items() if k not in _RECORD_KEYS}
@@ -288,7 +295,7 @@ def class_mismatches(
         ("LR scheduler", "lr_schedulers", schedulers),
     ):
         saved = list(classes.get(key, []))
-        configured = [class_name(x) for x in live]
+        configured = [_class_name(x) for x in live]
         if len(saved) != len(configured):
             problems.append(
                 f"it holds {len(saved)} {what} state(s) {saved}, the module configures "
@@ -350,12 +357,11 @@ def load(
     missing path and :class:`RecordError` (naming the file) for anything unreadable.
     """
     target = storage.location(path)
-    opened = open_data_directory(target, storage_options)
-    if opened is not None:
-        checkpointer, number = opened
-        data = checkpointer.load_checkpoint(number)
+    view = open_data_directory(target, storage_options)
+    if view is not None:
+        data = view.load()
         if data is None:
-            raise RecordError("io", f"{target}: checkpoint {number} is not complete")
+            raise RecordError("io", f"{target}: checkpoint {view.iteration} is not complete")
         return from_records(data, str(target))
     try:
         record = files.read_record(target, storage_options)

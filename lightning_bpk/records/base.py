@@ -22,9 +22,7 @@ __all__ = [
     "RecordError",
     "RecordErrorKind",
     "StateRecord",
-    "class_name",
     "load_record",
-    "record_from_pack",
 ]
 
 RECORD_KIND_KEY = "lightning_bpk/record"
@@ -84,7 +82,7 @@ class RecordChecksumError(RecordError, burnpack.ChecksumError):
         super().__init__("checksum", problems)
 
 
-def class_name(obj: object) -> str:
+def _class_name(obj: object) -> str:
     """``module.qualname`` of ``obj``'s class, as records store it (``torch.optim.adam.Adam``)."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -206,10 +204,10 @@ def load_record(path: str | os.PathLike[str]) -> Record:
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        return record_from_pack(pack)
+        return _record_from_pack(pack)
 
 
-def record_from_pack(pack: burnpack.Pack) -> Record:
+def _record_from_pack(pack: burnpack.Pack) -> Record:
     """The record held by an open pack (a file, or an object read into memory), choosing the
     class from its kind tag."""
     kind = pack.metadata.get(RECORD_KIND_KEY)

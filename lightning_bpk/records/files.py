@@ -34,7 +34,7 @@ from lightning_bpk.records.base import (
     Record,
     RecordChecksumError,
     RecordError,
-    record_from_pack,
+    _record_from_pack,
 )
 from lightning_bpk.store import Store, open_parent, open_store
 from lightning_bpk.store import location as as_location
@@ -187,7 +187,7 @@ def read_record(
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        return record_from_pack(pack)
+        return _record_from_pack(pack)
 
 
 def save_record(record: Record, store: Store, key: str) -> Described:

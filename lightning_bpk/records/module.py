@@ -213,7 +213,7 @@ class ModuleRecord(Record):
                 aliases[rec_name] = stored_as[id(value)]
             else:
                 try:
-                    burnpack.burn_dtype(tensor.dtype)
+                    burnpack._burn_dtype(tensor.dtype)
                 except burnpack.BurnpackError as e:
                     problems.append(f"'{rec_name}': {e}")
                 stored_as[id(value)] = rec_name

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack, state
-from lightning_bpk.records.base import Record, RecordError, class_name
+from lightning_bpk.records.base import Record, RecordError, _class_name
 from lightning_bpk.records.module import _param_table
 
 __all__ = [
@@ -176,7 +176,7 @@ class OptimizerRecord(Record):
         if stray:
             raise RecordError("validation", [f"state {i!r} belongs to no parameter" for i in stray])
         return cls(
-            per_param, groups, paths=paths, ranks=ranks, optimizer_class=class_name(optimizer)
+            per_param, groups, paths=paths, ranks=ranks, optimizer_class=_class_name(optimizer)
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -200,10 +200,10 @@ class OptimizerRecord(Record):
         changing anything.
         """
         problems = []
-        if class_name(optimizer) != self.optimizer_class:
+        if _class_name(optimizer) != self.optimizer_class:
             problems.append(
                 f"record holds {self.optimizer_class} state, the optimizer is "
-                f"{class_name(optimizer)}"
+                f"{_class_name(optimizer)}"
             )
         table = _param_table(module)
         group_of = {pid: g for g, group in enumerate(self.param_groups) for pid in group["params"]}

@@ -34,7 +34,7 @@ from typing import Any
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_bpk import burnpack, state
-from lightning_bpk.records.base import Record, RecordError, class_name
+from lightning_bpk.records.base import Record, RecordError, _class_name
 
 __all__ = [
     "LrSchedulerRecord",
@@ -87,7 +87,7 @@ class LrSchedulerRecord(Record):
     def from_scheduler(cls, scheduler: SchedulerLike) -> LrSchedulerRecord:
         """Record ``scheduler.state_dict()``; raises :class:`RecordError` if it holds a tensor or
         anything else that is not plain data."""
-        record = cls(_indexed(scheduler.state_dict()), class_name(scheduler))
+        record = cls(_indexed(scheduler.state_dict()), _class_name(scheduler))
         record._encode()  # fail now, naming the key, rather than at save time
         return record
 
@@ -98,11 +98,11 @@ class LrSchedulerRecord(Record):
     def apply(self, scheduler: SchedulerLike) -> SchedulerLike:
         """Load the state into ``scheduler`` (same class, built on the resumed optimizer with
         the same functions for lambda-based schedulers) and return it."""
-        if class_name(scheduler) != self.scheduler_class:
+        if _class_name(scheduler) != self.scheduler_class:
             raise RecordError(
                 "validation",
                 f"record holds {self.scheduler_class} state, the scheduler is "
-                f"{class_name(scheduler)}",
+                f"{_class_name(scheduler)}",
             )
         scheduler.load_state_dict(self.state_dict())
         return scheduler

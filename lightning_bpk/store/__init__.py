@@ -66,7 +66,6 @@ __all__ = [
     "open_parent",
     "open_store",
     "parent_of",
-    "protocol_of",
 ]
 
 # Protocols served by the local backend (fsspec's names for the local filesystem).
@@ -188,7 +187,7 @@ class Store(Protocol):
         ...
 
 
-def protocol_of(url: str | os.PathLike[str]) -> str | None:
+def _protocol_of(url: str | os.PathLike[str]) -> str | None:
     """The URL's protocol (``"s3"``), or ``None`` for a plain path."""
     protocol, _ = fsspec.core.split_protocol(os.fspath(url))
     return protocol
@@ -198,7 +197,7 @@ def is_local(url: str | os.PathLike[str]) -> bool:
     """True when ``url`` is a plain path or a ``file://`` URL (served by :class:`LocalStore`)."""
     if isinstance(url, Path):
         return True
-    protocol = protocol_of(url)
+    protocol = _protocol_of(url)
     return protocol is None or protocol in LOCAL_PROTOCOLS
 
 
@@ -214,7 +213,7 @@ def location(url: str | os.PathLike[str]) -> Path | str:
     """
     if is_local(url):
         text = os.fspath(url)
-        if protocol_of(text) is not None:
+        if _protocol_of(text) is not None:
             text = fsspec.core.split_protocol(text)[1]
         return Path(text)
     return os.fspath(url).rstrip("/")
@@ -256,7 +255,7 @@ def open_store(
     try:
         fs, root = fsspec.core.url_to_fs(loc, **dict(storage_options or {}))
     except ImportError as e:
-        protocol = protocol_of(loc)
+        protocol = _protocol_of(loc)
         extra = EXTRAS.get(protocol or "")
         hint = (
             f"pip install 'lightning-bpk[{extra}]'"
