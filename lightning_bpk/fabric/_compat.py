@@ -14,14 +14,6 @@ from lightning.fabric.wrappers import (
     _unwrap_compiled,
 )
 
-__all__ = [
-    "cluster_environment",
-    "inner_loader",
-    "is_fabric_loader",
-    "set_passes",
-    "unwrap",
-]
-
 
 def unwrap(obj: Any) -> Any:
     """The user's own module or optimizer behind ``fabric.setup`` (and ``torch.compile``):

@@ -21,8 +21,6 @@ from lightning_bpk.fabric import _compat
 from lightning_bpk.lightning import slurm
 from lightning_bpk.lightning.preemption import Preemption
 
-__all__ = ["FabricPreemption", "requeue_signal"]
-
 
 def requeue_signal(strategy: Any) -> int | None:
     """The signal that asks for a SLURM requeue in a Fabric run, or None when auto-requeue does

@@ -26,14 +26,14 @@ from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointSaveError
 from lightning_bpk.fabric._state import Filters, Parts
 from lightning_bpk.layout import TRAINER_KEY
-from lightning_bpk.lightning import sharded, trainer_state
-from lightning_bpk.lightning.sharded import publish
-from lightning_bpk.records import ModuleRecord
+from lightning_bpk.lightning import sharded
+from lightning_bpk.records import ModuleRecord, StateRecord
 
-__all__ = ["INDEX_KEY", "layout", "load", "module_record", "publish", "save"]
 
-INDEX_KEY = trainer_state.INDEX_KEY
-"""The data key of a sharded checkpoint's index (it stands for the model's shards)."""
+def is_sharded(checkpointer: Checkpointer, number: int, storage_options: Any = None) -> bool:
+    """Checkpoint ``number`` is a sharded one (its data holds the index of the shards)."""
+    path = checkpointer.checkpoint_path(number)
+    return sharded.is_sharded(path, storage_options=storage_options)
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -95,6 +95,15 @@ def save(
         raise CheckpointSaveError(f"{e}; earlier checkpoints are untouched") from e
 
 
+def publish(
+    checkpointer: Checkpointer, step: int, shards: sharded.Shards, trainer: StateRecord
+) -> Any:
+    """Rank 0: commit checkpoint ``step``: the shards every rank wrote into its staging prefix
+    with the ``trainer`` record, the sentinel last (the one commit; returns its directory)."""
+    data = {TRAINER_KEY: trainer}
+    return checkpointer.save_checkpoint(step, data, staged=shards.staged, described=shards.files)
+
+
 def load(
     checkpointer: Checkpointer,
     number: int,
@@ -131,7 +140,7 @@ def module_record(
 ) -> ModuleRecord:
     """The module under ``key`` of checkpoint ``number`` as one unsharded record (a sharded
     checkpoint's shards assembled in this process)."""
-    if INDEX_KEY in checkpointer.data_keys(number):
+    if is_sharded(checkpointer, number, storage_options):
         trainer = checkpointer.load_checkpoint(number, [TRAINER_KEY])
         saved = ((trainer or {}).get(TRAINER_KEY) or {}).get("sharded") or {}
         if saved.get("module") != key:

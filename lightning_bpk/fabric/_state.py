@@ -36,23 +36,6 @@ from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning.loaders import has_state
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
 
-__all__ = [
-    "FORMAT",
-    "LOADER",
-    "MODULE",
-    "OPTIMIZER",
-    "STATEFUL",
-    "VALUE",
-    "Filters",
-    "Parts",
-    "check_filters",
-    "module_records",
-    "rank_entry",
-    "restore",
-    "split",
-    "trainer_entry",
-]
-
 FORMAT = "lightning_bpk.fabric/1"
 """The ``format`` of a manager's ``trainer`` record (a callback's checkpoint has none)."""
 MODULE = "module"

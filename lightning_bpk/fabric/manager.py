@@ -58,6 +58,8 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_bpk import _gin, storage
+from lightning_bpk._checkpoint import summarise
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.checkpointer import (
     Checkpointer,
     bound_override_number,
@@ -65,7 +67,6 @@ from lightning_bpk.checkpointer import (
     choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
-    summarise,
     verify_checkpoint,
 )
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
@@ -304,7 +305,7 @@ class CheckpointManager:
                 *names,
                 (TRAINER_KEY,),
                 at_most=2**63,
-                unloaded=(_sharded.INDEX_KEY,),
+                unloaded=(INDEX_DATA_KEY,),
             )
             self._preloaded = choice.data
             where = "" if choice.location is None else str(choice.location)
@@ -333,7 +334,8 @@ class CheckpointManager:
         if override < 0:
             return -1, "", False, None
         where = str(checkpointer.checkpoint_path(override))
-        return override, where, _sharded.INDEX_KEY in checkpointer.data_keys(override), None
+        sharded = _sharded.is_sharded(checkpointer, override, self.storage_options)
+        return override, where, sharded, None
 
     def _complete(self) -> list[Any]:
         checkpointer = self.checkpointer
@@ -439,7 +441,7 @@ class CheckpointManager:
     ) -> None:
         """Rank 0: commit checkpoint ``step`` (in the background with ``async_save``)."""
         if shards is not None:  # the shards are written; commit them with the trainer record
-            path = _sharded.publish(self.checkpointer, step, shards, {TRAINER_KEY: trainer})
+            path = _sharded.publish(self.checkpointer, step, shards, trainer)
             log.info("saved sharded checkpoint %d at %s", step, path)
             return
         data = _state.module_records(parts, filters)
