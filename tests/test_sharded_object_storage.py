@@ -240,13 +240,13 @@ def test_a_superseded_run_stops_before_any_rank_writes_a_shard():
     Checkpointer(url).take_over()  # a newer run
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     checkpoint = {"state_dict": {}}
-    from lightning_bpk.lightning.sharded import _save_shards  # the callback's, every rank's
+    from lightning_bpk.lightning.sharded import save_shards  # the callback's, every rank's
 
     with pytest.raises(
         sharded.ShardedCheckpointError,
         match=r"preparing checkpoint 0 failed on rank 0: CheckpointSupersededError: .*superseded",
     ):
-        _save_shards(trainer, zombie, 0, checkpoint)
+        save_shards(trainer, zombie, 0, checkpoint)
     assert "state_dict" in checkpoint  # nothing was written
     assert sorted(storage.object_store(url).list("")) == [".lightning_bpk.owner.2"]
 

@@ -221,11 +221,11 @@ class CheckpointDispatch:
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _compat.dump_checkpoint(trainer)
-        staged: Any = {}  # sharded._save_shards' result on rank 0
+        staged: Any = {}  # sharded.save_shards' result on rank 0
         if self._sharded(trainer, checkpoint):
             assert self.checkpointer is not None  # every rank's, made in setup
             try:
-                staged = sharded._save_shards(
+                staged = sharded.save_shards(
                     trainer, self.checkpointer, number, checkpoint, self.storage_options
                 )
             except sharded.ShardedCheckpointError as e:  # raised on every rank alike

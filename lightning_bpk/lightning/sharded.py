@@ -71,7 +71,15 @@ from lightning_bpk.manifest import FileEntry
 from lightning_bpk.records import RecordError, param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
 
-__all__ = ["ShardedCheckpointError", "is_sharded", "lightning_dict", "load", "module_record"]
+__all__ = [
+    "ShardedCheckpointError",
+    "Shards",
+    "is_sharded",
+    "lightning_dict",
+    "load",
+    "module_record",
+    "save_shards",
+]
 
 
 def _holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
@@ -131,7 +139,7 @@ def _dcp_state(
 # --- saving ---------------------------------------------------------------------------------------
 
 
-class _Shards(NamedTuple):
+class Shards(NamedTuple):
     """Rank 0's account of the shards every rank wrote into a checkpoint's staging prefix:
     where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their manifest
     entries (the DCP writer described each file as it wrote it)."""
@@ -147,13 +155,13 @@ def _failures(error: CheckpointException) -> str:
     )
 
 
-def _save_shards(
+def save_shards(
     trainer: pl.Trainer,
     checkpointer: Checkpointer,
     number: int,
     checkpoint: dict,
     storage_options: Mapping[str, Any] | None = None,
-) -> _Shards | None:
+) -> Shards | None:
     """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective)
     into checkpoint ``number``'s own staging prefix, which rank 0 chose
     (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
@@ -161,6 +169,10 @@ def _save_shards(
     Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
     gives each tensor to one rank, balancing the bytes, so every rank writes a share
     (``storage_options`` go to fsspec).
+
+    The one sharded save, of the callback and of :class:`~lightning_bpk.fabric.CheckpointManager`
+    alike: of ``trainer`` it reads ``is_global_zero``, ``strategy.broadcast``,
+    ``lightning_module`` and ``optimizers`` (a Fabric run passes those four).
 
     Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
     what ``save_checkpoint(staged=..., described=...)`` commits (on other ranks: None). A
@@ -211,7 +223,7 @@ def _save_shards(
         )
         for name, info in writer.files.items()
     }
-    return _Shards(staged, files)
+    return Shards(staged, files)
 
 
 # --- loading --------------------------------------------------------------------------------------
