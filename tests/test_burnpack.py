@@ -9,6 +9,7 @@ import errno
 import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -1102,27 +1103,100 @@ def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeyp
 # =============================== atomicity under injected faults ===============================
 
 
-# a small pack takes two writes: data gathered into one, then the checksums patched in
-@pytest.mark.parametrize("failing_call", [1, 2])
-def test_enospc_at_the_write_call_leaves_no_scratch_and_old_file(
-    tmp_path, monkeypatch, failing_call
+def _odd_sizes() -> dict[str, torch.Tensor]:
+    """Every dtype at an odd length (the file is no multiple of a block), one byte, empty."""
+    out = {
+        f"{burn}/odd": torch.arange(7 * 3, dtype=torch.int64).to(t)[:7]
+        for burn, t in TORCH_DTYPES.items()
+    }
+    out.update(
+        {
+            "bool": torch.tensor([True, False, True]),
+            "one byte": torch.tensor([5], dtype=torch.uint8),
+            "empty": torch.empty(0, 3),
+            "zero-dim": torch.tensor(2.5),
+        }
+    )
+    return out
+
+
+def _many_across_buffers() -> dict[str, torch.Tensor]:
+    """3,000 tensors (the metadata spans many blocks: its checksums are patched on disk) and
+    large ones across the sink's buffers."""
+    g = torch.Generator().manual_seed(3)
+    out = {f"small.{i}": torch.randn(i % 97 + 1, generator=g) for i in range(3000)}
+    out.update({f"large.{i}": torch.randn(1_500_001 + i, generator=g) for i in range(4)})
+    return out
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [_odd_sizes, dict, lambda: {"one": torch.tensor([1], dtype=torch.int8)}, _many_across_buffers],
+    ids=["every-dtype-odd-sizes", "empty-pack", "single-byte", "many-across-buffers"],
+)
+@pytest.mark.parametrize("checksums", [True, False])
+def test_o_direct_writes_the_bytes_of_the_page_cache_path(
+    direct_dir, monkeypatch, caplog, tensors, checksums
 ):
+    """Byte identity with Burn's layout: O_DIRECT (for every size here), the page cache and
+    ``dumps`` give the same file."""
+    content = tensors()
+    metadata = {"note": "odd"}
+    expected = burnpack.dumps(content, metadata=metadata, checksums=checksums)
+    caplog.set_level(logging.DEBUG, logger="lightning_bpk")
+    monkeypatch.setattr(_fs, "DIRECT_MIN", 0)
+    direct = burnpack.write(direct_dir / "d.bpk", content, metadata=metadata, checksums=checksums)
+    monkeypatch.setattr(_fs, "DIRECT_MIN", len(expected) + 1)
+    paged = burnpack.write(direct_dir / "p.bpk", content, metadata=metadata, checksums=checksums)
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_bpk"]
+    assert "with O_DIRECT" in said[0] and "through the page cache" in said[1]
+    assert direct.read_bytes() == expected and paged.read_bytes() == expected
+    assert len(expected) % 4096  # every file ends in a partial block: padded, then cut back
+    with burnpack.read(direct) as pack:
+        pack.verify()
+
+
+@pytest.mark.parametrize("size", [64, 5_000_000], ids=["page-cache", "o-direct"])
+def test_enospc_at_each_write_call_leaves_no_scratch_and_old_file(tmp_path, monkeypatch, size):
     path = burnpack.write(tmp_path / "e.bpk", {"old": torch.ones(8)})
     before = path.read_bytes()
-    real = _fs.write_all
-    calls = {"n": 0}
+    content = {"a": torch.ones(size // 4), "b": torch.arange(9.0)}
+    real, calls = _fs.write_all, []
 
-    def full_disk(f, data):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def counting(f, data):
+        calls.append(1)
         real(f, data)
 
-    monkeypatch.setattr(_fs, "write_all", full_disk)
-    with pytest.raises(burnpack.BurnpackIOError, match="No space left") as err:
-        burnpack.write(path, abc_resident())
-    assert isinstance(err.value, OSError) and str(path) in str(err.value)
-    assert path.read_bytes() == before and listdir(tmp_path) == ["e.bpk"]
+    monkeypatch.setattr(_fs, "write_all", counting)
+    burnpack.write(tmp_path / "dry.bpk", content)
+    (tmp_path / "dry.bpk").unlink()
+    assert calls
+    for failing_call in range(1, len(calls) + 1):
+        count = {"n": 0}
+
+        def full_disk(f, data, failing_call=failing_call, count=count):
+            count["n"] += 1
+            if count["n"] == failing_call:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(f, data)
+
+        monkeypatch.setattr(_fs, "write_all", full_disk)
+        with pytest.raises(burnpack.BurnpackIOError, match="No space left") as err:
+            burnpack.write(path, content)
+        assert isinstance(err.value, OSError) and str(path) in str(err.value)
+        assert path.read_bytes() == before and listdir(tmp_path) == ["e.bpk"]
+
+
+def test_a_tmpfs_directory_saves_and_loads_through_the_page_cache(tmpfs_dir, caplog):
+    caplog.set_level(logging.DEBUG, logger="lightning_bpk")
+    content = {"w": torch.randn(1_000_000), "b": torch.arange(5)}
+    path = burnpack.write(tmpfs_dir / "m.bpk", content)
+    assert any("through the page cache" in r.getMessage() for r in caplog.records)
+    targets = {k: torch.zeros_like(v) for k, v in content.items()}
+    burnpack.read_into(path, targets)
+    assert all(torch.equal(targets[k], v) for k, v in content.items())
+    with burnpack.read(path) as pack:
+        assert torch.equal(pack.tensor("w"), content["w"])
 
 
 def test_file_size_limit_in_subprocess_leaves_old_file(tmp_path):
