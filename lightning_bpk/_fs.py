@@ -57,6 +57,7 @@ __all__ = [
     "BufferedSink",
     "DirectSink",
     "Sink",
+    "address",
     "aligned_buffer",
     "atomic_file",
     "atomic_sink",
@@ -341,7 +342,8 @@ class _At:
         return written
 
 
-def _address(view: memoryview) -> int:
+def address(view: memoryview) -> int:
+    """The memory address of a byte view's first byte (read-only views too)."""
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
@@ -365,7 +367,7 @@ class DirectSink:
 
     def write(self, data: Bytes) -> None:
         view = memoryview(data).cast("B")
-        if not self._used and view.nbytes >= _BUFFER_SIZE and not _address(view) % mmap.PAGESIZE:
+        if not self._used and view.nbytes >= _BUFFER_SIZE and not address(view) % mmap.PAGESIZE:
             whole = view.nbytes - view.nbytes % self._alignment
             self._drain()
             write_all(_At(self._fd, self._start, self.name), view[:whole])

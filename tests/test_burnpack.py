@@ -6,6 +6,7 @@ fuzz."""
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import hashlib
 import json
@@ -28,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.burnpack import Scalar, TensorEntry
+from lightning_bpk.burnpack import Scalar, TensorEntry, _inplace, _parallel
 
 from conftest import MNIST_BPK, run_process
 
@@ -1043,21 +1044,40 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 # =============================== read_into: loading into existing tensors =======================
 
 
-@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
-def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
-    # several chunks per tensor, one partial
-    monkeypatch.setattr(burnpack.reader, "_COPY_CHUNK", 1000)
-    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
-    source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
+def _mixed(n: int = 300) -> dict[str, torch.Tensor]:
+    """Tensors of many sizes (1 byte to several read steps) in one file, padding between them."""
+    g = torch.Generator().manual_seed(n)
+    out = {f"s{i}": torch.randn(i % 37 + 1, generator=g) for i in range(n)}
+    out.update({"w": torch.randn(3, 700, generator=g), "i": torch.arange(5, dtype=torch.int64)})
+    out["u"] = torch.tensor([7], dtype=torch.uint8)
+    return out
+
+
+# steps of 1000 bytes: large tensors read in several steps, one partial; at most 4 iovecs per call
+@pytest.mark.parametrize(("step", "iov_max"), [(1000, 4), (2**20, 1024)], ids=["steps", "batched"])
+def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, step, iov_max):
+    monkeypatch.setattr(_inplace, "READ_STEP", step)
+    monkeypatch.setattr(_inplace, "IOV_MAX", iov_max)
+    source = _mixed()
     path = burnpack.write(tmp_path / "m.bpk", source)
-    targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
+    targets = {k: torch.zeros_like(v) for k, v in source.items()}
     pointers = {k: t.data_ptr() for k, t in targets.items()}
+    versions = {k: t._version for k, t in targets.items()}
     burnpack.read_into(path, targets)
     assert all(torch.equal(targets[k], source[k]) for k in source)
     assert {k: t.data_ptr() for k, t in targets.items()} == pointers
-    partial = {"i": torch.zeros(5, dtype=torch.int64)}
-    burnpack.read_into(path, partial)  # a subset of the file's tensors is fine
-    assert torch.equal(partial["i"], source["i"])
+    assert all(t._version > versions[k] for k, t in targets.items())  # autograd sees the write
+    partial = {k: torch.zeros_like(source[k]) for k in list(source)[::3]}  # gaps between them
+    burnpack.read_into(path, partial)
+    assert all(torch.equal(t, source[k]) for k, t in partial.items())
+
+
+def test_read_into_one_tensor_under_two_names(tmp_path):
+    """Targets sharing memory are read one at a time, each checked before the next."""
+    path = burnpack.write(tmp_path / "t.bpk", {"a": torch.ones(3), "b": torch.full((3,), 2.0)})
+    shared = torch.zeros(3)
+    burnpack.read_into(path, {"a": shared, "b": shared})
+    assert shared.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_read_into_casts_views_and_bools_through_the_checked_path(tmp_path):
@@ -1084,20 +1104,22 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
         burnpack.read_into(tmp_path / "absent.bpk", {"a": a})
 
 
-@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
-def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
-    path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
+@pytest.mark.parametrize("step", [1000, 2**20], ids=["steps", "batched"])
+def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, step):
+    monkeypatch.setattr(_inplace, "READ_STEP", step)
+    source = _mixed()
+    path = burnpack.write(tmp_path / "f.bpk", source)
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
-    data[pack.data_start + pack.entries["b"].data_offsets[0] + 7] ^= 0x01
+    for name in ("w", "s17"):  # a large tensor and a small one in a batch
+        data[pack.data_start + pack.entries[name].data_offsets[0] + 7] ^= 0x01
     path.write_bytes(data)
-    a, b = torch.zeros(64), torch.zeros(64)
-    with pytest.raises(burnpack.ChecksumError, match=rf"{path}: tensor 'b'"):
-        burnpack.read_into(path, {"a": a, "b": b})
-    assert a.sum().item() == 64
-    burnpack.read_into(path, {"b": b}, verify=False)
-    assert b.view(torch.uint8)[7].item() == 1
+    targets = {k: torch.zeros_like(v) for k, v in source.items()}
+    with pytest.raises(burnpack.ChecksumError, match=rf"{path}: tensor '(w|s17)'"):
+        burnpack.read_into(path, targets)
+    w = torch.zeros(3, 700)
+    burnpack.read_into(path, {"w": w}, verify=False)
+    assert w.view(torch.uint8).flatten()[7].item() != 0 and not torch.equal(w, source["w"])
 
 
 # =============================== atomicity under injected faults ===============================
@@ -1807,3 +1829,74 @@ def test_json_in_a_metadata_value_is_bounded_before_it_is_parsed():
         burnpack.decode_json('["unterminated', what="x")
     with pytest.raises(burnpack.MetadataError, match=r"^x: a bytes, not JSON text"):
         burnpack.decode_json(b"[]", what="x")
+
+
+# =============================== two threads, no GC pauses (burnpack._parallel) ================
+
+
+def test_many_damaged_tensors_checked_on_two_threads(tmp_path):
+    source = _mixed()
+    path = burnpack.write(tmp_path / "m.bpk", source)
+    data = bytearray(path.read_bytes())
+    pack = burnpack.loads(data)
+    for name in ("s5", "s250", "w"):
+        data[pack.data_start + pack.entries[name].data_offsets[0]] ^= 0x10
+    path.write_bytes(data)
+    with burnpack.read(path) as damaged:
+        with pytest.raises(burnpack.ChecksumError, match=r"tensor 's250'"):  # first by name
+            damaged.tensors()
+        with pytest.raises(burnpack.ChecksumError, match=r"\['s250', 's5', 'w'\]"):
+            damaged.verify()
+        damaged.check(["s6", "i"])  # intact ones pass, and are not hashed again
+        assert {"s6", "i"} <= damaged._verified
+
+
+def test_run_shares_units_and_raises_the_first_error():
+    done: list[int] = []
+    _parallel.run([functools.partial(done.append, i) for i in range(100)])
+    assert sorted(done) == list(range(100))
+
+    def fail() -> None:
+        raise ValueError("unit failed")
+
+    with pytest.raises(ValueError, match="unit failed"):
+        _parallel.run([fail, *(functools.partial(done.append, i) for i in range(10))])
+
+
+def test_copy_moves_every_byte_in_pieces(monkeypatch):
+    monkeypatch.setattr(_parallel, "COPY_CHUNK", 1000)
+    sources = [torch.randn(n) for n in (1, 250, 251, 4000)]
+    targets = [torch.zeros_like(s) for s in sources]
+    pairs = zip(targets, sources, strict=True)
+    _parallel.copy((burnpack.tensor_bytes(t), burnpack.tensor_bytes(s)) for t, s in pairs)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+
+
+def test_gc_pauses_nest_and_leave_a_disabled_collector_disabled():
+    assert gc.isenabled()
+    with _parallel.gc_paused():
+        with _parallel.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _parallel.gc_paused():
+            pass
+        assert not gc.isenabled()  # the user's choice stands
+    finally:
+        gc.enable()
+
+
+def test_tensor_bytes_are_the_storage_and_keep_the_tensor_alive():
+    for dtype in _ALL_DTYPES:
+        t = torch.arange(6).to(dtype)
+        view = burnpack.tensor_bytes(t)
+        assert bytes(view) == t.view(torch.uint8).numpy().tobytes() and view.nbytes == t.nbytes
+    view = burnpack.tensor_bytes(torch.arange(1000.0))
+    gc.collect()  # the tensor has no other reference
+    assert torch.frombuffer(bytearray(view), dtype=torch.float32).tolist() == list(range(1000))
+    param = torch.nn.Parameter(torch.ones(3))
+    assert bytes(burnpack.tensor_bytes(param)) == bytes(burnpack.tensor_bytes(param.detach()))
+    strided = torch.arange(12.0).reshape(3, 4).t()  # copied into a contiguous tensor
+    assert bytes(burnpack.tensor_bytes(strided)) == strided.contiguous().numpy().tobytes()

@@ -27,15 +27,16 @@ import functools
 import gc
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy
 
-__all__ = ["COPY_CHUNK", "copy", "gc_paused", "helper", "run"]
+__all__ = ["COPY_CHUNK", "batches", "copy", "gc_paused", "gc_paused_call", "helper", "run"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 COPY_CHUNK = 4 * 1024 * 1024
 """Bytes per piece of :func:`copy`: large enough that the per-piece overhead (a few
@@ -102,7 +103,7 @@ def gc_paused_call(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def run(units: list[Callable[[], None]]) -> None:
+def run(units: Sequence[Callable[[], None]]) -> None:
     """Run every unit, the caller's thread and the helper taking the next one from a shared
     queue; the first exception is raised once both stopped (the rest of the queue is skipped).
     A single unit runs on the caller's thread alone."""
@@ -130,6 +131,24 @@ def run(units: list[Callable[[], None]]) -> None:
     other.result()
     if failed:
         raise failed[0]
+
+
+def batches(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, cut into runs of at most ``limit`` bytes (an item over the limit
+    alone): units of work worth handing to another thread.
+
+    >>> batches([1, 2, 3, 9, 1], lambda n: n, 5)
+    [[1, 2], [3], [9], [1]]
+    """
+    out: list[list[T]] = []
+    total = limit
+    for item in items:
+        if total + size(item) > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += size(item)
+    return out
 
 
 def copy(pairs: Iterable[tuple[memoryview, memoryview]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import io
 import math
@@ -117,8 +118,28 @@ _NUMPY_DTYPES = frozenset(
 )
 
 
+# Tensor classes whose bytes are their storage's at data_ptr() (a subclass such as DTensor may
+# hold them elsewhere).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous on CPU."""
+    if (
+        type(tensor) in _PLAIN_TENSORS
+        and tensor.is_cpu
+        and tensor.layout is torch.strided
+        and tensor.dtype in _TORCH_TO_BURN
+        and tensor.is_contiguous()
+    ):
+        # The storage's bytes as they lie: 2 us a tensor where numpy's view took 6 (5,000
+        # tensors are written and read in tens of milliseconds, so it counts).
+        size = tensor.nbytes
+        if not size:
+            return memoryview(b"")
+        array = (ctypes.c_char * size).from_address(tensor.data_ptr())
+        array._tensor = tensor  # type: ignore[attr-defined]  # the view keeps the tensor alive
+        return memoryview(array).cast("B")
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -127,7 +148,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
-    if t.dtype in _NUMPY_DTYPES:  # one call instead of four: counts with thousands of tensors
+    if t.dtype in _NUMPY_DTYPES:
         return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
