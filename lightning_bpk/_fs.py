@@ -44,7 +44,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -57,11 +57,11 @@ __all__ = [
     "BufferedSink",
     "DirectSink",
     "Sink",
-    "address",
     "aligned_buffer",
     "atomic_file",
     "atomic_sink",
     "direct_alignment",
+    "done",
     "fsync_dir",
     "open_sink",
     "scratch_path",
@@ -287,6 +287,16 @@ def _logical_block_size(device: int) -> int | None:
     return None
 
 
+def done(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)`` run here, as a finished future (its result or its exception)."""
+    future: Future[Any] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:
+        future.set_exception(e)
+    return future
+
+
 def aligned_buffer(size: int) -> mmap.mmap:
     """``size`` bytes of anonymous memory starting on a page boundary, as ``O_DIRECT`` needs."""
     return mmap.mmap(-1, size)
@@ -301,11 +311,17 @@ class _Shared:
         self.free: list[mmap.mmap] = []
         self.executor: ThreadPoolExecutor | None = None
 
-    def io(self) -> ThreadPoolExecutor:
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """``fn(*args)`` on the I/O thread; on this thread once the interpreter is shutting
+        down (an ``atexit`` hook that saves: no new work is scheduled on threads then)."""
         with self.lock:
             if self.executor is None:
                 self.executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_bpk-io")
-            return self.executor
+            executor = self.executor
+        try:
+            return executor.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            return done(fn, *args)
 
     def take(self, count: int) -> list[mmap.mmap]:
         with self.lock:
@@ -342,7 +358,7 @@ class _At:
         return written
 
 
-def address(view: memoryview) -> int:
+def _address(view: memoryview) -> int:
     """The memory address of a byte view's first byte (read-only views too)."""
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
@@ -367,7 +383,7 @@ class DirectSink:
 
     def write(self, data: Bytes) -> None:
         view = memoryview(data).cast("B")
-        if not self._used and view.nbytes >= _BUFFER_SIZE and not address(view) % mmap.PAGESIZE:
+        if not self._used and view.nbytes >= _BUFFER_SIZE and not _address(view) % mmap.PAGESIZE:
             whole = view.nbytes - view.nbytes % self._alignment
             self._drain()
             write_all(_At(self._fd, self._start, self.name), view[:whole])
@@ -387,7 +403,7 @@ class DirectSink:
         """Hand the current buffer to the I/O thread and wait until the next one is free."""
         at = _At(self._fd, self._start, self.name)
         chunk = self._views[self._index][: self._used]
-        self._writes[self._index] = _shared.io().submit(write_all, at, chunk)
+        self._writes[self._index] = _shared.submit(write_all, at, chunk)
         self._start += self._used
         self._used = 0
         self._index = (self._index + 1) % _BUFFERS

@@ -1900,3 +1900,28 @@ def test_tensor_bytes_are_the_storage_and_keep_the_tensor_alive():
     assert bytes(burnpack.tensor_bytes(param)) == bytes(burnpack.tensor_bytes(param.detach()))
     strided = torch.arange(12.0).reshape(3, 4).t()  # copied into a contiguous tensor
     assert bytes(burnpack.tensor_bytes(strided)) == strided.contiguous().numpy().tobytes()
+
+
+def test_an_atexit_hook_still_saves_and_loads(direct_dir):
+    """No new work reaches a thread once the interpreter shuts down: the I/O and the helper's
+    work run on the caller's thread then."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, torch
+        from lightning_bpk import burnpack
+
+        def save_at_exit():
+            source = {{f"w{{i}}": torch.full((1 << 20,), float(i)) for i in range(3)}}
+            path = burnpack.write({str(direct_dir / "exit.bpk")!r}, source)
+            targets = {{k: torch.zeros_like(v) for k, v in source.items()}}
+            burnpack.read_into(path, targets)
+            assert all(torch.equal(targets[k], v) for k, v in source.items())
+            print("saved and loaded at exit")
+
+        atexit.register(save_at_exit)
+        burnpack.write({str(direct_dir / "warm.bpk")!r}, {{"w": torch.ones(1 << 20)}})  # threads up
+        """
+    )
+    out = run_process([sys.executable, "-c", script])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "saved and loaded at exit"

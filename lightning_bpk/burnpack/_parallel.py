@@ -28,12 +28,14 @@ import gc
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy
 
-__all__ = ["COPY_CHUNK", "batches", "copy", "gc_paused", "gc_paused_call", "helper", "run"]
+from lightning_bpk import _fs
+
+__all__ = ["COPY_CHUNK", "batches", "copy", "gc_paused", "gc_paused_call", "run", "submit"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -65,12 +67,18 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def helper() -> ThreadPoolExecutor:
-    """The process's one helper thread for work that releases the GIL (hashing, copying)."""
+def submit(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` on the process's one helper thread for work that releases the GIL (hashing,
+    copying); on this thread once the interpreter is shutting down (no new work is scheduled on
+    threads then)."""
     with _state.lock:
         if _state.executor is None:
             _state.executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_bpk-work")
-        return _state.executor
+        executor = _state.executor
+    try:
+        return executor.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+        return _fs.done(fn, *args)
 
 
 @contextlib.contextmanager
@@ -126,7 +134,7 @@ def run(units: Sequence[Callable[[], None]]) -> None:
             except BaseException as e:
                 failed.append(e)
 
-    other = helper().submit(work)
+    other = submit(work)
     work()
     other.result()
     if failed:

@@ -433,7 +433,7 @@ def _write_plan(plan: _Plan, sink: _fs.Sink) -> bytes:
             digests[p.name] = xxhash.xxh3_64_hexdigest(view)
             sink.write(view)
         else:
-            digest = _parallel.helper().submit(xxhash.xxh3_64_hexdigest, view)
+            digest = _parallel.submit(xxhash.xxh3_64_hexdigest, view)
             sink.write(view)
             digests[p.name] = digest.result()
         del view  # drop this tensor's bytes before the next provider runs
