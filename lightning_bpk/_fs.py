@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import numpy
 
@@ -57,11 +57,11 @@ __all__ = [
     "BufferedSink",
     "DirectSink",
     "Sink",
+    "Worker",
     "aligned_buffer",
     "atomic_file",
     "atomic_sink",
     "direct_alignment",
-    "done",
     "fsync_dir",
     "open_sink",
     "scratch_path",
@@ -86,6 +86,7 @@ _BUFFERS = 2
 _GATHER_SIZE = 1024 * 1024
 
 _log = logging.getLogger("lightning_bpk")
+T = TypeVar("T")
 _counter = itertools.count()
 
 Bytes = bytes | bytearray | memoryview | mmap.mmap
@@ -287,14 +288,39 @@ def _logical_block_size(device: int) -> int | None:
     return None
 
 
-def done(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """``fn(*args)`` run here, as a finished future (its result or its exception)."""
-    future: Future[Any] = Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:
-        future.set_exception(e)
-    return future
+class Worker:
+    """One thread, started on first use, for work that releases the GIL. A child made by
+    ``fork`` gets a new one (the thread does not survive a fork); once the interpreter shuts
+    down, work runs on the caller's thread (no new work reaches a thread then: an ``atexit``
+    hook that saves)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._forget()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` on the thread (see the class docstring)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+            executor = self._executor
+        try:
+            return executor.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            future: Future[T] = Future()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+            return future
+
+
+_io = Worker("lightning_bpk-io")  # writes the buffers of every DirectSink
 
 
 def aligned_buffer(size: int) -> mmap.mmap:
@@ -303,25 +329,12 @@ def aligned_buffer(size: int) -> mmap.mmap:
 
 
 class _Shared:
-    """What every DirectSink of the process shares: the I/O thread and the free buffers. A
-    child process made by ``fork`` starts with none (the thread did not survive the fork)."""
+    """The free buffers every DirectSink of the process shares. A child process made by
+    ``fork`` starts with none (a parent's sink may be using them)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.free: list[mmap.mmap] = []
-        self.executor: ThreadPoolExecutor | None = None
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
-        """``fn(*args)`` on the I/O thread; on this thread once the interpreter is shutting
-        down (an ``atexit`` hook that saves: no new work is scheduled on threads then)."""
-        with self.lock:
-            if self.executor is None:
-                self.executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_bpk-io")
-            executor = self.executor
-        try:
-            return executor.submit(fn, *args)
-        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-            return done(fn, *args)
 
     def take(self, count: int) -> list[mmap.mmap]:
         with self.lock:
@@ -403,7 +416,7 @@ class DirectSink:
         """Hand the current buffer to the I/O thread and wait until the next one is free."""
         at = _At(self._fd, self._start, self.name)
         chunk = self._views[self._index][: self._used]
-        self._writes[self._index] = _shared.submit(write_all, at, chunk)
+        self._writes[self._index] = _io.submit(write_all, at, chunk)
         self._start += self._used
         self._used = 0
         self._index = (self._index + 1) % _BUFFERS

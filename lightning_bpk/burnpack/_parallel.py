@@ -28,7 +28,7 @@ import gc
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy
@@ -46,17 +46,16 @@ microseconds) is noise, small enough that two threads share a 64 MiB tensor even
 
 
 class _State:
-    """The helper thread and the pause count; a child made by ``fork`` starts afresh (the
-    thread did not survive the fork)."""
+    """The pause count; a child made by ``fork`` starts afresh."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.executor: ThreadPoolExecutor | None = None
         self.pauses = 0
         self.resume = False  # whether the collector was enabled when the first pause began
 
 
 _state = _State()
+_helper = _fs.Worker("lightning_bpk-work")
 
 
 def _forget_after_fork() -> None:
@@ -69,16 +68,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def submit(fn: Callable[..., T], *args: Any) -> Future[T]:
     """``fn(*args)`` on the process's one helper thread for work that releases the GIL (hashing,
-    copying); on this thread once the interpreter is shutting down (no new work is scheduled on
-    threads then)."""
-    with _state.lock:
-        if _state.executor is None:
-            _state.executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_bpk-work")
-        executor = _state.executor
-    try:
-        return executor.submit(fn, *args)
-    except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
-        return _fs.done(fn, *args)
+    copying; see :class:`lightning_bpk._fs.Worker`)."""
+    return _helper.submit(fn, *args)
 
 
 @contextlib.contextmanager
