@@ -191,6 +191,11 @@ class Sink(Protocol):
         """Replace bytes ``[offset, offset + len(data))``, all of them written already."""
         ...
 
+    def finish(self) -> None:
+        """Write out what the sink still holds (the end of its block does it too; a writer
+        calls it to see the errors of the last write as its own)."""
+        ...
+
 
 @contextlib.contextmanager
 def _sink_on(fd: int, name: str, size: int, *, direct: bool) -> Iterator[Sink]:
@@ -393,8 +398,11 @@ class DirectSink:
         self._used = 0  # bytes in it
         self._start = 0  # file offset of its first byte (aligned)
         self.copied = 0  # bytes copied into the buffers (the rest was written from where it lay)
+        self._finished = False
 
     def write(self, data: Bytes) -> None:
+        if self._finished:
+            raise ValueError(f"{self.name}: write after finish")
         view = memoryview(data).cast("B")
         if not self._used and view.nbytes >= _BUFFER_SIZE and not _address(view) % mmap.PAGESIZE:
             whole = view.nbytes - view.nbytes % self._alignment
@@ -454,7 +462,11 @@ class DirectSink:
             at = stop
 
     def finish(self) -> None:
-        """Write what is left (padded to the alignment), then cut the file to its size."""
+        """Write what is left (padded to the alignment), then cut the file to its size; once
+        (the end of the sink's block calls it again)."""
+        if self._finished:
+            return
+        self._finished = True
         size = self._start + self._used
         padded = self._used + (-self._used) % self._alignment
         if padded:

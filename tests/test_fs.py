@@ -194,7 +194,7 @@ def test_an_empty_file_through_either_sink(direct_dir, monkeypatch):
         monkeypatch.setattr(_fs, "DIRECT_MIN", 1)
 
 
-def test_patching_bytes_not_written_yet_is_refused(direct_dir, monkeypatch):
+def test_patching_bytes_not_written_yet_or_writing_after_finish_is_refused(direct_dir, monkeypatch):
     monkeypatch.setattr(_fs, "DIRECT_MIN", 0)
     with (
         pytest.raises(ValueError, match="not written yet"),
@@ -203,6 +203,12 @@ def test_patching_bytes_not_written_yet_is_refused(direct_dir, monkeypatch):
         sink.write(b"0123456789")
         sink.patch(8, b"abc")
     assert listdir(direct_dir) == []
+    with _fs.atomic_sink(direct_dir / "y", 10) as sink:
+        sink.write(b"0123456789")
+        sink.finish()  # once: the end of the block does not write or cut the file again
+        with pytest.raises(ValueError, match="write after finish"):
+            sink.write(b"more")
+    assert (direct_dir / "y").read_bytes() == b"0123456789"
 
 
 def test_the_debug_log_says_which_path_ran(direct_dir, tmpfs_dir, caplog):

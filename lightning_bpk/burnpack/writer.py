@@ -438,11 +438,12 @@ def _write_plan(plan: _Plan, sink: _fs.Sink) -> bytes:
             digests[p.name] = digest.result()
         del view  # drop this tensor's bytes before the next provider runs
         position = p.end
-    if not plan.digest_offsets:
-        return header + meta + padding
-    patched = plan.patched(digests)
-    sink.patch(HEADER_SIZE, patched)
-    return header + patched + padding
+    if plan.digest_offsets:
+        patched = plan.patched(digests)
+        sink.patch(HEADER_SIZE, patched)
+        meta = bytes(patched)
+    sink.finish()
+    return header + meta + padding
 
 
 class _Memory:
@@ -460,6 +461,9 @@ class _Memory:
     def patch(self, offset: int, data: _fs.Bytes) -> None:
         with self.file.getbuffer() as view:
             view[offset : offset + len(data)] = data
+
+    def finish(self) -> None:
+        """Nothing is held back."""
 
 
 class _Written(NamedTuple):
@@ -481,16 +485,17 @@ def _write_to(
     """The one write path: plan every offset (nothing is opened when that fails), then stream
     the pack into the sink ``sinks(size)`` opens: a file (:mod:`lightning_bpk._fs`), a store's
     key (:meth:`Store.sink <lightning_bpk.store.Store.sink>`), memory. An error while writing
-    names ``name``; an ``OSError`` becomes a :class:`BurnpackIOError`."""
+    names ``name`` (an ``OSError`` becomes a :class:`BurnpackIOError`); what opening and
+    publishing the sink raise (a rename, an upload) passes unchanged: the store's own."""
     plan = _plan(tensors, metadata, scalars, checksums)
     size = data_section_start(len(plan.encoded)) + plan.data_size
-    try:
-        with sinks(size) as sink:
+    with sinks(size) as sink:
+        try:
             head = _write_plan(plan, sink)
-    except BurnpackError as e:
-        raise type(e)(f"{name}: {e}") from e
-    except OSError as e:
-        raise BurnpackIOError(f"cannot write {name}: {e.strerror or e}") from e
+        except BurnpackError as e:
+            raise type(e)(f"{name}: {e}") from e
+        except OSError as e:
+            raise BurnpackIOError(f"cannot write {name}: {e.strerror or e}") from e
     return _Written(size, head)
 
 
@@ -568,5 +573,12 @@ def write(
         return _fs.open_sink(target, size)
 
     sinks = functools.partial(_fs.atomic_sink, target) if atomic else in_place
-    _write_to(sinks, str(target), tensors, metadata=metadata, scalars=scalars, checksums=checksums)
+    try:
+        _write_to(
+            sinks, str(target), tensors, metadata=metadata, scalars=scalars, checksums=checksums
+        )
+    except BurnpackError:
+        raise
+    except OSError as e:  # creating the scratch file, fsync, rename
+        raise BurnpackIOError(f"cannot write {target}: {e.strerror or e}") from e
     return target
