@@ -556,14 +556,13 @@ def read_into(
     """Load tensors of a burnpack file into existing tensors, in place (what resuming does).
 
     Every name in ``targets`` must be in the file, with the same shape. A contiguous CPU target
-    of the stored dtype is filled by ``preadv`` straight from the file, in steps of 1 MiB, each
-    hashed while it is still in the CPU cache (one pass over the bytes, no mapping to fault in);
-    small tensors lying together are read by one call, and the work is shared by the caller's
-    thread and a helper thread (see :mod:`lightning_bpk.burnpack._parallel`). Any other target
-    (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its checksum is
+    of the stored dtype is filled from the file's mapping in steps of 1 MiB, each hashed and then
+    copied while it is still in the CPU cache (one pass over the bytes), the work shared by the
+    caller's thread and a helper thread (see :mod:`lightning_bpk.burnpack._inplace`). Any other
+    target (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its checksum is
     verified.
 
-    Everything is checked before any target is touched except the checksums of tensors read
+    Everything is checked before any target is touched except the checksums of tensors copied
     straight into their targets: if one fails, :class:`ChecksumError` names it and that target
     holds the damaged bytes (reload from an intact checkpoint).
 
@@ -573,38 +572,35 @@ def read_into(
     >>> w = torch.zeros(3); read_into(path, {"w": w}); w.tolist()
     [0.0, 1.0, 2.0]
     """
-    p = _resolve_path(path)
-    fd = _open(p)
-    try:
-        with _map(fd, p) as pack:  # the index only: tensor bytes are read, not mapped
-            direct, other = [], []
-            plain: dict[str, torch.dtype | None] = {}  # by Burn dtype name: read as it lies?
-            for name, target in targets.items():
-                info = pack._info(name)
-                if target.shape != info.shape:
-                    raise ValidationError(
-                        f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
-                        f"target {list(target.shape)}"
-                    )
-                dtype = plain.get(info.dtype) if isinstance(info.dtype, str) else None
-                if dtype is None:
-                    dtype = torch_dtype(info.dtype)
-                    # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-                    if stored_dtype(info.dtype) is not dtype or dtype is torch.bool:
-                        dtype = None
-                    elif isinstance(info.dtype, str):
-                        plain[info.dtype] = dtype
-                flat = writable_bytes(target, dtype) if dtype is not None else None
-                if flat is None:
-                    other.append((name, target))
-                    continue
-                start = pack.data_start + info.data_offsets[0]
-                expected = pack.checksums.get(name) if verify else None
-                direct.append(Into(name, start, flat, target.data_ptr(), expected))
-            fill(fd, pack.source, direct)
-            torch.autograd.graph.increment_version([targets[i.name] for i in direct])
-            with torch.no_grad():
-                for name, target in other:
-                    target.copy_(pack.tensor(name, verify=verify))
-    finally:
-        os.close(fd)
+    with read(path) as pack:
+        direct, other = [], []
+        plain: dict[str, torch.dtype | None] = {}  # by Burn dtype name: copied as it lies?
+        for name, target in targets.items():
+            info = pack._info(name)
+            if target.shape != info.shape:
+                raise ValidationError(
+                    f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
+                    f"target {list(target.shape)}"
+                )
+            dtype = plain.get(info.dtype) if isinstance(info.dtype, str) else None
+            if dtype is None:
+                dtype = torch_dtype(info.dtype)
+                # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
+                if stored_dtype(info.dtype) is not dtype or dtype is torch.bool:
+                    dtype = None
+                elif isinstance(info.dtype, str):
+                    plain[info.dtype] = dtype
+            flat = writable_bytes(target, dtype) if dtype is not None else None
+            if flat is None:
+                other.append((name, target))
+                continue
+            start, end = info.data_offsets
+            stored = pack._buffer[pack.data_start + start : pack.data_start + end]
+            expected = pack.checksums.get(name) if verify else None
+            direct.append(Into(name, start, stored, flat, target.data_ptr(), expected))
+        direct.sort(key=lambda i: i.start)  # the mapping front to back: readahead when cold
+        fill(pack.source, direct)
+        torch.autograd.graph.increment_version([targets[i.name] for i in direct])
+        with torch.no_grad():
+            for name, target in other:
+                target.copy_(pack.tensor(name, verify=verify))
