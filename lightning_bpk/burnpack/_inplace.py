@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from lightning_bpk.burnpack import _parallel
-from lightning_bpk.burnpack.base import ChecksumError
+from lightning_bpk.burnpack.base import ChecksumError, DType, stored_dtype, torch_dtype
 from lightning_bpk.burnpack.writer import tensor_bytes
 
 __all__ = ["READ_STEP", "Into", "damaged", "fill", "writable_bytes"]
@@ -39,13 +39,28 @@ def damaged(source: str, name: str) -> ChecksumError:
     return ChecksumError(f"{source}: tensor '{name}' fails its checksum (file is damaged)")
 
 
-def writable_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """A writable byte view of ``tensor``'s own storage, or ``None`` when the stored bytes
-    cannot be copied in as they are (another dtype, non-contiguous, not on the CPU, empty)."""
-    if tensor.dtype != dtype or not tensor.is_cpu or not tensor.is_contiguous():
+def writable_bytes(tensor: torch.Tensor, dtype: DType) -> memoryview | None:
+    """A writable byte view of ``tensor``'s own storage, or ``None`` when the stored bytes of a
+    tensor of Burn dtype ``dtype`` cannot be copied in as they are (another torch dtype, bools,
+    which need Pack.tensor's 0/1 check, non-contiguous, not on the CPU, empty)."""
+    if tensor.dtype != (_plain(dtype) if isinstance(dtype, str) else _torch_view(dtype)):
+        return None
+    if not tensor.is_cpu or not tensor.is_contiguous():
         return None
     flat = tensor_bytes(tensor)  # zero-copy for a contiguous CPU tensor
     return flat if flat.nbytes else None
+
+
+@functools.cache
+def _plain(dtype: str) -> torch.dtype | None:
+    return _torch_view(dtype)
+
+
+def _torch_view(dtype: DType) -> torch.dtype | None:
+    """The torch dtype whose bytes are the stored ones, None for bools (ValidationError for a
+    dtype torch has no equivalent of)."""
+    view = torch_dtype(dtype)
+    return view if stored_dtype(dtype) is view and view is not torch.bool else None
 
 
 @dataclass(slots=True)

@@ -53,7 +53,6 @@ from lightning_bpk.burnpack.base import (
     _is_digest,
     _parsed_dtype_info,
     _short,
-    stored_dtype,
     torch_dtype,
 )
 from lightning_bpk.burnpack.writer import BytesLike, data_section_start
@@ -574,7 +573,6 @@ def read_into(
     """
     with read(path) as pack:
         direct, other = [], []
-        plain: dict[str, torch.dtype | None] = {}  # by Burn dtype name: copied as it lies?
         for name, target in targets.items():
             info = pack._info(name)
             if target.shape != info.shape:
@@ -582,15 +580,7 @@ def read_into(
                     f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
                     f"target {list(target.shape)}"
                 )
-            dtype = plain.get(info.dtype) if isinstance(info.dtype, str) else None
-            if dtype is None:
-                dtype = torch_dtype(info.dtype)
-                # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-                if stored_dtype(info.dtype) is not dtype or dtype is torch.bool:
-                    dtype = None
-                elif isinstance(info.dtype, str):
-                    plain[info.dtype] = dtype
-            flat = writable_bytes(target, dtype) if dtype is not None else None
+            flat = writable_bytes(target, info.dtype)
             if flat is None:
                 other.append((name, target))
                 continue
