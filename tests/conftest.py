@@ -16,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,3 +208,46 @@ def check_a_50_gib_claim_is_refused(url: str, data: Mapping[str, object]) -> Non
     with pytest.warns(CheckpointWarning, match="manifest records 53687091200"):
         choice = choose_resume(store, "checkpoint", "ckpt", ("model",), 10**9)
         assert (choice.number, choice.data) == (-1, None)
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    """``tmp_path``, on a filesystem where files are written with ``O_DIRECT`` (skipped, with
+    the reason, where the suite's temporary directory has none)."""
+    from lightning_bpk import _fs
+
+    fd = os.open(tmp_path / ".probe", os.O_RDWR | os.O_CREAT)
+    try:
+        alignment, why = _fs.direct_alignment(fd)
+    finally:
+        os.close(fd)
+        os.unlink(tmp_path / ".probe")
+    if alignment is None:
+        pytest.skip(f"no O_DIRECT in {tmp_path}: {why}")
+    return tmp_path
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """An empty directory on a tmpfs (which does no direct I/O): a 16 MiB one mounted for the
+    test (the suite runs as root), else a folder in ``/dev/shm``."""
+    point = tmp_path / "tmpfs"
+    point.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(point)], capture_output=True
+    )
+    if mount.returncode == 0:
+        try:
+            yield point
+        finally:
+            subprocess.run(["umount", "-l", str(point)], check=False)
+        return
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        pytest.skip(f"cannot mount a tmpfs ({mount.stderr.decode().strip()}) and no /dev/shm")
+    folder = shm / f"lightning-bpk-test-{os.getpid()}-{point.parent.name}"
+    folder.mkdir()
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

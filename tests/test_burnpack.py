@@ -6,9 +6,11 @@ fuzz."""
 from __future__ import annotations
 
 import errno
+import functools
 import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -27,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.burnpack import Scalar, TensorEntry
+from lightning_bpk.burnpack import Scalar, TensorEntry, _inplace, _parallel
 
 from conftest import MNIST_BPK, run_process
 
@@ -1042,21 +1044,39 @@ def test_checksum_is_written_per_tensor_and_burn_files_have_none():
 # =============================== read_into: loading into existing tensors =======================
 
 
-@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
-def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, memcpy_max):
-    # several chunks per tensor, one partial
-    monkeypatch.setattr(burnpack.reader, "_COPY_CHUNK", 1000)
-    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
-    source = {"w": torch.randn(3, 700), "i": torch.arange(5, dtype=torch.int64)}
+def _mixed(n: int = 300) -> dict[str, torch.Tensor]:
+    """Tensors of many sizes (1 byte to several read steps) in one file, padding between them."""
+    g = torch.Generator().manual_seed(n)
+    out = {f"s{i}": torch.randn(i % 37 + 1, generator=g) for i in range(n)}
+    out.update({"w": torch.randn(3, 700, generator=g), "i": torch.arange(5, dtype=torch.int64)})
+    out["u"] = torch.tensor([7], dtype=torch.uint8)
+    return out
+
+
+# steps of 1000 bytes: large tensors copied in several steps, one partial, small ones in batches
+@pytest.mark.parametrize("step", [1000, 2**20], ids=["steps", "batched"])
+def test_read_into_fills_existing_storage_in_place(tmp_path, monkeypatch, step):
+    monkeypatch.setattr(_inplace, "READ_STEP", step)
+    source = _mixed()
     path = burnpack.write(tmp_path / "m.bpk", source)
-    targets = {"w": torch.zeros(3, 700), "i": torch.zeros(5, dtype=torch.int64)}
+    targets = {k: torch.zeros_like(v) for k, v in source.items()}
     pointers = {k: t.data_ptr() for k, t in targets.items()}
+    versions = {k: t._version for k, t in targets.items()}
     burnpack.read_into(path, targets)
     assert all(torch.equal(targets[k], source[k]) for k in source)
     assert {k: t.data_ptr() for k, t in targets.items()} == pointers
-    partial = {"i": torch.zeros(5, dtype=torch.int64)}
-    burnpack.read_into(path, partial)  # a subset of the file's tensors is fine
-    assert torch.equal(partial["i"], source["i"])
+    assert all(t._version > versions[k] for k, t in targets.items())  # autograd sees the write
+    partial = {k: torch.zeros_like(source[k]) for k in list(source)[::3]}  # gaps between them
+    burnpack.read_into(path, partial)
+    assert all(torch.equal(t, source[k]) for k, t in partial.items())
+
+
+def test_read_into_one_tensor_under_two_names(tmp_path):
+    """Targets sharing memory are read one at a time, each checked before the next."""
+    path = burnpack.write(tmp_path / "t.bpk", {"a": torch.ones(3), "b": torch.full((3,), 2.0)})
+    shared = torch.zeros(3)
+    burnpack.read_into(path, {"a": shared, "b": shared})
+    assert shared.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_read_into_casts_views_and_bools_through_the_checked_path(tmp_path):
@@ -1083,46 +1103,121 @@ def test_read_into_refuses_missing_names_and_other_shapes_before_touching_anythi
         burnpack.read_into(tmp_path / "absent.bpk", {"a": a})
 
 
-@pytest.mark.parametrize("memcpy_max", [0, 2**20], ids=["chunked-copy", "memoryview-copy"])
-def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, memcpy_max):
-    monkeypatch.setattr(burnpack.reader, "_MEMCPY_MAX", memcpy_max)
-    path = burnpack.write(tmp_path / "f.bpk", {"a": torch.ones(64), "b": torch.zeros(64)})
+@pytest.mark.parametrize("step", [1000, 2**20], ids=["steps", "batched"])
+def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeypatch, step):
+    monkeypatch.setattr(_inplace, "READ_STEP", step)
+    source = _mixed()
+    path = burnpack.write(tmp_path / "f.bpk", source)
     data = bytearray(path.read_bytes())
     pack = burnpack.loads(data)
-    data[pack.data_start + pack.entries["b"].data_offsets[0] + 7] ^= 0x01
+    for name in ("w", "s17"):  # a large tensor and a small one in a batch
+        data[pack.data_start + pack.entries[name].data_offsets[0] + 7] ^= 0x01
     path.write_bytes(data)
-    a, b = torch.zeros(64), torch.zeros(64)
-    with pytest.raises(burnpack.ChecksumError, match=rf"{path}: tensor 'b'"):
-        burnpack.read_into(path, {"a": a, "b": b})
-    assert a.sum().item() == 64
-    burnpack.read_into(path, {"b": b}, verify=False)
-    assert b.view(torch.uint8)[7].item() == 1
+    targets = {k: torch.zeros_like(v) for k, v in source.items()}
+    with pytest.raises(burnpack.ChecksumError, match=rf"{path}: tensor '(w|s17)'"):
+        burnpack.read_into(path, targets)
+    w = torch.zeros(3, 700)
+    burnpack.read_into(path, {"w": w}, verify=False)
+    assert w.view(torch.uint8).flatten()[7].item() != 0 and not torch.equal(w, source["w"])
 
 
 # =============================== atomicity under injected faults ===============================
 
 
-# a small pack takes two writes: data gathered into one, then the checksums patched in
-@pytest.mark.parametrize("failing_call", [1, 2])
-def test_enospc_at_the_write_call_leaves_no_scratch_and_old_file(
-    tmp_path, monkeypatch, failing_call
+def _odd_sizes() -> dict[str, torch.Tensor]:
+    """Every dtype at an odd length (the file is no multiple of a block), one byte, empty."""
+    out = {
+        f"{burn}/odd": torch.arange(7 * 3, dtype=torch.int64).to(t)[:7]
+        for burn, t in TORCH_DTYPES.items()
+    }
+    out.update(
+        {
+            "bool": torch.tensor([True, False, True]),
+            "one byte": torch.tensor([5], dtype=torch.uint8),
+            "empty": torch.empty(0, 3),
+            "zero-dim": torch.tensor(2.5),
+        }
+    )
+    return out
+
+
+def _many_across_buffers() -> dict[str, torch.Tensor]:
+    """3,000 tensors (the metadata spans many blocks: its checksums are patched on disk) and
+    large ones across the sink's buffers."""
+    g = torch.Generator().manual_seed(3)
+    out = {f"small.{i}": torch.randn(i % 97 + 1, generator=g) for i in range(3000)}
+    out.update({f"large.{i}": torch.randn(1_500_001 + i, generator=g) for i in range(4)})
+    return out
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [_odd_sizes, dict, lambda: {"one": torch.tensor([1], dtype=torch.int8)}, _many_across_buffers],
+    ids=["every-dtype-odd-sizes", "empty-pack", "single-byte", "many-across-buffers"],
+)
+@pytest.mark.parametrize("checksums", [True, False])
+def test_o_direct_writes_the_bytes_of_the_page_cache_path(
+    direct_dir, monkeypatch, caplog, tensors, checksums
 ):
+    """Byte identity with Burn's layout: O_DIRECT (for every size here), the page cache and
+    ``dumps`` give the same file."""
+    content = tensors()
+    metadata = {"note": "odd"}
+    expected = burnpack.dumps(content, metadata=metadata, checksums=checksums)
+    caplog.set_level(logging.DEBUG, logger="lightning_bpk")
+    monkeypatch.setattr(_fs, "DIRECT_MIN", 0)
+    direct = burnpack.write(direct_dir / "d.bpk", content, metadata=metadata, checksums=checksums)
+    monkeypatch.setattr(_fs, "DIRECT_MIN", len(expected) + 1)
+    paged = burnpack.write(direct_dir / "p.bpk", content, metadata=metadata, checksums=checksums)
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_bpk"]
+    assert "with O_DIRECT" in said[0] and "through the page cache" in said[1]
+    assert direct.read_bytes() == expected and paged.read_bytes() == expected
+    assert len(expected) % 4096  # every file ends in a partial block: padded, then cut back
+    with burnpack.read(direct) as pack:
+        pack.verify()
+
+
+@pytest.mark.parametrize("size", [64, 5_000_000], ids=["page-cache", "o-direct"])
+def test_enospc_at_each_write_call_leaves_no_scratch_and_old_file(tmp_path, monkeypatch, size):
     path = burnpack.write(tmp_path / "e.bpk", {"old": torch.ones(8)})
     before = path.read_bytes()
-    real = _fs.write_all
-    calls = {"n": 0}
+    content = {"a": torch.ones(size // 4), "b": torch.arange(9.0)}
+    real, calls = _fs.write_all, []
 
-    def full_disk(f, data):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    def counting(f, data):
+        calls.append(1)
         real(f, data)
 
-    monkeypatch.setattr(_fs, "write_all", full_disk)
-    with pytest.raises(burnpack.BurnpackIOError, match="No space left") as err:
-        burnpack.write(path, abc_resident())
-    assert isinstance(err.value, OSError) and str(path) in str(err.value)
-    assert path.read_bytes() == before and listdir(tmp_path) == ["e.bpk"]
+    monkeypatch.setattr(_fs, "write_all", counting)
+    burnpack.write(tmp_path / "dry.bpk", content)
+    (tmp_path / "dry.bpk").unlink()
+    assert calls
+    for failing_call in range(1, len(calls) + 1):
+        count = {"n": 0}
+
+        def full_disk(f, data, failing_call=failing_call, count=count):
+            count["n"] += 1
+            if count["n"] == failing_call:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(f, data)
+
+        monkeypatch.setattr(_fs, "write_all", full_disk)
+        with pytest.raises(burnpack.BurnpackIOError, match="No space left") as err:
+            burnpack.write(path, content)
+        assert isinstance(err.value, OSError) and str(path) in str(err.value)
+        assert path.read_bytes() == before and listdir(tmp_path) == ["e.bpk"]
+
+
+def test_a_tmpfs_directory_saves_and_loads_through_the_page_cache(tmpfs_dir, caplog):
+    caplog.set_level(logging.DEBUG, logger="lightning_bpk")
+    content = {"w": torch.randn(1_000_000), "b": torch.arange(5)}
+    path = burnpack.write(tmpfs_dir / "m.bpk", content)
+    assert any("through the page cache" in r.getMessage() for r in caplog.records)
+    targets = {k: torch.zeros_like(v) for k, v in content.items()}
+    burnpack.read_into(path, targets)
+    assert all(torch.equal(targets[k], v) for k, v in content.items())
+    with burnpack.read(path) as pack:
+        assert torch.equal(pack.tensor("w"), content["w"])
 
 
 def test_file_size_limit_in_subprocess_leaves_old_file(tmp_path):
@@ -1733,3 +1828,99 @@ def test_json_in_a_metadata_value_is_bounded_before_it_is_parsed():
         burnpack._decode_json('["unterminated', what="x")
     with pytest.raises(burnpack.MetadataError, match=r"^x: a bytes, not JSON text"):
         burnpack._decode_json(b"[]", what="x")
+
+
+# =============================== two threads, no GC pauses (burnpack._parallel) ================
+
+
+def test_many_damaged_tensors_checked_on_two_threads(tmp_path):
+    source = _mixed()
+    path = burnpack.write(tmp_path / "m.bpk", source)
+    data = bytearray(path.read_bytes())
+    pack = burnpack.loads(data)
+    for name in ("s5", "s250", "w"):
+        data[pack.data_start + pack.entries[name].data_offsets[0]] ^= 0x10
+    path.write_bytes(data)
+    with burnpack.read(path) as damaged:
+        with pytest.raises(burnpack.ChecksumError, match=r"tensor 's250'"):  # first by name
+            damaged.tensors()
+        with pytest.raises(burnpack.ChecksumError, match=r"\['s250', 's5', 'w'\]"):
+            damaged.verify()
+        damaged.check(["s6", "i"])  # intact ones pass, and are not hashed again
+        assert {"s6", "i"} <= damaged._verified
+
+
+def test_run_shares_units_and_raises_the_first_error():
+    done: list[int] = []
+    _parallel.run([functools.partial(done.append, i) for i in range(100)])
+    assert sorted(done) == list(range(100))
+
+    def fail() -> None:
+        raise ValueError("unit failed")
+
+    with pytest.raises(ValueError, match="unit failed"):
+        _parallel.run([fail, *(functools.partial(done.append, i) for i in range(10))])
+
+
+def test_copy_moves_every_byte_in_pieces(monkeypatch):
+    monkeypatch.setattr(_parallel, "COPY_CHUNK", 1000)
+    sources = [torch.randn(n) for n in (1, 250, 251, 4000)]
+    targets = [torch.zeros_like(s) for s in sources]
+    pairs = zip(targets, sources, strict=True)
+    _parallel.copy((burnpack.tensor_bytes(t), burnpack.tensor_bytes(s)) for t, s in pairs)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+
+
+def test_gc_pauses_nest_and_leave_a_disabled_collector_disabled():
+    assert gc.isenabled()
+    with _parallel.gc_paused():
+        with _parallel.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _parallel.gc_paused():
+            pass
+        assert not gc.isenabled()  # the user's choice stands
+    finally:
+        gc.enable()
+
+
+def test_tensor_bytes_are_the_storage_and_keep_the_tensor_alive():
+    for dtype in _ALL_DTYPES:
+        t = torch.arange(6).to(dtype)
+        view = burnpack.tensor_bytes(t)
+        assert bytes(view) == t.view(torch.uint8).numpy().tobytes() and view.nbytes == t.nbytes
+    view = burnpack.tensor_bytes(torch.arange(1000.0))
+    gc.collect()  # the tensor has no other reference
+    assert torch.frombuffer(bytearray(view), dtype=torch.float32).tolist() == list(range(1000))
+    param = torch.nn.Parameter(torch.ones(3))
+    assert bytes(burnpack.tensor_bytes(param)) == bytes(burnpack.tensor_bytes(param.detach()))
+    strided = torch.arange(12.0).reshape(3, 4).t()  # copied into a contiguous tensor
+    assert bytes(burnpack.tensor_bytes(strided)) == strided.contiguous().numpy().tobytes()
+
+
+def test_an_atexit_hook_still_saves_and_loads(direct_dir):
+    """No new work reaches a thread once the interpreter shuts down: the I/O and the helper's
+    work run on the caller's thread then."""
+    script = textwrap.dedent(
+        f"""
+        import atexit, torch
+        from lightning_bpk import burnpack
+
+        def save_at_exit():
+            source = {{f"w{{i}}": torch.full((1 << 20,), float(i)) for i in range(3)}}
+            path = burnpack.write({str(direct_dir / "exit.bpk")!r}, source)
+            targets = {{k: torch.zeros_like(v) for k, v in source.items()}}
+            burnpack.read_into(path, targets)
+            assert all(torch.equal(targets[k], v) for k, v in source.items())
+            print("saved and loaded at exit")
+
+        atexit.register(save_at_exit)
+        burnpack.write({str(direct_dir / "warm.bpk")!r}, {{"w": torch.ones(1 << 20)}})  # threads up
+        """
+    )
+    out = run_process([sys.executable, "-c", script])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "saved and loaded at exit"

@@ -1,11 +1,19 @@
-"""Tests of the durable file primitives: atomic publish, scratch cleanup, fsync helpers."""
+"""Tests of the durable file primitives: atomic publish, scratch cleanup, fsync helpers, and the
+sinks (O_DIRECT against the page cache: same bytes, the fallback, faults at the write call)."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import itertools
+import logging
+import mmap
 import os
+import random
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +137,200 @@ def test_fsync_dir(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(NotADirectoryError):
         _fs.fsync_dir(tmp_path / "file")
+
+
+# =============================== sinks: O_DIRECT and the page cache ===============================
+
+
+def _pieces(seed: int, total: int) -> list[bytes]:
+    """``total`` random bytes cut at random places (1 byte to 3 MiB; some of 0 bytes)."""
+    rng = random.Random(seed)
+    data = rng.randbytes(total)
+    cuts = [*sorted(rng.randrange(total + 1) for _ in range(40)), total]
+    at, out = 0, []
+    for cut in cuts:
+        out.append(data[at:cut])
+        at = cut
+    return out
+
+
+def _write(target: Path, pieces: list[bytes], patches: list[tuple[int, bytes]]) -> _fs.Sink:
+    with _fs.atomic_sink(target, sum(map(len, pieces))) as sink:
+        for piece in pieces:
+            sink.write(piece)
+        for offset, data in patches:
+            sink.patch(offset, data)
+    return sink
+
+
+# sizes: under a block, not a multiple of one, just over a buffer, several buffers and a tail
+@pytest.mark.parametrize("total", [1, 4095, 4097, 8 * 1024 * 1024 + 1, 21_000_017])
+def test_direct_and_buffered_sinks_write_the_same_bytes(direct_dir, monkeypatch, total):
+    monkeypatch.setattr(_fs, "DIRECT_MIN", 0)  # O_DIRECT for every size
+    pieces = _pieces(total, total)
+    expected = bytearray(b"".join(pieces))
+    rng = random.Random(-total)
+    patches = []
+    for _ in range(6):  # on disk, in the buffer being filled, across both, at the very end
+        offset = rng.randrange(total)
+        data = rng.randbytes(min(total - offset, rng.choice([1, 100, 5000, 600_000])))
+        patches.append((offset, data))
+        expected[offset : offset + len(data)] = data
+    direct = _write(direct_dir / "direct.bin", pieces, patches)
+    monkeypatch.setattr(_fs, "DIRECT_MIN", total + 1)  # the page cache
+    buffered = _write(direct_dir / "buffered.bin", pieces, patches)
+    assert (direct.direct, buffered.direct) == (True, False)
+    assert (direct_dir / "direct.bin").read_bytes() == expected
+    assert (direct_dir / "buffered.bin").read_bytes() == expected
+    assert listdir(direct_dir) == ["buffered.bin", "direct.bin"]
+
+
+def test_an_empty_file_through_either_sink(direct_dir, monkeypatch):
+    monkeypatch.setattr(_fs, "DIRECT_MIN", 0)
+    for name in ("a", "b"):
+        with _fs.atomic_sink(direct_dir / name, 0) as sink:
+            sink.write(b"")
+        assert (direct_dir / name).read_bytes() == b""
+        monkeypatch.setattr(_fs, "DIRECT_MIN", 1)
+
+
+def test_patching_bytes_not_written_yet_or_writing_after_finish_is_refused(direct_dir, monkeypatch):
+    monkeypatch.setattr(_fs, "DIRECT_MIN", 0)
+    with (
+        pytest.raises(ValueError, match="not written yet"),
+        _fs.atomic_sink(direct_dir / "x", 10) as sink,
+    ):
+        sink.write(b"0123456789")
+        sink.patch(8, b"abc")
+    assert listdir(direct_dir) == []
+    with _fs.atomic_sink(direct_dir / "y", 10) as sink:
+        sink.write(b"0123456789")
+        sink.finish()  # once: the end of the block does not write or cut the file again
+        with pytest.raises(ValueError, match="write after finish"):
+            sink.write(b"more")
+    assert (direct_dir / "y").read_bytes() == b"0123456789"
+
+
+def test_the_debug_log_says_which_path_ran(direct_dir, tmpfs_dir, caplog):
+    caplog.set_level(logging.DEBUG, logger="lightning_bpk")
+    big = bytes(_fs.DIRECT_MIN)
+    for folder in (direct_dir, tmpfs_dir):
+        with _fs.atomic_sink(folder / "big", len(big)) as sink:
+            sink.write(big)
+    with _fs.atomic_sink(direct_dir / "small", 10) as sink:
+        sink.write(b"0123456789")
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_bpk"]
+    assert f"writing {direct_dir / 'big'} with O_DIRECT" in said[0]
+    assert f"writing {tmpfs_dir / 'big'} through the page cache (statx" in said[1]
+    assert f"writing {direct_dir / 'small'} through the page cache (10 bytes <" in said[2]
+
+
+def test_tmpfs_falls_back_to_the_page_cache(tmpfs_dir):
+    fd = os.open(tmpfs_dir / "probe", os.O_RDWR | os.O_CREAT)
+    try:
+        assert _fs.direct_alignment(fd)[0] is None  # no alignment reported, no block device
+    finally:
+        os.close(fd)
+    data = random.Random(0).randbytes(3 * 1024 * 1024 + 5)
+    sink = _write(tmpfs_dir / "file", [data], [(7, b"patched")])
+    assert not sink.direct
+    assert (tmpfs_dir / "file").read_bytes() == data[:7] + b"patched" + data[14:]
+
+
+def test_alignment_from_the_block_device_when_statx_does_not_say(direct_dir, monkeypatch):
+    """Kernels before 6.1 report no direct I/O alignment: the block device's sizes count."""
+    monkeypatch.setattr(_fs, "_statx_dio", lambda fd: None)
+    fd = os.open(direct_dir / "probe", os.O_RDWR | os.O_CREAT)
+    try:
+        alignment, why = _fs.direct_alignment(fd)
+    finally:
+        os.close(fd)
+    assert alignment is not None and alignment % mmap.PAGESIZE == 0
+    assert why.startswith("logical block size")
+
+
+def test_a_refused_o_direct_flag_falls_back(direct_dir, monkeypatch):
+    real = fcntl.fcntl
+
+    def refuse(fd, command, *args):
+        if command == fcntl.F_SETFL:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, command, *args)
+
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    data = bytes(range(256)) * 4096
+    sink = _write(direct_dir / "f", [data], [])
+    assert not sink.direct and (direct_dir / "f").read_bytes() == data
+
+
+def _direct_writes(monkeypatch, fail_at: int | None) -> list[int]:
+    """Count the calls of write_all made by O_DIRECT writes; raise ENOSPC at call ``fail_at``."""
+    real, calls = _fs.write_all, []
+
+    def counted(f, data):
+        if isinstance(f, _fs._At):
+            calls.append(len(calls) + 1)
+            if len(calls) == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real(f, data)
+
+    monkeypatch.setattr(_fs, "write_all", counted)
+    return calls
+
+
+def test_a_full_disk_during_an_o_direct_write_keeps_the_old_file(direct_dir, monkeypatch):
+    target = direct_dir / "f.bin"
+    target.write_bytes(b"the earlier checkpoint")
+    pieces = _pieces(1, 20_000_000)
+    with monkeypatch.context() as m:
+        calls = _direct_writes(m, None)
+        _write(direct_dir / "dry.bin", pieces, [(3, b"xyz")])
+    assert len(calls) >= 4  # the buffers, the tail, the patch's blocks
+    for fail_at in range(1, len(calls) + 1):
+        with monkeypatch.context() as m:
+            _direct_writes(m, fail_at)
+            with pytest.raises(OSError, match="No space left") as err:
+                _write(target, pieces, [(3, b"xyz")])
+        assert err.value.errno == errno.ENOSPC
+        assert target.read_bytes() == b"the earlier checkpoint"
+        assert listdir(direct_dir) == ["dry.bin", "f.bin"]  # no scratch file left
+
+
+def test_aligned_memory_is_written_without_a_copy(direct_dir):
+    """The seam for staging buffers laid out as the file: nothing passes the bounce buffers."""
+    size = 20 * 1024 * 1024 + 300
+    image = _fs.aligned_buffer(size + (-size) % mmap.PAGESIZE)
+    data = random.Random(5).randbytes(size)
+    image[:size] = data
+    with _fs.atomic_sink(direct_dir / "image", size) as sink:
+        sink.write(memoryview(image)[:size])
+    assert sink.direct and sink.copied == size % sink._alignment
+    assert (direct_dir / "image").read_bytes() == data
+
+
+def test_a_forked_child_writes_with_its_own_io_thread(direct_dir):
+    data = random.Random(7).randbytes(3 * 1024 * 1024)
+    _write(direct_dir / "parent", [data], [])  # the parent's I/O thread exists now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            _write(direct_dir / "child", [data], [])
+            code = 0
+        finally:
+            os._exit(code)
+    for _ in range(600):  # a child that hangs on the parent's vanished thread: killed after 60 s
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's O_DIRECT write hung")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (direct_dir / "child").read_bytes() == data
+
+
+def listdir(path: Path) -> list[str]:
+    return sorted(os.listdir(path))

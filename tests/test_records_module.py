@@ -377,3 +377,50 @@ def test_state_dict_expands_aliases_for_torch() -> None:
     dst = Tied()
     dst.load_state_dict(sd)
     assert torch.equal(dst.head.weight, src.head.weight)
+
+
+def test_apply_copies_large_tensors_on_two_threads_exactly() -> None:
+    """Tensors over 256 KiB go through the shared two-thread copy: same bytes, same objects,
+    the record's ids, a version bump autograd can see; small ones and casts as before."""
+    g = torch.Generator().manual_seed(1)
+    net = nn.Sequential(nn.Linear(700, 300), nn.Linear(300, 7))  # 840 KiB, 8.4 KiB, ...
+    source = nn.Sequential(nn.Linear(700, 300), nn.Linear(300, 7))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    record = ModuleRecord.from_bytes(ModuleRecord.from_module(source).to_bytes())
+    weight, version = net[0].weight, net[0].weight._version
+    record.apply(net)
+    assert net[0].weight is weight and weight._version > version
+    pairs = zip(net.parameters(), source.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert param_ids(net) == param_ids(source)
+    half = nn.Sequential(nn.Linear(700, 300), nn.Linear(300, 7)).half()
+    record.apply(half, dtype_policy="cast_to_module")
+    assert half[0].weight.dtype == torch.float16
+    assert torch.equal(half[0].weight, source[0].weight.half())
+
+
+def test_loading_thousands_of_tensors_runs_no_full_garbage_collection(tmp_path: Path) -> None:
+    """A full collection visits every object of the process (about 200 ms with torch and
+    Lightning imported): loading and saving 5,000 tensors must not set one off (see
+    burnpack._parallel), as it did one round in three."""
+    import gc
+
+    net = nn.Sequential(*(nn.Linear(2, 2) for _ in range(2500)))
+    path = ModuleRecord.from_module(net).save(tmp_path / "many.bpk")
+    full: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.collect()  # no promoted objects pending from earlier tests
+    gc.callbacks.append(watch)
+    try:
+        for _ in range(5):
+            ModuleRecord.load(path).apply(net)
+            ModuleRecord.from_module(net).save(path)
+    finally:
+        gc.callbacks.remove(watch)
+    assert full == [] and gc.isenabled()

@@ -76,6 +76,24 @@ def test_scratch_publishes_on_success_and_leaves_nothing_on_failure(store):
         assert not path.parent.exists()  # the local scratch folder is gone too
 
 
+def test_sink_publishes_on_success_and_leaves_nothing_on_failure(store):
+    store.check(create=True)
+    data = bytes(range(256)) * 5000  # past DIRECT_MIN: O_DIRECT on a local disk that has it
+    with store.sink("d/file.bin", len(data)) as sink:
+        sink.write(data[:1000])
+        sink.write(data[1000:])
+        sink.patch(3, b"xyz")
+        assert store.size("d/file.bin") is None  # not visible before the exit
+    assert store.read("d/file.bin") == data[:3] + b"xyz" + data[6:]
+    if isinstance(store, ObjectStore):
+        assert not sink.direct  # the upload reads the scratch file back at once
+    with pytest.raises(RuntimeError), store.sink("d/file.bin", 4) as sink:
+        sink.write(b"half")
+        raise RuntimeError("failed while writing")
+    assert store.read("d/file.bin") == data[:3] + b"xyz" + data[6:]  # untouched
+    assert store.list("d") == {"file.bin": len(data)}  # no scratch file left
+
+
 def test_staging_and_publish_make_a_prefix_visible(store, tmp_path):
     store.check(create=True)
     staging = store.staging("ckpt.3")

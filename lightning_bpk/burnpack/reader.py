@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import mmap
@@ -10,7 +11,7 @@ import os
 import stat
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import cbor2
 import torch
 import xxhash
 
+from lightning_bpk.burnpack import _parallel
+from lightning_bpk.burnpack._inplace import READ_STEP, Into, damaged, fill, writable_bytes
 from lightning_bpk.burnpack.base import (
     _FORMAT_VERSION,
     _I64_MAX,
@@ -27,6 +30,7 @@ from lightning_bpk.burnpack.base import (
     _MAX_TENSOR_COUNT,
     _MAX_TENSOR_SIZE,
     _QFLOAT,
+    _SIMPLE_DTYPES,
     _U64_MAX,
     CHECKSUM_PREFIX,
     HEADER_SIZE,
@@ -49,10 +53,9 @@ from lightning_bpk.burnpack.base import (
     _is_digest,
     _parsed_dtype_info,
     _short,
-    _stored_dtype,
     _torch_dtype,
 )
-from lightning_bpk.burnpack.writer import BytesLike, data_section_start, tensor_bytes
+from lightning_bpk.burnpack.writer import BytesLike, data_section_start
 
 __all__ = [
     "Pack",
@@ -118,43 +121,46 @@ def _decode_metadata(blob: memoryview) -> dict:
     return top
 
 
+_INT = {int}
+
+
 def _is_uint(value: object, limit: int) -> bool:
     # ``type() is int`` also excludes bool; cbor2 decodes integers as plain ints.
     return type(value) is int and 0 <= value <= limit
 
 
 def _parse_descriptor(name: object, desc: object) -> TensorInfo:
-    # Hot for packs with many tensors: error messages are only formatted on failure.
-    if not isinstance(name, str):
+    # Hot for packs with many tensors (5,000 in a few ms): error messages are only formatted on
+    # failure, and the common cases are tested first with builtins, not calls.
+    if type(name) is not str:
         raise MetadataError(f"tensor name {_short(name)} is not a text string")
-    if not isinstance(desc, dict):
+    if type(desc) is not dict:
         raise MetadataError(f"tensor '{name}': descriptor is not a map")
-    for key in ("dtype", "shape", "data_offsets"):
-        if key not in desc:
-            raise MetadataError(f"tensor '{name}': missing field '{key}'")
-    dtype = desc["dtype"]
-    if _dtype_info(dtype) is None:
+    dtype: Any = desc.get("dtype")
+    shape, offsets = desc.get("shape"), desc.get("data_offsets")
+    if dtype is None or shape is None or offsets is None:
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in desc:
+                raise MetadataError(f"tensor '{name}': missing field '{key}'")
+    if (_SIMPLE_DTYPES.get(dtype) if type(dtype) is str else _dtype_info(dtype)) is None:
         raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")
-    shape = desc["shape"]
-    # torch sizes are int64, so a larger dimension could never be materialized. Checked with
-    # builtins over the whole list (no Python call per dimension); ``type() is int`` also
-    # excludes bool, and cbor2 decodes integers as plain ints.
+    # torch sizes are int64, so a larger dimension could never be materialized. ``type() is
+    # int`` also excludes bool; cbor2 decodes integers as plain ints.
     if not (
         type(shape) is list
         and len(shape) <= MAX_RANK
-        and all(type(d) is int for d in shape)
-        and (not shape or (min(shape) >= 0 and max(shape) <= _I64_MAX))
+        and (not shape or (set(map(type, shape)) == _INT and min(shape) >= 0))
+        and (not shape or max(shape) <= _I64_MAX)
     ):
         raise MetadataError(
             f"tensor '{name}': shape must be a list of at most {MAX_RANK} dimensions, "
             f"each in 0..2**63-1, got {_short(shape)}"
         )
-    offsets = desc["data_offsets"]
-    if not (type(offsets) is list and len(offsets) == 2):
+    if not (type(offsets) is list and len(offsets) == 2 and set(map(type, offsets)) == _INT):
         offsets = None
     else:
         start, end = offsets
-        if not (_is_uint(start, _U64_MAX) and _is_uint(end, _U64_MAX)):
+        if not (0 <= start <= _U64_MAX and 0 <= end <= _U64_MAX):
             offsets = None
     if offsets is None:
         raise MetadataError(
@@ -209,7 +215,8 @@ class Pack:
         self.file_size = self._buffer.nbytes
         self._verified: set[str] = set()
         try:
-            self._parse()
+            with _parallel.gc_paused():  # one object per tensor: see burnpack._parallel
+                self._parse()
         except BurnpackError as e:
             self.close()
             raise type(e)(f"{source}: {e}") from None
@@ -338,7 +345,7 @@ class Pack:
         return view
 
     def _damaged(self, name: str) -> ChecksumError:
-        return ChecksumError(f"{self.source}: tensor '{name}' fails its checksum (file is damaged)")
+        return damaged(self.source, name)
 
     def tensor(self, name: str, *, verify: bool = True) -> torch.Tensor:
         """Tensor ``name`` as a torch tensor viewing the pack's bytes (copied only for Bool
@@ -352,13 +359,43 @@ class Pack:
             return self._tensor(name, verify)
 
     def tensors(self, *, verify: bool = True) -> dict[str, torch.Tensor]:
-        """Every non-quantized tensor, by name (sorted)."""
-        with self._quiet_readonly():
-            return {
-                n: self._tensor(n, verify)
-                for n, info in self.entries.items()
-                if _dtype_info(info.dtype) is not _QFLOAT
-            }
+        """Every non-quantized tensor, by name (sorted); the checksums are verified by two
+        threads at once (:meth:`check`)."""
+        names = [n for n, info in self.entries.items() if _dtype_info(info.dtype) is not _QFLOAT]
+        if verify:
+            self.check(names)
+        with self._quiet_readonly(), _parallel.gc_paused():  # one object per tensor
+            return {n: self._tensor(n, verify) for n in names}
+
+    def check(self, names: Iterable[str]) -> None:
+        """Verify the checksums of ``names`` now, shared by the caller's thread and a helper
+        (each tensor over a MiB alone, smaller ones together): :meth:`tensor` and :meth:`raw`
+        then return them without hashing again. :class:`ChecksumError` names the first damaged
+        tensor by name; :meth:`verify` names them all."""
+        bad = self._failing(names)
+        if bad:
+            raise self._damaged(bad[0])
+
+    def _failing(self, names: Iterable[str]) -> list[str]:
+        """The damaged tensors among ``names`` (sorted); the others are marked verified."""
+        todo = [n for n in names if n not in self._verified and n in self.checksums]
+        todo.sort(key=lambda n: self.entries[n].data_offsets)
+        bad: list[str] = []
+
+        def check(batch: list[str]) -> None:
+            for name in batch:
+                try:
+                    self.raw(name)
+                except ChecksumError:
+                    bad.append(name)
+
+        sizes = {n: self.entries[n].nbytes for n in todo}
+        units = [
+            functools.partial(check, batch)
+            for batch in _parallel.batches(todo, sizes.__getitem__, READ_STEP)
+        ]
+        _parallel.run(units)
+        return sorted(bad)
 
     @contextlib.contextmanager
     def _quiet_readonly(self) -> Iterator[None]:
@@ -399,12 +436,7 @@ class Pack:
 
     def verify(self) -> None:
         """Check every checksummed tensor; raise :class:`ChecksumError` naming all bad ones."""
-        bad = []
-        for name in self.names:
-            try:
-                self.raw(name)
-            except ChecksumError:
-                bad.append(name)
+        bad = self._failing(self.names)
         if bad:
             raise ChecksumError(f"{self.source}: tensors failing their checksum: {bad}")
 
@@ -516,44 +548,22 @@ def _map(fd: int, p: Path) -> Pack:
     return Pack(mapping, source=str(p), _mmap=mapping)
 
 
-# Bytes hashed and then copied per step of :func:`read_into`: the copy reads what the hash just
-# pulled into the CPU cache. Measured on the benchmark VM (1 GiB, 16 tensors): as fast as raw
-# ``readinto`` warm and faster cold; 256 KiB steps were 30 % slower (per-call overhead).
-_COPY_CHUNK = 4 * 1024 * 1024
-# Tensors up to this size are copied with a memoryview assignment: 4 KiB tensors load ~25 % faster
-# than through torch's copy_ (call overhead), while 4 MiB ones load ~20 % slower (torch's copy_
-# is the faster memcpy for large blocks).
-_MEMCPY_MAX = 256 * 1024
-
-
-def _writable_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """A writable byte view of ``tensor``'s own storage, or ``None`` when the stored bytes
-    cannot be copied in as they are (another dtype, non-contiguous, not on the CPU, empty)."""
-    if (
-        tensor.dtype != dtype
-        or tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-        or tensor.numel() == 0
-    ):
-        return None
-    return tensor_bytes(tensor)  # zero-copy for a contiguous CPU tensor
-
-
+@_parallel.gc_paused_call  # one object per tensor: see burnpack._parallel
 def read_into(
     path: str | os.PathLike[str], targets: Mapping[str, torch.Tensor], *, verify: bool = True
 ) -> None:
     """Load tensors of a burnpack file into existing tensors, in place (what resuming does).
 
     Every name in ``targets`` must be in the file, with the same shape. A contiguous CPU target
-    of the stored dtype is filled from the memory-mapped file in steps of 4 MiB,
-    each step hashed and then copied while it is still in the CPU cache (one pass over the
-    bytes; measured 1.0-1.1x raw ``readinto``, where ``preadv`` into the target took 1.2-1.4x).
-    Any other target (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its
-    checksum is verified.
+    of the stored dtype is filled from the file's mapping in steps of 1 MiB, each hashed and then
+    copied while it is still in the CPU cache (one pass over the bytes), the work shared by the
+    caller's thread and a helper thread (see :mod:`lightning_bpk.burnpack._inplace`). Any other
+    target (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its checksum is
+    verified.
 
     Everything is checked before any target is touched except the checksums of tensors copied
-    step by step: if one fails, :class:`ChecksumError` names it and that target holds the
-    damaged bytes (reload from an intact checkpoint).
+    straight into their targets: if one fails, :class:`ChecksumError` names it and that target
+    holds the damaged bytes (reload from an intact checkpoint).
 
     >>> import tempfile, torch
     >>> from lightning_bpk.burnpack import write
@@ -562,37 +572,25 @@ def read_into(
     [0.0, 1.0, 2.0]
     """
     with read(path) as pack:
-        plan = []
+        direct, other = [], []
         for name, target in targets.items():
             info = pack._info(name)
-            if tuple(target.shape) != info.shape:
+            if target.shape != info.shape:
                 raise ValidationError(
-                    f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the target "
-                    f"{list(target.shape)}"
+                    f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
+                    f"target {list(target.shape)}"
                 )
-            dtype = _torch_dtype(info.dtype)
-            # bytes are the values (bool bytes need the 0/1 check of Pack.tensor)
-            plain = _stored_dtype(info.dtype) is dtype and dtype is not torch.bool
-            flat = _writable_bytes(target, dtype) if plain else None
-            plan.append((name, target, info, flat))
-        buffer, data_start, checksums = pack._buffer, pack.data_start, pack.checksums
+            flat = writable_bytes(target, info.dtype)
+            if flat is None:
+                other.append((name, target))
+                continue
+            start, end = info.data_offsets
+            stored = pack._buffer[pack.data_start + start : pack.data_start + end]
+            expected = pack.checksums.get(name) if verify else None
+            direct.append(Into(name, start, stored, flat, target.data_ptr(), expected))
+        direct.sort(key=lambda i: i.start)  # the mapping front to back: readahead when cold
+        fill(pack.source, direct)
+        torch.autograd.graph.increment_version([targets[i.name] for i in direct])
         with torch.no_grad():
-            for name, target, info, flat in plan:
-                if flat is None:
-                    target.copy_(pack.tensor(name, verify=verify))
-                    continue
-                if info.nbytes <= _MEMCPY_MAX:  # one step, no torch call
-                    flat[:] = pack.raw(name, verify=verify)
-                    continue
-                start, end = info.data_offsets
-                start, end = data_start + start, data_start + end
-                expected = checksums.get(name) if verify else None
-                source = torch.frombuffer(buffer[start:end], dtype=torch.uint8)
-                destination = torch.frombuffer(flat, dtype=torch.uint8)
-                hasher = xxhash.xxh3_64()
-                for at in range(0, end - start, _COPY_CHUNK):
-                    if expected is not None:
-                        hasher.update(buffer[start + at : min(start + at + _COPY_CHUNK, end)])
-                    destination[at : at + _COPY_CHUNK].copy_(source[at : at + _COPY_CHUNK])
-                if expected is not None and hasher.hexdigest() != expected:
-                    raise pack._damaged(name)
+            for name, target in other:
+                target.copy_(pack.tensor(name, verify=verify))

@@ -7,8 +7,8 @@ file mapped copy-on-write (tensors are zero-copy views), on an object store an a
 mapping filled with ranged reads. With the head a manifest recorded, the head (header and CBOR
 metadata, which hold every tensor's checksum) is fetched and checked first, so a damaged object
 costs a few KiB, not its tensors; the tensors are checked against their checksums as they are
-read. Writing goes through :meth:`Store.scratch <lightning_bpk.store.Store.scratch>`: fsync and
-rename locally, one upload remotely (the object appears whole or not at all).
+read. Writing streams into :meth:`Store.sink <lightning_bpk.store.Store.sink>`: ``O_DIRECT``,
+fsync and rename locally, one upload remotely (the object appears whole or not at all).
 
 >>> import tempfile, torch
 >>> from lightning_bpk.records import StateRecord
@@ -19,6 +19,7 @@ rename locally, one upload remotely (the object appears whole or not at all).
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import xxhash
 
 from lightning_bpk import burnpack
+from lightning_bpk.burnpack.writer import _write_to
 from lightning_bpk.errors import StorageError
 from lightning_bpk.records.base import (
     RECORD_KIND_KEY,
@@ -36,7 +38,7 @@ from lightning_bpk.records.base import (
     RecordError,
     _record_from_pack,
 )
-from lightning_bpk.store import Store, open_parent, open_store
+from lightning_bpk.store import Store, open_parent
 from lightning_bpk.store import location as as_location
 from lightning_bpk.store.local import RefusedFileError
 
@@ -192,21 +194,26 @@ def read_record(
 
 def save_record(record: Record, store: Store, key: str) -> Described:
     """Write ``record`` as file ``key`` of ``store``, durably and whole (streamed: peak extra
-    memory is about the largest tensor, not the file); what a manifest lists of it. A full
-    disk raises an ``OSError`` (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other
-    format errors a RecordError."""
+    memory is about the largest tensor, not the file); what a manifest lists of it, computed
+    from the bytes as they were written (nothing is read back). A full disk raises an
+    ``OSError`` (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a
+    RecordError."""
     tensors, scalars, metadata = record.content()
-    with store.scratch(key) as path:
-        try:
-            burnpack.write(
-                path, tensors, scalars=scalars, metadata=metadata, atomic=False, add_suffix=False
-            )
-        except burnpack.BurnpackIOError:
-            raise
-        except burnpack.BurnpackError as e:
-            raise RecordError.from_format_error(e) from e
-        scratch = open_store(path.parent)  # the scratch file is local on every backend
-        return describe(scratch, path.name)
+    try:
+        written = _write_to(
+            functools.partial(store.sink, key),
+            store.url_of(key),
+            tensors,
+            scalars=scalars,
+            metadata=metadata,
+        )
+    except burnpack.BurnpackIOError:
+        raise
+    except burnpack.BurnpackError as e:
+        raise RecordError.from_format_error(e) from e
+    head = written.head
+    kind = metadata.get(RECORD_KIND_KEY, "dcp")
+    return Described(kind, written.size, len(head), xxhash.xxh3_64_hexdigest(head))
 
 
 def write_record(

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack
+from lightning_bpk.burnpack import _parallel
 from lightning_bpk.records.base import Record, RecordError, _user_metadata
 
 __all__ = [
@@ -77,6 +78,9 @@ ALIAS_PREFIX = "lightning_bpk/alias/"
 # Personalization of the name hash, so our ids do not coincide with other blake2b uses.
 _ID_PERSON = b"lightning_bpk"
 _DTYPE_POLICIES = ("from_record", "cast_to_module")
+# Tensors from this size on are copied by _load_all's two threads: torch copies smaller ones on
+# the calling thread alone (32,768 elements and more go to its thread pool).
+_PARALLEL_COPY_MIN = 256 * 1024
 
 
 class Adapter(Protocol):
@@ -142,18 +146,55 @@ def set_param_id(tensor: torch.Tensor, pid: int) -> None:
     setattr(tensor, _PARAM_ID_ATTR, pid)
 
 
-@torch.no_grad()
 def load_tensor(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
     """Load ``tensor`` into the module tensor ``target`` in place, as :meth:`ModuleRecord.apply`
     does (shapes already checked): one copy, casting to ``target``'s dtype when ``cast``, else
     ``target`` takes ``tensor``'s dtype (it stays the same object, so optimizers still hold it);
     then ``target`` takes the record's ``pid`` (:func:`set_param_id`), if any."""
+    with torch.no_grad():
+        _load(target, tensor, pid, cast)
+
+
+def _load(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
+    """:func:`load_tensor` inside ``torch.no_grad()`` (entered once for a whole module: per
+    tensor it cost more than the copy of a small one)."""
     if cast or tensor.dtype == target.dtype:
         target.copy_(tensor)  # the one copy out of the record, casting if needed
     else:
         target.data = tensor.to(device=target.device, copy=True)
     if pid is not None:
         set_param_id(target, pid)
+
+
+def _load_all(plan: list[tuple[torch.Tensor, torch.Tensor, int | None]], *, cast: bool) -> None:
+    """:func:`load_tensor` for every ``(target, tensor, pid)``, a tied target once. Large
+    same-dtype copies between contiguous CPU tensors are one batch shared by two threads
+    (:func:`burnpack._parallel.copy <lightning_bpk.burnpack._parallel.copy>`): torch's own
+    ``copy_`` of a large tensor stalls at its thread pool's barrier whenever another process
+    holds a core (smaller ones it copies on one thread)."""
+    loaded: set[int] = set()  # a tied tensor appears under several names; load it once
+    batch = []
+    with torch.no_grad():
+        for target, tensor, pid in plan:
+            if id(target) in loaded:
+                continue
+            loaded.add(id(target))
+            if (
+                tensor.dtype == target.dtype
+                and target.nbytes >= _PARALLEL_COPY_MIN
+                and target.is_cpu
+                and tensor.is_cpu
+                and target.is_contiguous()
+                and tensor.is_contiguous()
+            ):
+                batch.append((target, tensor, pid))
+            else:
+                _load(target, tensor, pid, cast)
+    _parallel.copy((burnpack.tensor_bytes(t), burnpack.tensor_bytes(s)) for t, s, _ in batch)
+    torch.autograd.graph.increment_version([t for t, _, _ in batch])
+    for target, _, pid in batch:
+        if pid is not None:
+            set_param_id(target, pid)
 
 
 class ModuleRecord(Record):
@@ -185,6 +226,7 @@ class ModuleRecord(Record):
             raise RecordError("validation", [f"{d} names no stored tensor" for d in dangling])
 
     @classmethod
+    @_parallel.gc_paused_call  # one object per tensor: see burnpack._parallel
     def from_module(cls, module: nn.Module, adapter: Adapter | None = None) -> ModuleRecord:
         """Record ``module.state_dict()`` without copying (tensors are the module's own).
 
@@ -226,6 +268,7 @@ class ModuleRecord(Record):
             raise RecordError("validation", problems)
         return cls(tensors, param_ids=pids, aliases=aliases)
 
+    @_parallel.gc_paused_call
     def apply(
         self,
         module: nn.Module,
@@ -294,11 +337,7 @@ class ModuleRecord(Record):
             problems += [f"Unused tensor: '{n}'" for n in incoming if n not in targets]
         if problems:
             raise RecordError("validation", problems)
-        loaded: set[int] = set()  # a tied tensor appears under several names; load it once
-        for target, tensor, pid in plan:
-            if id(target) not in loaded:
-                loaded.add(id(target))
-                load_tensor(target, tensor, pid, dtype_policy == "cast_to_module")
+        _load_all(plan, cast=dtype_policy == "cast_to_module")
         return module
 
     def _entries(self) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -331,6 +370,7 @@ class ModuleRecord(Record):
 
     # -- burnpack content --
 
+    @_parallel.gc_paused_call
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         tensors = {
             name: burnpack.TensorEntry.from_tensor(t, param_id=self.param_ids.get(name))
@@ -340,6 +380,7 @@ class ModuleRecord(Record):
         return tensors, {}, {**self.metadata, **aliases}
 
     @classmethod
+    @_parallel.gc_paused_call
     def from_pack(cls, pack: burnpack.Pack) -> ModuleRecord:
         quantized = [
             n
@@ -355,7 +396,8 @@ class ModuleRecord(Record):
                 ],
             )
         order = pack.data_order  # the writer's input order (Burn: the module's visiting order)
-        tensors = {n: pack.tensor(n) for n in order}
+        every = pack.tensors()  # every checksum verified at once, on two threads
+        tensors = {n: every[n] for n in order}
         pids = {n: e.param_id for n in order if (e := pack.entries[n]).param_id is not None}
         metadata = _user_metadata(pack)
         aliases = {

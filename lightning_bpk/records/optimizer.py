@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack, state
+from lightning_bpk.burnpack import _parallel
 from lightning_bpk.records.base import Record, RecordError, _class_name
 from lightning_bpk.records.module import _param_table
 
@@ -306,7 +307,9 @@ class OptimizerRecord(Record):
         return tensors, scalars, metadata
 
     @classmethod
+    @_parallel.gc_paused_call  # one object per tensor: see burnpack._parallel
     def from_pack(cls, pack: burnpack.Pack) -> OptimizerRecord:
+        pack.check(pack.data_order)  # every checksum at once, on two threads
         tree = state.decode(pack)
         recorded_class = pack.metadata.get(_OPTIMIZER_CLASS_KEY)
         problems = []

@@ -8,7 +8,7 @@ sharded (DCP) writer are written once against it; only the two backends know whe
                          Checkpointer · Lease · DCP writer/reader · records.files
                                               │
                                         Store (Protocol)
-      list · size · read · read_into · put(create_only) · scratch · staging · publish
+   list · size · read · read_into · put(create_only) · sink · scratch · staging · publish
                       remove · remove_prefix · exclusive · local_file · check
                     ┌─────────────────────────┴─────────────────────────┐
              LocalStore (local.py)                            ObjectStore (objects.py)
@@ -18,7 +18,9 @@ sharded (DCP) writer are written once against it; only the two backends know whe
 
 What differs between the backends is a capability of the backend, never an ``if`` at a call
 site: ``publish`` is a rename plus a directory fsync locally and "the files are already there"
-remotely (``staging`` returns the final prefix); ``exclusive`` is an ``flock`` locally and a
+remotely (``staging`` returns the final prefix); ``sink`` writes past the page cache locally
+(``O_DIRECT``, see :mod:`lightning_bpk._fs`) and through it remotely, where the scratch file is
+read back at once for the upload; ``exclusive`` is an ``flock`` locally and a
 no-op remotely, where the lease (:mod:`lightning_bpk.lease`) fences; ``local_file`` is the file
 itself locally and a downloaded copy remotely.
 
@@ -45,6 +47,7 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 import fsspec.core
 
+from lightning_bpk._fs import Sink
 from lightning_bpk.errors import DirectoryGoneError, MissingDriverError, StorageError
 from lightning_bpk.store.local import LocalStore
 from lightning_bpk.store.objects import ObjectStore
@@ -135,6 +138,13 @@ class Store(Protocol):
 
     def holds(self, key: str, data: bytes) -> bool:
         """Whether ``key`` holds exactly ``data`` (read back, never from a cache)."""
+        ...
+
+    def sink(self, key: str, size: int) -> AbstractContextManager[Sink]:
+        """A :class:`~lightning_bpk._fs.Sink` to stream the ``size`` bytes of ``key`` into; on a
+        clean exit they are published durably as ``key``, on an exception nothing is (local: a
+        scratch file beside ``key``, written with ``O_DIRECT`` where the filesystem supports it,
+        fsynced and renamed; remote: a local scratch file through the page cache, uploaded)."""
         ...
 
     def scratch(self, key: str) -> AbstractContextManager[Path]:

@@ -211,6 +211,13 @@ class LocalStore:
         except (OSError, ValueError):
             return False
 
+    def sink(self, key: str, size: int) -> contextlib.AbstractContextManager[_fs.Sink]:
+        """A scratch file beside ``key`` (``O_DIRECT`` where the filesystem supports it),
+        fsynced and renamed over ``key`` (see :func:`lightning_bpk._fs.atomic_sink`)."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _fs.atomic_sink(path, size)
+
     @contextlib.contextmanager
     def scratch(self, key: str) -> Iterator[Path]:
         """A path with the target's own name (writers that choose a format by suffix see it)

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.core
 
+from lightning_bpk import _fs
 from lightning_bpk.errors import StorageError
 
 __all__ = [
@@ -386,6 +387,16 @@ class ObjectStore:
             self.upload(local, key)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def sink(self, key: str, size: int) -> Iterator[_fs.Sink]:
+        """A local scratch file (through the page cache: the upload reads it back at once),
+        uploaded as ``key`` on a clean exit (see :meth:`scratch`)."""
+        with (
+            self.scratch(key) as local,
+            _fs.open_sink(local, size, direct=False, name=self.url_of(key)) as sink,
+        ):
+            yield sink
 
     def staging(self, prefix: str) -> str:
         """``prefix`` itself: with no rename, files go straight to their final keys, under a
