@@ -449,14 +449,19 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
         assert (roots["async"] / "ckpt.4" / name).read_bytes() == want, name
 
 
-def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
-    """FSDP2 state (DTensors) is saved by every rank through DCP, never through the staging
-    area: reserving it would hold a global-shape copy of the model and optimizer on rank 0."""
+def test_sharded_async_saves_copy_the_shards_into_buffers_reserved_after_the_first_step(
+    tmp_path, monkeypatch
+):
+    """FSDP2 state (DTensors) saved asynchronously: the shards are copied into staging buffers
+    this rank reserved after the first optimizer step (its local shard shapes), copied into
+    again by every save, and the checkpoints hold what a synchronous run's hold."""
     import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning_fsdp import ShardedTiny
 
     from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.dcp import load_full_state_dict
+    from lightning_bpk.lightning.async_save import _SHARDS_OWNER
 
     L, _, make_trainer = _lightning()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
@@ -465,24 +470,40 @@ def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
 
     class Observed(BurnpackCheckpoint):
         def _save(self, trainer, number, **kwargs):
-            self._saver.wait()
-            seen.append((number, self._saver.staging.nbytes))
+            self._saver.wait()  # join the reservation (or the previous save)
+            buffers = dict(self._saver.staging._buffers)
             super()._save(trainer, number, **kwargs)
+            seen.append((number, buffers, dict(self._saver.staging._buffers)))
 
-    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
-    callback = Observed(async_save=True, every_n_train_steps=3)
-    try:
-        L.seed_everything(0)
-        make_trainer(str(tmp_path), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert seen == [(3, 0), (4, 0)]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt.*")) == [
-        "ckpt.3",
-        "ckpt.4",
-    ]
+    for root, callback in (
+        (tmp_path / "sync", BurnpackCheckpoint(every_n_train_steps=3)),
+        (tmp_path / "async", Observed(async_save=True, every_n_train_steps=3)),
+    ):
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        try:
+            L.seed_everything(0)
+            make_trainer(str(root), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert [number for number, _, _ in seen] == [3, 4]
+    (_, reserved, after), (_, before_next, after_next) = seen
+    shards = {key for key in after if key[0] == _SHARDS_OWNER}
+    assert {key for key in reserved if key[0] == _SHARDS_OWNER} == shards  # reserved ahead
+    assert any(key[1].startswith("/model/") for key in shards)
+    assert any(key[1].startswith("/optim/state/") for key in shards)
+    for key in shards:  # copied into, never reallocated
+        assert reserved[key] is after[key] is before_next[key] is after_next[key], key
+    for n in (3, 4):
+        want = load_full_state_dict(tmp_path / "sync" / "checkpoints" / f"ckpt.{n}")
+        got = load_full_state_dict(tmp_path / "async" / "checkpoints" / f"ckpt.{n}")
+        assert sorted(want) == sorted(got)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert _bitwise_equal(got[key], value), (n, key)
+            else:
+                assert got[key] == value, (n, key)
 
 
 def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monkeypatch):

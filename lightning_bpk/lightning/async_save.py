@@ -30,6 +30,7 @@ Example::
 
     >>> import tempfile, torch
     >>> from lightning_bpk.checkpointer import Checkpointer, Retention
+from lightning_bpk.lightning import sharded
     >>> from lightning_bpk.records import ModuleRecord
     >>> net = torch.nn.Linear(2, 2)
     >>> checkpointer = Checkpointer(tempfile.mkdtemp())
@@ -44,6 +45,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -52,9 +56,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
 from lightning_bpk.checkpointer import Checkpointer, Retention
+from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import Record, StateRecord
 
 __all__ = [
@@ -65,6 +72,10 @@ __all__ = [
 _WRITER_THREAD_NAME = "lightning_bpk-async-save"
 # Staging owner of :meth:`AsyncCheckpointSaver.save_record` snapshots, whatever their path.
 _RECORD_OWNER = "<record>"
+# Staging owner of the shards of :meth:`AsyncCheckpointSaver.save_sharded`.
+_SHARDS_OWNER = "<shards>"
+# No process group made yet (None: made, and there is no distributed run).
+_NO_GROUP = object()
 
 
 class _StagingArea:
@@ -81,11 +92,21 @@ class _StagingArea:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        # A DTensor shard's frozen view: the DTensor around its staged local shard, reused
+        # while the buffer and the layout (mesh, placements, global shape) stay the same.
+        self._views: dict[tuple[str, str], tuple[torch.Tensor, DTensor]] = {}
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
 
     def copy(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the buffer."""
+        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the frozen
+        view: the buffer, or for a ``DTensor`` (one rank's shard of a sharded tensor) a
+        ``DTensor`` of the same layout around the buffer its local shard was copied into.
+
+        The one place where a snapshot's bytes are copied (a device's tensors too: the copy
+        lands in host memory)."""
+        if isinstance(tensor, DTensor):
+            return self._copy_shard(owner, name, tensor)
         key = (owner, name)
         source = tensor.detach()
         buffer = self._buffers.get(key)
@@ -96,6 +117,30 @@ class _StagingArea:
         buffer.copy_(source)
         self._used.add(key)
         return buffer
+
+    def _copy_shard(self, owner: str, name: str, tensor: DTensor) -> DTensor:
+        with torch.no_grad():
+            buffer = self.copy(owner, name, tensor.to_local())
+        key = (owner, name)
+        wrapped, view = self._views.get(key, (None, None))
+        if (
+            view is None
+            or wrapped is not buffer
+            or view.device_mesh != tensor.device_mesh
+            or view.placements != tensor.placements
+            or view.shape != tensor.shape
+            or view.stride() != tensor.stride()
+        ):
+            view = DTensor.from_local(
+                buffer,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+            self._views[key] = (buffer, view)
+        return view
 
     def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype]]) -> None:
         """Allocate and fault in buffers for ``(owner, name, shape, dtype)`` ahead of the first
@@ -112,11 +157,13 @@ class _StagingArea:
         """Free buffers the snapshots since the last prune did not use (removed tensors)."""
         for key in set(self._buffers) - self._used:
             del self._buffers[key]
+            self._views.pop(key, None)
         self._used = set()
 
     def clear(self) -> None:
         """Free every buffer (the next save allocates them again)."""
         self._buffers.clear()
+        self._views.clear()
         self._used = set()
 
     @property
@@ -173,6 +220,36 @@ def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
     return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
 
 
+# Leaves a snapshot shares with the live state: nothing can change them in place.
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def _map_tree(value: Any, tensor: Callable[[str, torch.Tensor], Any], path: str = "") -> Any:
+    """Nested state (dicts, lists, tuples: a DCP state dict) rebuilt with every tensor replaced
+    by ``tensor(path, it)`` (``path``: where it lies, ``/model/net.0.weight``), immutable leaves
+    kept and any other leaf deep-copied: nothing of the result changes with the live state."""
+    if isinstance(value, torch.Tensor):
+        return tensor(path, value)
+    if isinstance(value, Mapping):
+        return {k: _map_tree(v, tensor, f"{path}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_map_tree(v, tensor, f"{path}/{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """A new gloo group over every rank, for the writer threads' collectives (a collective
+    itself: every rank creates it at the same point), with the default group's timeout, so a
+    rank that died stops the others' writes as it stops their training."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    timeout, world = None, dist.group.WORLD
+    with contextlib.suppress(AttributeError, RuntimeError):  # private: the default group's
+        timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
 class AsyncCheckpointSaver:
     """Runs saves on one background thread after snapshotting their data into staging buffers.
 
@@ -186,6 +263,8 @@ class AsyncCheckpointSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_what = ""
+        # the writer threads' process group of a sharded run (made by the first save_sharded)
+        self._group: Any = _NO_GROUP
         self._lock = threading.Lock()  # guards _executor/_pending against a concurrent close()
 
     # -- submitting --------------------------------------------------------------------------
@@ -227,10 +306,11 @@ class AsyncCheckpointSaver:
 
         self._submit(what, save)
 
-    def reserve(self, data: Mapping[str, Any]) -> None:
+    def reserve(self, data: Mapping[str, Any], *, shards: Mapping[str, Any] | None = None) -> None:
         """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
-        ``data`` needs, on the writer thread, so the first save costs the training thread a
-        copy only. Returns at once; the next save waits for it (as for any write in flight)."""
+        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), on
+        the writer thread, so the first save costs the training thread a copy only. Returns at
+        once; the next save waits for it (as for any write in flight)."""
         self.wait()
         wanted = []
         for key, value in data.items():
@@ -239,7 +319,70 @@ class AsyncCheckpointSaver:
                 tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
                 if isinstance(tensor, torch.Tensor):
                     wanted.append((key, name, tuple(tensor.shape), tensor.dtype))
+
+        def shard(path: str, tensor: torch.Tensor) -> None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype))
+
+        _map_tree(shards or {}, shard)
         self._submit("staging buffers", self.staging.reserve, wanted)
+
+    def save_sharded(
+        self,
+        checkpointer: Checkpointer,
+        iteration_number: int,
+        state: Mapping[str, Any],
+        data: Mapping[str, Any] | None = None,
+        on_saved: Callable[[Path | str], None] | None = None,
+        *,
+        retention: Retention | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Snapshot this rank's shards of ``state`` now and save checkpoint
+        ``iteration_number`` of a sharded run in the background: a collective, which every rank
+        calls at the same point (as ``dcp.save``).
+
+        ``state`` is a DCP state dict (nested dicts and lists of ``DTensor`` shards, tensors and
+        plain values): each rank's shards are copied into its staging buffers (reused by every
+        later save) and the same save as a synchronous one runs on each rank's writer thread
+        (:func:`lightning_bpk.sharded` ``._save``): every rank writes its file, then global rank
+        0 commits them with ``data`` (its records: schedulers, trainer state; other ranks pass
+        None) and writes the sentinel last, once every rank's file is durable. The writer
+        threads' collectives run over a gloo process group of their own, created at the first
+        call, never the training's (collectives of two threads on one group would interleave).
+
+        Waits for the previous save first and re-raises its error, on every rank: each rank's
+        writer learns the outcome of the whole save, so a write that failed on one rank fails
+        the next call on all of them. ``on_saved(path)`` runs on rank 0's writer thread once
+        the checkpoint is complete.
+        """
+        self.wait()
+        if retention is None and iteration_number % checkpointer.checkpoint_frequency:
+            return
+        with self._lock:
+            if self._group is _NO_GROUP:
+                self._group = _checkpoint_group()
+            group = self._group
+        shards = _map_tree(state, functools.partial(self.staging.copy, _SHARDS_OWNER))
+        frozen = {key: _freeze(self.staging, key, value) for key, value in (data or {}).items()}
+        self.staging.prune()
+        what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
+
+        def save() -> Path | str | None:
+            path = sharded._save(
+                checkpointer,
+                iteration_number,
+                shards,
+                frozen,
+                group=group,
+                retention=retention,
+                storage_options=storage_options,
+            )
+            if path is not None and on_saved is not None:
+                on_saved(path)
+            return path
+
+        self._submit(what, save)
 
     def save_record(
         self,
@@ -289,16 +432,21 @@ class AsyncCheckpointSaver:
         return pending.result()
 
     def close(self) -> None:
-        """Wait for the write in flight, stop the writer thread, free the staging buffers, and
-        re-raise the write's error if it failed."""
+        """Wait for the write in flight, stop the writer thread, free the staging buffers and
+        the writer threads' process group, and re-raise the write's error if it failed."""
         try:
             self.wait()
         finally:
             with self._lock:
                 executor, self._executor = self._executor, None
+                group, self._group = self._group, _NO_GROUP
             if executor is not None:
                 executor.shutdown(wait=True)
             self.staging.clear()
+            if group not in (_NO_GROUP, None) and dist.is_initialized():
+                # gone already if the default group was destroyed (that destroys every group)
+                with contextlib.suppress(ValueError, RuntimeError):
+                    dist.destroy_process_group(group)
 
     def __enter__(self) -> AsyncCheckpointSaver:
         return self
