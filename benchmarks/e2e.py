@@ -22,6 +22,9 @@ time in each save is split into the first save of a run and the later ones.
 Adam moments, 1.5 GiB; 96 MiB with ``--quick``) with and without the staging buffers reserved
 ahead on the writer thread (what the callback does after the first optimizer step).
 
+``benchmarks/fabric.py`` adds the row of a hand-written Lightning Fabric loop: a checkpoint every
+``STEP_INTERVAL`` steps by ``CheckpointManager`` (async and not) against ``fabric.save``.
+
 Run alone (prints the tables; ``make bench`` runs them too and writes ``docs/benchmarks.md``)::
 
     .venv/bin/python benchmarks/e2e.py            # every end-to-end row (~6 min, 2 idle cores)
@@ -52,6 +55,7 @@ from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
+import fabric  # noqa: E402  (a sibling: benchmarks/fabric.py)
 import train_digits  # noqa: E402  (the example is a script, not a package)
 
 EPOCHS = 20  # the example's default is 10; more epochs, less per-run noise
@@ -384,14 +388,14 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=("epochs", "steps", "first-save"),
-        default=("epochs", "steps", "first-save"),
+        choices=("epochs", "steps", "first-save", "fabric"),
+        default=("epochs", "steps", "first-save", "fabric"),
     )
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     args = parser.parse_args()
     start = time.perf_counter()
     print("load average at start:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
-    results: list[Overhead | StepOverhead | FirstSave] = []
+    results: list[Overhead | StepOverhead | FirstSave | fabric.FabricOverhead] = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="lightning-bpk-e2e-") as tmp:
         if "epochs" in args.only:
             results.append(measure(Path(tmp), quick=args.quick))
@@ -401,6 +405,8 @@ def main() -> None:
             results.append(measure_steps(Path(tmp), quick=args.quick))
         if "first-save" in args.only:
             results.append(measure_first_save(Path(tmp), quick=args.quick))
+        if "fabric" in args.only:  # a hand-written Fabric loop (benchmarks/fabric.py)
+            results.append(fabric.measure(Path(tmp), quick=args.quick))
     print("load average at end:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(f"took {(time.perf_counter() - start) / 60:.1f} min\n")
     for result in results:

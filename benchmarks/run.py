@@ -53,6 +53,7 @@ from pathlib import Path
 import bounded
 import chart
 import e2e
+import fabric
 import numpy
 import object_store
 import safetensors
@@ -497,7 +498,7 @@ def write_report(
     by_state: dict[str, dict[str, Result]],
     benches: dict[str, Bench],
     peaks: dict[str, dict[str, int]],
-    e2e_results: list[e2e.Overhead | e2e.StepOverhead | e2e.FirstSave],
+    e2e_results: list[e2e.Overhead | e2e.StepOverhead | e2e.FirstSave | fabric.FabricOverhead],
     sharded_result: sharded.ShardedResult | None,
     args: argparse.Namespace,
     elapsed: float,
@@ -618,13 +619,16 @@ def main() -> None:
         sharded_result = None
         if not args.no_sharded:
             sharded_result = sharded.measure(Path(tmp), quick=args.quick, reps=args.reps)
-        e2e_results: list[e2e.Overhead | e2e.StepOverhead | e2e.FirstSave] = []
+        e2e_results: list[
+            e2e.Overhead | e2e.StepOverhead | e2e.FirstSave | fabric.FabricOverhead
+        ] = []
         if not args.no_e2e:
             e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
             if not args.quick:
                 e2e_results.append(e2e.measure(Path(tmp), quick=False, repeat=e2e.REPEAT))
             e2e_results.append(e2e.measure_steps(Path(tmp), quick=args.quick))
             e2e_results.append(e2e.measure_first_save(Path(tmp), quick=args.quick))
+            e2e_results.append(fabric.measure(Path(tmp), quick=args.quick))
         s3_states = {k: STATES[k] for k in ("64 MiB (16 tensors)", "1 GiB (16 tensors)")}
         if args.quick:
             s3_states.pop("1 GiB (16 tensors)")

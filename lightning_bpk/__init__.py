@@ -13,6 +13,7 @@ The package is layered; each layer only uses the ones listed before it:
 - :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe,
   written once over the ``Store`` (one checkpoint view, one commit, one resume choice);
 - :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration;
+  :mod:`lightning_bpk.fabric` the same for hand-written Lightning Fabric loops;
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
 

@@ -28,6 +28,7 @@ CONFIGURABLES = {
     "lightning_bpk.BurnpackCheckpoint": "lightning_bpk.callback",
     "lightning_bpk.checkpointer.Checkpointer": "lightning_bpk.checkpointer",
     "lightning_bpk.checkpointer.get_latest_checkpoint_number": "lightning_bpk.checkpointer",
+    "lightning_bpk.fabric.CheckpointManager": "lightning_bpk.fabric.manager",
 }
 
 

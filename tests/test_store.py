@@ -126,6 +126,29 @@ def test_exclusive_is_a_lock_locally_and_nothing_remotely(store, tmp_path):
                 pass
 
 
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
+    """A DataLoader worker forked while an asynchronous save holds the lock inherits the lock
+    file; the flock belongs to the open file, so the child must not keep it past the save."""
+    store = open_store(tmp_path)
+    store.check(create=True)
+    started, release = os.pipe(), os.pipe()
+    with store.exclusive():
+        pid = os.fork()
+        if pid == 0:  # the child: alive until the parent has taken the lock again
+            os.write(started[1], b"x")
+            os.read(release[0], 1)
+            os._exit(0)
+    try:
+        assert os.read(started[0], 1) == b"x"  # the child runs (its fork handlers have)
+        with store.exclusive():
+            pass
+    finally:
+        os.write(release[1], b"x")
+        os.waitpid(pid, 0)
+        for fd in (*started, *release):
+            os.close(fd)
+
+
 def test_local_reads_refuse_symlinks(tmp_path):
     store = open_store(tmp_path)
     store.put("real", b"x")

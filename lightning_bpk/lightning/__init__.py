@@ -20,13 +20,18 @@ records, and the RNG states; no storage I/O of its own),
 :mod:`~lightning_bpk.lightning.sharded` (FSDP2 / tensor-parallel saves through the burnpack DCP
 writer, committed by the checkpointer's sentinel),
 :mod:`~lightning_bpk.lightning.data_position` (the data's position in an epoch; ``_resample``
-replays a changed batch size or world size),
+replays a changed batch size or world size) over :mod:`~lightning_bpk.lightning.loaders` (one
+loader's position, without a Trainer),
 :mod:`~lightning_bpk.lightning.async_save` (the background writer),
 :mod:`~lightning_bpk.lightning.slurm` (SLURM's requeue), and ``_compat``, every touch of
 Lightning's private API fenced in one module. The public paths ``lightning_bpk.callback``,
 ``lightning_bpk.checkpoint_io``, ``lightning_bpk.trainer_state``, ``lightning_bpk.sharded``,
 ``lightning_bpk.slurm``, ``lightning_bpk.data_position`` and ``lightning_bpk.async_save`` re-export
 them.
+
+What works without a ``Trainer`` object (``trainer_state``, ``checkpoint_io``, ``loaders``,
+``async_save``, ``ranks``, ``preemption``, ``slurm.requeue``, ``sharded``'s save and load) also
+serves the Fabric integration beside this package, :mod:`lightning_bpk.fabric`.
 
 Nothing is imported here, so importing one module does not import the others.
 """

@@ -1,10 +1,15 @@
-"""``BurnpackCheckpointIO``: Lightning's byte layer, in burnpack instead of ``torch.save``.
+"""``BurnpackCheckpointIO``: Lightning's and Fabric's byte layer, in burnpack instead of
+``torch.save``.
 
 ::
 
     trainer = L.Trainer(plugins=[BurnpackCheckpointIO()])
     trainer.save_checkpoint("run/manual.ckpt")       # a burnpack file, no pickle
     trainer.fit(model, ckpt_path="run/manual.ckpt")  # loads it back
+
+    fabric = L.Fabric(plugins=[BurnpackCheckpointIO()])      # one device, DDP
+    fabric.save("run/step-100.ckpt", {"model": model, "optimizer": optimizer, "step": 100})
+    remainder = fabric.load("run/step-100.ckpt", {"model": model, "optimizer": optimizer})
 
 Every path Lightning hands over (``trainer.save_checkpoint``, ``ModelCheckpoint``'s
 ``epoch=3-step=16.ckpt`` and ``last.ckpt``, ``OnExceptionCheckpoint``) becomes **one file** at
@@ -19,18 +24,37 @@ the target, fsync, rename), so a crash or a full disk leaves the previous file i
 loads both. Loading reads the same bytes on every rank and gives each the same dict; it writes
 nothing. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
 
+**With Fabric** (``Fabric(plugins=[BurnpackCheckpointIO()])``, single device and DDP; FSDP and
+``ModelParallelStrategy`` refuse every CheckpointIO plugin: use
+:class:`~lightning_bpk.fabric.CheckpointManager`, which saves their shards), ``fabric.save``
+hands over the dict already converted (modules and optimizers as their ``state_dict``, after
+``filter=``), and ``fabric.load`` restores in place from what ``load_checkpoint`` returns and
+gives back the rest: the RNG states saved with the file are restored and taken out of it, so
+the remainder holds exactly what was saved and not restored. Fabric never tears its strategy
+down, so an ``async_save`` write is waited for by the next save, load or remove, by
+``fabric.strategy.teardown()`` (or this plugin's :meth:`~BurnpackCheckpointIO.teardown`), which
+raise its error, and at the latest when the process exits, which logs it. Under DDP, other
+ranks' ``fabric.load`` does not wait for rank 0's write in flight: call ``teardown`` (on rank
+0, then a barrier) before loading a file just saved asynchronously.
+
 **RNG states.** ``load_checkpoint`` also puts back the global RNG states saved with the
 checkpoint (torch, CUDA when present, numpy, Python ``random``), so ``ModelCheckpoint`` with
 ``fit(ckpt_path="last")`` continues bit-identically, shuffles and dropout included. Lightning
 calls it when ``fit`` starts, before it builds the optimizers and the data iterators; random
 numbers drawn in between (say, in ``configure_optimizers``) come out of the restored stream, as
 they would not in a run that never stopped. ``validate``/``test``/``predict`` with a
-``ckpt_path`` restore them as well. Under DDP every rank gets rank 0's states.
+``ckpt_path`` restore them as well. Under DDP every rank gets rank 0's states. A Trainer's
+checkpoint keeps them in the dict (under :data:`~lightning_bpk.trainer_state.RNG_KEY`, which
+the Trainer ignores and the callback reads); any other dict (Fabric's) has them taken out.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import logging
 import os
+import weakref
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -42,6 +66,24 @@ from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 __all__ = [
     "BurnpackCheckpointIO",
 ]
+
+log = logging.getLogger("lightning_bpk")
+
+# The key every checkpoint dict of Lightning's Trainer carries (its loader migrates by it);
+# a dict without it is a Fabric state dict, which gets back exactly what was saved.
+_TRAINER_VERSION_KEY = "pytorch-lightning_version"
+
+
+def _drain_at_exit(ref: weakref.ReferenceType[AsyncCheckpointSaver]) -> None:
+    """At interpreter exit (after the writer thread finished its write): say if it failed."""
+    saver = ref()
+    if saver is None:
+        return
+    try:
+        saver.close()
+    except Exception as e:
+        detail = " ".join([str(e), *getattr(e, "__notes__", [])])
+        log.error("the last asynchronous checkpoint write failed: %s: %s", type(e).__name__, detail)
 
 
 class BurnpackCheckpointIO(CheckpointIO):
@@ -68,6 +110,7 @@ class BurnpackCheckpointIO(CheckpointIO):
     def __init__(self, async_save: bool = False) -> None:
         super().__init__()
         self._saver = AsyncCheckpointSaver() if async_save else None
+        self._at_exit: Any = None  # the exit-time drain, registered at the first async save
 
     def _wait(self) -> None:
         if self._saver is not None:
@@ -87,6 +130,9 @@ class BurnpackCheckpointIO(CheckpointIO):
         if self._saver is not None:
             record = trainer_state.file_record(checkpoint)
             self._saver.save_record(record, path, trainer_state.write_record)
+            if self._at_exit is None:  # Fabric has no teardown of its own: drain at exit
+                self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self._saver))
+                atexit.register(self._at_exit)
             return
         trainer_state.save_file(checkpoint, path)
 
@@ -110,6 +156,8 @@ class BurnpackCheckpointIO(CheckpointIO):
         rng = loaded.get(trainer_state.RNG_KEY)
         if rng is not None:
             trainer_state.restore_rng(rng)
+            if _TRAINER_VERSION_KEY not in loaded:  # Fabric's dict: exactly what was saved
+                del loaded[trainer_state.RNG_KEY]
         if state is None:
             return loaded
         state.update(loaded)
@@ -123,5 +171,8 @@ class BurnpackCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for the write in flight and re-raise its error, if it failed."""
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         if self._saver is not None:
             self._saver.close()

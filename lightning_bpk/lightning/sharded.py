@@ -75,7 +75,15 @@ from lightning_bpk.manifest import FileEntry
 from lightning_bpk.records import RecordError, param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
 
-__all__ = ["ShardedCheckpointError", "is_sharded", "lightning_dict", "load", "module_record"]
+__all__ = [
+    "ShardedCheckpointError",
+    "Shards",
+    "is_sharded",
+    "lightning_dict",
+    "load",
+    "module_record",
+    "save_shards",
+]
 
 
 def _holds_dtensors(checkpoint: Mapping[str, Any]) -> bool:
@@ -135,7 +143,7 @@ def _dcp_state(
 # --- saving ---------------------------------------------------------------------------------------
 
 
-class _Shards(NamedTuple):
+class Shards(NamedTuple):
     """The coordinator's account of the shards every rank wrote into a checkpoint's staging
     prefix: where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their
     manifest entries (the DCP writer described each file as it wrote it)."""
@@ -185,7 +193,7 @@ def _write_shards(
     state: Mapping[str, Any],
     group: dist.ProcessGroup | None,
     storage_options: Mapping[str, Any] | None,
-) -> _Shards | None:
+) -> Shards | None:
     """Write every rank's shards of ``state`` (a collective over ``group``) into checkpoint
     ``number``'s own staging prefix, which the coordinator chose
     (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
@@ -239,7 +247,28 @@ def _write_shards(
         )
         for name, info in writer.files.items()
     }
-    return _Shards(staged, files)
+    return Shards(staged, files)
+
+
+def save_shards(
+    trainer: pl.Trainer,
+    checkpointer: Checkpointer,
+    number: int,
+    checkpoint: dict,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Shards | None:
+    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective over
+    the default group) into checkpoint ``number``'s own staging prefix (:func:`_write_shards`),
+    for the caller to commit with ``save_checkpoint(staged=..., described=...)``: the sharded
+    save of :class:`~lightning_bpk.fabric.CheckpointManager`, which passes a Fabric run as
+    ``trainer`` (of which only ``lightning_module`` and ``optimizers`` are read).
+
+    Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint``; returns on rank 0 what
+    to commit (on other ranks: None). A failure on any rank raises
+    :class:`ShardedCheckpointError` on every rank, and rank 0 removes what was written.
+    """
+    state = _take_state(trainer, checkpoint)
+    return _write_shards(checkpointer, number, state, None, storage_options)
 
 
 def _save(

@@ -31,6 +31,19 @@ __all__ = ["LOCK_FILE_NAME", "LocalStore", "RefusedFileError"]
 # either; hidden and never deleted (unlinking a flock target would let two holders coexist).
 LOCK_FILE_NAME = ".lightning_bpk.lock"
 _SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real files)"
+# Lock files held open by exclusive(): a forked child (a DataLoader worker started while an
+# asynchronous save holds the lock) closes its copies, or the flock, which belongs to the open
+# file and not to the process, would stay held as long as the child lives.
+_HELD: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_HELD):
+        os.close(fd)  # the child's copy only: never LOCK_UN, which would free the parent's lock
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 class LocalStore:
@@ -276,6 +289,7 @@ class LocalStore:
         is written into it for the :class:`CheckpointLockedError` of the next one."""
         path = self.root / LOCK_FILE_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _HELD.add(fd)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -290,6 +304,7 @@ class LocalStore:
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
+            _HELD.discard(fd)
             os.close(fd)  # releases the flock
 
 

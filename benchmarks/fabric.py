@@ -1,0 +1,217 @@
+"""The Fabric row of ``make bench``: what a checkpoint every 50 steps costs a hand-written loop.
+
+A Lightning Fabric loop (one device, one intra-op thread) trains an MLP of ~1.6 M parameters
+(AdamW: ~19 MiB of model and optimizer state) on in-memory data through a
+``ResumableLoader``, in four variants run interleaved: no checkpoints;
+``fabric.save(path, state)`` with Fabric's default plugin (``torch.save``, a new file every
+``STEP_INTERVAL`` steps, as litgpt saves); ``CheckpointManager.save_if_due`` synchronous; and
+the same with ``async_save=True``. Every saving variant saves the same state (model, optimizer,
+the loader's position, the step). Each run is a whole loop in a fresh directory, ending with the
+write in flight waited for (``manager.close()``). A round runs every variant once, back to back
+(the order rotates); a variant's overhead is the median over the rounds of its loop time over
+that round's loop without checkpoints, so that the load other processes put on a shared machine,
+which drifts from minute to minute, cancels out as far as it can. The loop thread's CPU time
+(``time.thread_time``: what the saves take from the loop itself, whatever else runs) is reported
+beside it. The target is the issue's: the async manager costs at most ``LIMIT`` of the loop's
+time and no more than ``fabric.save``.
+
+Run alone (``make bench`` runs it too, through ``benchmarks/run.py``)::
+
+    .venv/bin/python benchmarks/fabric.py            # ~5 min on 2 idle cores
+    .venv/bin/python benchmarks/fabric.py --quick    # fewer steps and rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_bpk.fabric import CheckpointManager, ResumableLoader
+
+STEP_INTERVAL = 50  # optimizer steps between checkpoints
+LIMIT = 0.02  # the issue's bound on the async manager's overhead
+STEPS, QUICK_STEPS = 300, 150
+WIDTH, BATCH = 768, 128  # ~1.6 M parameters; a step takes tens of milliseconds on one thread
+VARIANTS = {
+    "none": "no checkpoints",
+    "fabric.save": f"`fabric.save` every {STEP_INTERVAL} steps (default plugin: `torch.save`)",
+    "sync": f"`CheckpointManager(every_n_train_steps={STEP_INTERVAL})`",
+    "async": f"`CheckpointManager(every_n_train_steps={STEP_INTERVAL}, async_save=True)`",
+}
+
+
+@dataclass
+class FabricOverhead:
+    """Loop times per variant, and the loop's time in each save of the async manager."""
+
+    times: dict[str, list[float]]  # wall time of each round's loop, per variant
+    cpu: dict[str, list[float]]  # the loop thread's CPU time, likewise
+    blocked: list[float]  # seconds the loop spent in each async save
+    steps: int
+    nbytes: int  # model and optimizer state
+    repeat: int = 1  # (read by benchmarks/run.py's target rows)
+    what: str = (
+        f"Fabric loop, async `CheckpointManager` every {STEP_INTERVAL} steps: overhead "
+        f"(limit: {LIMIT * 100:g} %, and no more than `fabric.save`'s)"
+    )
+
+    def overhead_of(self, variant: str, of: str = "times") -> float:
+        """The median over the rounds of ``variant``'s loop over the round's loop without
+        checkpoints, minus one (``of="cpu"``: the loop thread's CPU time)."""
+        runs = getattr(self, of)
+        return (
+            statistics.median(v / n for v, n in zip(runs[variant], runs["none"], strict=True)) - 1
+        )
+
+    @property
+    def overhead(self) -> float:
+        return self.overhead_of("async")
+
+    @property
+    def limit(self) -> float:
+        return min(LIMIT, self.overhead_of("fabric.save"))
+
+    def markdown(self) -> list[str]:
+        base = statistics.median(self.times["none"])
+        blocked = sorted(self.blocked)
+        lines = [
+            f"A hand-written Lightning Fabric loop (`benchmarks/fabric.py`): an MLP and AdamW, "
+            f"{self.nbytes / 2**20:.0f} MiB of model and optimizer state, {self.steps} steps "
+            f"({base / self.steps * 1000:.1f} ms each without checkpoints), a checkpoint every "
+            f"{STEP_INTERVAL} steps, {len(self.times['none'])} interleaved runs per variant. "
+            f"Each async save keeps the loop for {statistics.median(blocked) * 1000:.1f} ms "
+            f"(median of {len(blocked)}; range {blocked[0] * 1000:.1f} - "
+            f"{blocked[-1] * 1000:.1f} ms). Overheads are medians over the rounds of the ratio to "
+            "the same round's loop without checkpoints:",
+            "",
+            "| variant | median loop time | range | overhead | loop thread CPU | overhead |",
+            "|---|---|---|---|---|---|",
+        ]
+        for variant, times in self.times.items():
+            med, cpu = statistics.median(times), statistics.median(self.cpu[variant])
+            lines.append(
+                f"| {VARIANTS[variant]} | {med:.3f} s | {min(times):.3f} - {max(times):.3f} s | "
+                f"{self.overhead_of(variant) * 100:+.1f} % | {cpu:.3f} s | "
+                f"{self.overhead_of(variant, 'cpu') * 100:+.1f} % |"
+            )
+        return lines
+
+
+def _train_step(fabric: L.Fabric, state: dict, batch: list) -> int:
+    """One optimizer step on ``batch``; the step count after it."""
+    x, y = batch
+    fabric.backward(nn.functional.cross_entropy(state["model"](x), y))
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+    state["step"] += 1
+    return state["step"]
+
+
+def _run(root: Path, variant: str, steps: int, blocked: list[float]) -> tuple[float, float, int]:
+    """One whole loop of ``variant``: its wall time, its thread's CPU time, and the bytes of
+    its model and optimizer state."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    fabric.seed_everything(0, verbose=False)
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(4096, WIDTH, generator=g), torch.randint(10, (4096,), generator=g)
+    )
+    loader = ResumableLoader(
+        fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
+    )
+    state = {"model": model, "optimizer": optimizer, "data": loader, "step": 0}
+    manager = None
+    if variant in ("sync", "async"):
+        manager = CheckpointManager(
+            fabric, root, every_n_train_steps=STEP_INTERVAL, async_save=variant == "async"
+        )
+    start, cpu = time.perf_counter(), time.thread_time()
+    while state["step"] < steps:
+        for batch in loader:
+            step = _train_step(fabric, state, batch)
+            if manager is not None:
+                before = time.perf_counter()
+                if manager.save_if_due(step, state) and variant == "async":
+                    blocked.append(time.perf_counter() - before)
+            elif variant == "fabric.save" and step % STEP_INTERVAL == 0:
+                fabric.save(root / f"step-{step:08d}" / "lit_model.pth", state)
+            if step >= steps:
+                break
+    if manager is not None:
+        manager.close()
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    inner = model.module
+    nbytes = sum(p.numel() * p.element_size() * 3 for p in inner.parameters())  # + 2 moments
+    return elapsed, cpu, nbytes
+
+
+def measure(directory: Path, *, quick: bool, reps: int | None = None) -> FabricOverhead:
+    """Interleaved loops of every variant (the order rotates each round), after a warm-up round."""
+    reps = reps or (3 if quick else 9)
+    steps = QUICK_STEPS if quick else STEPS
+    names = list(VARIANTS)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    blocked: list[float] = []
+    nbytes = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread: the other core is the async writer's
+    logger = logging.getLogger("lightning_bpk")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # no "saved checkpoint" line per save
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Fabric's "srun is available" hint, each run
+            for rnd in range(reps + 1):
+                for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                    with tempfile.TemporaryDirectory(dir=directory) as root:
+                        elapsed, used, nbytes = _run(Path(root), name, steps, blocked)
+                    if rnd:
+                        times[name].append(elapsed)
+                        cpu[name].append(used)
+                if not rnd:
+                    blocked.clear()  # keep what the measured rounds blocked
+                print(f"  fabric loop: round {rnd}/{reps} done", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+        logger.setLevel(level)
+    return FabricOverhead(times, cpu, blocked, steps, nbytes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the Fabric row of make bench, alone")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    parser.add_argument("--reps", type=int, default=None, help="rounds after the warm-up")
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure")
+    args = parser.parse_args()
+    print("load average at start:", " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="lightning-bpk-fabric-") as tmp:
+        result = measure(Path(tmp), quick=args.quick, reps=args.reps)
+    print("load average at end:", " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"took {(time.perf_counter() - start) / 60:.1f} min\n")
+    print("\n".join(result.markdown()))
+    verdict = "met" if result.overhead <= result.limit else "MISSED"
+    measured, limit = result.overhead * 100, result.limit * 100
+    print(f"\n{result.what}: {measured:.2f} % (limit {limit:.2f} %): {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""``CheckpointManager``: automatic, exact, pickle-free checkpoints for a hand-written Fabric loop.
+
+Built from the ``Fabric`` object and a directory (or ``s3://``, ``gs://`` ... URL), it saves
+the dict you would pass to ``fabric.save`` as checkpoint ``step`` through the one
+:class:`~lightning_bpk.checkpointer.Checkpointer` commit (records, then the sentinel last), and
+restores the newest *complete* one in place::
+
+    fabric = L.Fabric(...); fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = ResumableLoader(fabric.setup_dataloaders(train_loader))
+    manager = CheckpointManager(fabric, "out/checkpoints", every_n_train_steps=100)
+    state = {"model": model, "optimizer": optimizer, "data": loader, "step": 0}
+    manager.restore(state)                     # the newest complete checkpoint, if any
+    while state["step"] < max_steps:
+        for batch in loader:
+            ...                                # forward, backward, optimizer.step()
+            state["step"] += 1
+            manager.save_if_due(state["step"], state)
+    manager.save(state["step"], state)         # the last one, whatever the cadence
+    manager.close()                            # waits for an asynchronous write
+
+**Restore** (:meth:`CheckpointManager.restore`, on every rank): rank 0 chooses the newest
+checkpoint whose sentinel is there and whose every byte verifies as it is read (a damaged one
+is skipped with a :class:`~lightning_bpk.checkpointer.CheckpointWarning` naming the file, a
+torn one, killed during its save, has no sentinel and is never seen), or gin's
+``get_latest_checkpoint_number.override_number`` / ``override_number``; then every rank loads
+modules, optimizers (state keyed by parameter id), stateful objects and data loaders in place,
+its own RNG states last, and gets the remainder and the step.
+
+**Saves**: :meth:`~CheckpointManager.save` now, or :meth:`~CheckpointManager.save_if_due`
+after every optimizer step, which saves when ``every_n_train_steps`` (a number or ``"auto"``,
+which keeps saves under ``max_overhead`` of the loop's time) or ``train_time_interval`` falls
+due (the callback's ``SaveTriggers``; rank 0's clock decides, every rank
+follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the ranks agree at the
+step boundary, save, wait for the write, requeue a SLURM job, then exit with status 0).
+Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every ``keep_every``-th
+save. ``async_save`` writes on a background thread
+(:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): the loop waits for a copy into
+reused buffers only. The manager owns its directory (:meth:`Checkpointer.take_over`): a run
+started later in the same directory takes it over, and this one stops at its next save.
+
+**Sharded models** (``ModelParallelStrategy`` with FSDP2 or tensor parallelism, which refuses
+any ``CheckpointIO`` plugin): every rank writes its own shards through the burnpack DCP writer
+into the checkpoint's staging prefix and rank 0 commits them with the sentinel
+(:mod:`lightning_bpk.lightning.sharded`); restoring reshards to any number of ranks, and
+:meth:`~CheckpointManager.export` writes one consolidated Burn-readable ``.bpk``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from lightning_bpk import _gin, storage
+from lightning_bpk._checkpoint import summarise
+from lightning_bpk._sharded_names import INDEX_DATA_KEY
+from lightning_bpk.checkpointer import (
+    Checkpointer,
+    bound_override_number,
+    check_settings,
+    choose_resume,
+    get_latest_checkpoint_number,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
+from lightning_bpk.fabric import _sharded, _state
+from lightning_bpk.fabric._preemption import FabricPreemption
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, TRAINER_KEY
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS
+from lightning_bpk.lightning.ranks import Ranks
+from lightning_bpk.lightning.triggers import SaveTriggers
+from lightning_bpk.records import ModuleRecord, StateRecord
+
+__all__ = ["CheckpointManager", "Restored"]
+
+log = logging.getLogger("lightning_bpk")
+
+
+class Restored(NamedTuple):
+    """What :meth:`CheckpointManager.restore` did: the ``remainder`` (what the checkpoint holds
+    that the state did not ask for, as ``fabric.load`` returns it) and the ``step`` restored
+    (None: no checkpoint, the loop starts from scratch)."""
+
+    remainder: dict[str, Any]
+    step: int | None
+
+
+def _ranks(fabric: Any) -> Ranks:
+    strategy = fabric.strategy
+    return Ranks(
+        world_size=fabric.world_size,
+        is_global_zero=fabric.is_global_zero,
+        reduce=lambda tensor: strategy.all_reduce(tensor, reduce_op="max"),
+        device=torch.device("cpu") if fabric.device.type == "cpu" else fabric.device,
+    )
+
+
+@_gin.configurable("lightning_bpk.fabric")
+class CheckpointManager:
+    """Saves and restores the checkpoints of a Fabric loop in ``directory`` (module docstring).
+
+    Args:
+        fabric: the launched ``lightning.Fabric``; every method is called on every rank.
+        directory: where the checkpoints go: a local directory or a URL (``s3://bucket/run``;
+            ``storage_options`` go to fsspec).
+        checkpoint_duration: keep the newest this many checkpoints (Dopamine's).
+        keep_every: also keep every ``keep_every``-th save forever (milestones: the steps that
+            are multiples of ``keep_every * every_n_train_steps``; of ``keep_every`` steps when
+            the cadence is not a number).
+        every_n_train_steps: :meth:`save_if_due` saves at the steps that are multiples of this,
+            or ``"auto"``: as often as keeps a save's cost on the loop under ``max_overhead``
+            of its time (measured; the first save comes 10 steps in).
+        train_time_interval: :meth:`save_if_due` also saves when this much time has passed.
+        max_overhead: the share of the loop's time ``"auto"`` may spend in saves.
+        async_save: write on a background thread; the loop pays for a copy of the tensors.
+        verify: read every byte of the chosen checkpoint when restoring (falling back past a
+            damaged one); ``False`` checks sentinels and sizes only and reads on load.
+        override_number: restore this checkpoint instead of the newest (gin's
+            ``get_latest_checkpoint_number.override_number`` too); it must be complete.
+        overwrite: let this run replace complete checkpoints newer than its first save (after
+            restoring an older one, or starting over in a used directory); by default its first
+            save stops with :class:`~lightning_bpk.errors.CheckpointResumeError` naming them.
+        preemption_signals: the signals that save at the next step boundary and exit 0
+            (empty: none); under SLURM with auto-requeue also the environment's requeue signal.
+        auto_requeue: under SLURM (Lightning's ``SLURMEnvironment(auto_requeue=True)``), when
+            the requeue signal (SIGUSR1) stopped the loop, rank 0 runs ``scontrol requeue``
+            once the checkpoint is complete.
+        checkpoint_file_prefix: data directories are ``{prefix}.{step}``.
+        sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{step}``.
+        storage_options: passed to fsspec for a URL ``directory``.
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        directory: str | os.PathLike[str],
+        *,
+        checkpoint_duration: int = 4,
+        keep_every: int | None = None,
+        every_n_train_steps: int | str | None = None,
+        train_time_interval: timedelta | None = None,
+        max_overhead: float = 0.02,
+        async_save: bool = False,
+        verify: bool = True,
+        override_number: int | None = None,
+        overwrite: bool = False,
+        preemption_signals: Sequence[int | str] = PREEMPTION_SIGNALS,
+        auto_requeue: bool = True,
+        checkpoint_file_prefix: str = DEFAULT_PREFIX,
+        sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
+        check_settings(
+            checkpoint_file_prefix, sentinel_file_identifier, 1, checkpoint_duration, keep_every
+        )
+        if override_number is not None and (
+            isinstance(override_number, bool) or not isinstance(override_number, int)
+        ):
+            raise ValueError(f"override_number must be an int or None, got {override_number!r}")
+        self.fabric = fabric
+        self.verify = verify
+        self.override_number = override_number
+        self.overwrite = overwrite
+        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.restored_step: int | None = None
+        self._preloaded: dict[str, Any] | None = None  # what rank 0 read choosing the restore
+        self.last_saved_step: int | None = None
+        self._checked_newer = False
+        self._ranks = _ranks(fabric)
+        step = every_n_train_steps if isinstance(every_n_train_steps, int) else 1
+        self.directory = storage.location(fabric.broadcast(str(storage.location(directory))))
+        self.checkpointer = self._open(
+            checkpoint_file_prefix,
+            sentinel_file_identifier,
+            checkpoint_duration,
+            None if keep_every is None else keep_every * step,
+        )
+        self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
+        self._reserved = False  # the async saver's staging buffers were requested
+        self.preemption = FabricPreemption(preemption_signals, fabric.strategy, auto_requeue)
+
+    def _open(self, prefix: str, identifier: str, duration: int, keep: int | None) -> Checkpointer:
+        """Rank 0 makes the directory and takes it over (every rank learns whether it could);
+        then every rank opens it."""
+
+        def make() -> Checkpointer:
+            return Checkpointer(
+                self.directory,
+                prefix,
+                identifier,
+                checkpoint_frequency=1,
+                checkpoint_duration=duration,
+                keep_every=keep,
+                storage_options=self.storage_options,
+            )
+
+        checkpointer, error = None, None
+        if self.fabric.is_global_zero:
+            try:
+                checkpointer = make()
+                checkpointer.take_over()  # this run owns the directory (lightning_bpk.lease)
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                error = e
+        failed = self.fabric.broadcast(
+            None if error is None else f"{type(error).__name__}: {error}"
+        )
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise CheckpointSaveError(f"rank 0 cannot open {self.directory}: {failed}")
+        return checkpointer if checkpointer is not None else make()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, {self.checkpointer!r})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- restoring -----------------------------------------------------------------------------
+
+    def restore(self, state: dict[str, Any] | None = None, strict: bool = True) -> Restored:
+        """Restore the newest complete checkpoint (or the override) into ``state`` in place, as
+        ``fabric.load`` does; returns the remainder and the step (None: nothing to restore).
+
+        ``strict``: every key of ``state`` must be in the checkpoint, every tensor of a module
+        too (except those a ``filter`` left out of its save). Call on every rank.
+        """
+        state = {} if state is None else state
+        parts = _state.split(state)
+        number, location, sharded = self._choose()
+        if number < 0:
+            if self.fabric.is_global_zero:
+                log.info("no complete checkpoint in %s: starting from scratch", self.directory)
+            self.preemption.log_restart(None)
+            return Restored({}, None)
+        source = f"checkpoint {number} ({location})"
+        data: dict[str, Any] | None
+        if sharded:
+            data = _sharded.load(self.checkpointer, number, location, parts, self.storage_options)
+        else:
+            data = self._preloaded if self.fabric.is_global_zero else None
+            self._preloaded = None
+            if data is None:
+                data = self.checkpointer.load_checkpoint(number)
+            if data is None:
+                raise CheckpointResumeError(f"{source} is no longer complete")
+        trainer = data.get(TRAINER_KEY)
+        if not isinstance(trainer, dict) or trainer.get("format") != _state.FORMAT:
+            raise CheckpointResumeError(
+                f"{source} was not written by a CheckpointManager (its trainer record is not "
+                f"{_state.FORMAT!r}): restore it with what wrote it"
+            )
+        rank = self.fabric.global_rank
+        remainder = _state.restore(parts, state, data, rank, strict, source)
+        ranks = trainer["ranks"]
+        trainer_state.restore_rng((ranks[rank] if rank < len(ranks) else ranks[0])["rng"])
+        self.restored_step = int(trainer["step"])
+        self.triggers.fit_started(self.restored_step)
+        if self.fabric.is_global_zero:
+            log.info("restored %s at step %d", source, self.restored_step)
+        self.preemption.log_restart(str(location))
+        return Restored(remainder, self.restored_step)
+
+    def _choose(self) -> tuple[int, str, bool]:
+        """``(number, where, sharded)`` of the checkpoint to restore (-1: none), chosen by
+        rank 0 and broadcast; what rank 0 read choosing is kept for its own restore."""
+        self._preloaded = None
+        choice: tuple[int, str, bool, str | None] = (-1, "", False, None)
+        failure: Exception | None = None
+        if self.fabric.is_global_zero:
+            try:
+                choice = self._choose_on_rank0()
+            except Exception as e:  # every rank must reach the broadcast, and learn of it
+                failure = e
+                choice = (-1, "", False, f"cannot look for a checkpoint in {self.directory}: {e}")
+        number, where, sharded, error = self.fabric.broadcast(choice)
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise CheckpointResumeError(error)
+        return number, where, sharded
+
+    def _choose_on_rank0(self) -> tuple[int, str, bool, str | None]:
+        checkpointer = self.checkpointer
+        names = (checkpointer.sentinel_file_identifier, checkpointer.checkpoint_file_prefix)
+        override = self.override_number
+        if override is None:
+            override = bound_override_number()
+        if override is None and self.verify:  # every byte verified as it is read, once
+            choice = choose_resume(
+                checkpointer.store,
+                *names,
+                (TRAINER_KEY,),
+                at_most=2**63,
+                unloaded=(INDEX_DATA_KEY,),
+            )
+            self._preloaded = choice.data
+            where = "" if choice.location is None else str(choice.location)
+            return choice.number, where, choice.number >= 0 and choice.data is None, None
+        if override is None:  # sentinels and file sizes only; every rank reads it to restore
+            override = get_latest_checkpoint_number(
+                self.directory, None, *names, False, self.storage_options, (TRAINER_KEY,)
+            )
+        elif override >= 0:
+            problems = verify_checkpoint(
+                self.directory,
+                override,
+                *names,
+                self.storage_options,
+                full=self.verify,
+                required_keys=(TRAINER_KEY,),
+            )
+            if problems:
+                complete = [e.number for e in self._complete()]
+                error = (
+                    f"cannot restore checkpoint {override} in {self.directory} (override_number"
+                    f" = {override}): {summarise(problems)}. Complete checkpoints there: "
+                    f"{complete or 'none'}; nothing was changed"
+                )
+                return -1, "", False, error
+        if override < 0:
+            return -1, "", False, None
+        where = str(checkpointer.checkpoint_path(override))
+        sharded = _sharded.is_sharded(checkpointer, override, self.storage_options)
+        return override, where, sharded, None
+
+    def _complete(self) -> list[Any]:
+        checkpointer = self.checkpointer
+        entries = list_checkpoints(
+            self.directory,
+            checkpointer.sentinel_file_identifier,
+            checkpointer.checkpoint_file_prefix,
+            self.storage_options,
+        )
+        return [e for e in entries if e.complete]
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def save_if_due(
+        self, step: int, state: Mapping[str, Any], filter: _state.Filters | None = None
+    ) -> bool:
+        """Call after every optimizer step (on every rank, with the step just taken): saves
+        ``state`` as checkpoint ``step`` when the cadence falls due, and on an agreed preemption
+        signal saves, waits for the write, requeues a SLURM job and exits with status 0
+        (``SystemExit``). Returns whether it saved."""
+        if self._saver is not None and not self._reserved:
+            self._reserve(state, filter or {})
+        triggers = self.triggers
+        rank0_due = self.fabric.is_global_zero and triggers.rank0_due(step)
+        preempt, timed = self._ranks.agree_all([self.preemption.flag(), int(rank0_due)])
+        self.preemption.agree(preempt)
+        stepped = triggers.stepped(step)
+        triggers.batch_started(step)
+        if not stepped:
+            return False  # the same step again (gradient accumulation): no new state
+        if not (self.preemption.agreed or timed or triggers.step_due(step)):
+            return False
+        preempted = self.preemption.agreed
+        self.save(step, state, filter, flush=preempted)
+        if preempted:
+            path = None
+            if self.fabric.is_global_zero:
+                path = str(self.checkpointer.checkpoint_path(step))
+            self.preemption.stop(self.fabric.is_global_zero, step, path)
+        return True
+
+    def _reserve(self, state: Mapping[str, Any], filters: _state.Filters) -> None:
+        """Rank 0 with ``async_save``, after the first optimizer step (its state exists now):
+        the writer thread allocates and faults in the staging buffers of the module and
+        optimizer records, so the first save costs the loop a copy too (sharded models write
+        their shards themselves and need none)."""
+        self._reserved = True
+        parts = _state.split(state)
+        if self._saver is None or _sharded.layout(parts, filters) is not None:
+            return
+        self._saver.reserve(_state.module_records(parts, filters))
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        filter: _state.Filters | None = None,
+        *,
+        flush: bool = False,
+    ) -> None:
+        """Save ``state`` (what you would pass to ``fabric.save``) as checkpoint ``step`` now,
+        on every rank. ``filter`` maps state keys to ``fn(name, value) -> bool`` selecting a
+        module's tensors (an adapter's, say) or a dict's entries, as ``fabric.save``'s does; a
+        filtered module restores with the tensors it lacks left as they are. ``flush`` waits
+        for an asynchronous write. Raises :class:`~lightning_bpk.errors.CheckpointSaveError`
+        on every rank if it failed (every earlier checkpoint stays as it was)."""
+        parts = _state.split(state)
+        filters = dict(filter or {})
+        _state.check_filters(parts, filters)
+        sharded = _sharded.layout(parts, filters)
+        started = self.triggers.save_started()
+        self._check_newer(step)
+        ranks = self._ranks.gather(_state.rank_entry(parts))
+        shards = None
+        if sharded is not None:
+            shards = _sharded.save(
+                self.fabric, self.checkpointer, step, parts, sharded, self.storage_options
+            )
+        error: Exception | None = None
+        if self.fabric.is_global_zero:
+            try:
+                entry = _state.trainer_entry(parts, filters, step, ranks or [], sharded)
+                self._write(step, parts, filters, StateRecord(entry), shards, flush)
+            except Exception as e:
+                error = e
+        if self._ranks.agree(int(error is not None)):
+            detail = "rank 0 failed" if error is None else _describe(error)
+            raise CheckpointSaveError(
+                f"saving checkpoint {step} into {self.directory} failed ({detail}); earlier "
+                "checkpoints are untouched"
+            ) from error
+        self.last_saved_step = step
+        self.triggers.saved(step, started)
+
+    def _write(
+        self,
+        step: int,
+        parts: _state.Parts,
+        filters: _state.Filters,
+        trainer: StateRecord,
+        shards: Any,
+        flush: bool,
+    ) -> None:
+        """Rank 0: commit checkpoint ``step`` (in the background with ``async_save``)."""
+        if shards is not None:  # the shards are written; commit them with the trainer record
+            path = _sharded.publish(self.checkpointer, step, shards, trainer)
+            log.info("saved sharded checkpoint %d at %s", step, path)
+            return
+        data = _state.module_records(parts, filters)
+        data[TRAINER_KEY] = trainer
+        if self._saver is not None:
+            self._saver.save_checkpoint(self.checkpointer, step, data, _log_saved(step))
+            if flush:
+                self._saver.wait()
+            return
+        path = self.checkpointer.save_checkpoint(step, data)
+        if path is not None:
+            _log_saved(step)(path)
+
+    def _check_newer(self, step: int) -> None:
+        """Before this manager's first save: complete checkpoints newer than ``step`` (another
+        run's, or those after the one restored) would be chosen over this run's; refuse, or
+        remove them with ``overwrite``. Rank 0 decides; every rank learns."""
+        if self._checked_newer:
+            return
+        self._checked_newer = True
+        error = None
+        if self.fabric.is_global_zero:
+            try:
+                newer = sorted(e.number for e in self._complete() if e.number > step)
+                if newer and self.overwrite:
+                    log.warning(
+                        "overwrite=True: removing checkpoints %s in %s, newer than step %d",
+                        newer,
+                        self.directory,
+                        step,
+                    )
+                    self.checkpointer.remove_checkpoints(newer)
+                elif newer:
+                    error = (
+                        f"{self.directory} holds complete checkpoints {newer}, newer than step "
+                        f"{step} this run saves now, so a restore would choose them over this "
+                        "run's: restore the newest (restore(state) without override_number), "
+                        "use another directory, or pass overwrite=True to remove them"
+                    )
+            except Exception as e:  # every rank must reach the broadcast
+                error = f"cannot check {self.directory} before saving: {e}"
+        error = self.fabric.broadcast(error)
+        if error is not None:
+            raise CheckpointResumeError(error)
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until an asynchronous write in flight is complete; raise
+        :class:`~lightning_bpk.errors.CheckpointSaveError` if it failed."""
+        if self._saver is not None:
+            try:
+                self._saver.wait()
+            except Exception as e:
+                raise CheckpointSaveError(
+                    f"the asynchronous checkpoint save failed ({_describe(e)}); earlier "
+                    "checkpoints are untouched"
+                ) from e
+
+    def close(self) -> None:
+        """Wait for the write in flight (raising its failure), and put back the signal
+        handlers found at construction. The manager can save again afterwards."""
+        try:
+            self.wait()
+        finally:
+            if self._saver is not None:
+                self._saver.close()
+            self.preemption.restore()
+
+    def export(
+        self, path: str | os.PathLike[str], step: int | None = None, key: str = "model"
+    ) -> Path:
+        """Write the module saved under ``key`` in checkpoint ``step`` (None: the newest
+        complete one) as one consolidated file at ``path`` (``.bpk``, Burn-readable, or
+        ``.safetensors``); from a sharded checkpoint, the shards of every rank assembled.
+        Call it in one process (rank 0), not a collective; returns ``path``."""
+        from lightning_bpk.interop import save_module_record
+
+        number = self.checkpointer.latest_checkpoint_number() if step is None else step
+        if number < 0:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        record = _sharded.module_record(self.checkpointer, number, key, self.storage_options)
+        if not isinstance(record, ModuleRecord):
+            raise ValueError(f"checkpoint {number} holds no module under {key!r}")
+        return save_module_record(record, path)
+
+
+def _describe(error: BaseException) -> str:
+    """An error and the notes an asynchronous save adds (which save it came from)."""
+    return " ".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])
+
+
+def _log_saved(step: int) -> Any:
+    return lambda path: log.info("saved checkpoint %d at %s", step, path)
