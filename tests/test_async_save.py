@@ -104,14 +104,14 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
     with AsyncCheckpointSaver() as saver:
         saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
         allocations = saver.staging.allocations
-        pointers = {k: b.data_ptr() for k, b in saver.staging._buffers.items()}
+        pointers = {k: b.data_ptr() for k, b in saver.staging.buffers.items()}
         assert allocations == len(net.state_dict())
         assert saver.staging.nbytes == sum(t.nbytes for t in net.state_dict().values())
         for n in range(1, 4):
             saver.save_checkpoint(checkpointer, n, {"model": ModuleRecord.from_module(net)})
             saver.wait()
             assert saver.staging.allocations == allocations
-            assert {k: b.data_ptr() for k, b in saver.staging._buffers.items()} == pointers
+            assert {k: b.data_ptr() for k, b in saver.staging.buffers.items()} == pointers
 
 
 def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(tmp_path):
@@ -149,7 +149,28 @@ def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
     area.prune()
     area.copy("m", "a", torch.zeros(4, dtype=torch.float64))
     area.prune()  # "b" was not used since the last prune
-    assert set(area._buffers) == {("m", "a")}
+    assert set(area.buffers) == {("m", "a")}
+
+
+def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
+    """A tensor of _PLACED_MIN bytes or more starts at the same offset within a memory page as
+    its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
+    there); the file is the one a synchronous save writes."""
+    from lightning_bpk.lightning.async_save import _PAGE, _PLACED_MIN
+
+    torch.manual_seed(0)
+    big = torch.randn(_PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
+    state = {"a": big, "b": torch.randn(_PLACED_MIN // 4), "small": torch.ones(5)}
+    area = _StagingArea()
+    staged = _freeze(area, "state", ModuleRecord(state))
+    sync = tmp_path / "sync.bpk"
+    ModuleRecord(state).save(sync)
+    with burnpack.read(sync) as pack:
+        offsets = {n: pack.data_start + pack.entries[n].data_offsets[0] for n in state}
+    tensors = staged.content()[0]
+    for name in ("a", "b"):
+        assert (tensors[name].data.data_ptr() - offsets[name]) % _PAGE == 0, name
+    assert staged.to_bytes() == sync.read_bytes()
 
 
 def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
@@ -413,7 +434,7 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
             first = self.before is None
             if first:
                 self._saver.wait()  # join the reservation, as the save itself does first
-                self.before = dict(self._saver.staging._buffers)
+                self.before = dict(self._saver.staging.buffers)
                 module = trainer.lightning_module
                 self.wanted = {
                     (key, name): (tuple(entry.shape), entry.data.dtype)
@@ -425,7 +446,7 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
                 }
             super()._save(trainer, number, **kwargs)
             if first:
-                self.after = dict(self._saver.staging._buffers)
+                self.after = dict(self._saver.staging.buffers)
 
     roots = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
     observed = Observed(dirpath=roots["async"], every_n_train_steps=4, async_save=True)
@@ -471,9 +492,9 @@ def test_sharded_async_saves_copy_the_shards_into_buffers_reserved_after_the_fir
     class Observed(BurnpackCheckpoint):
         def _save(self, trainer, number, **kwargs):
             self._saver.wait()  # join the reservation (or the previous save)
-            buffers = dict(self._saver.staging._buffers)
+            buffers = dict(self._saver.staging.buffers)
             super()._save(trainer, number, **kwargs)
-            seen.append((number, buffers, dict(self._saver.staging._buffers)))
+            seen.append((number, buffers, dict(self._saver.staging.buffers)))
 
     quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
     for root, callback in (
