@@ -359,6 +359,45 @@ def _fit(root: Path, callback, epochs: int = 3) -> None:
     make_trainer(str(root), epochs, [callback]).fit(TinyModel())
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_save_sharded_commits_a_snapshot_of_the_shards_and_fails_the_next_save(
+    tmp_path, monkeypatch, where
+):
+    """``save_sharded`` in one process (no process group: a world of one) on local disk and
+    in memory://: the shards as they were when the call returned, committed with the records;
+    a failed write is raised by the next call (once), nothing of it committed."""
+    import uuid
+
+    from lightning_bpk.dcp import BurnpackStorageWriter, load_full_state_dict
+
+    base = tmp_path if where == "local" else f"memory://sharded-{uuid.uuid4().hex[:8]}/run"
+    checkpointer = Checkpointer(base)
+    weight = torch.arange(6.0)
+    state = {"model": {"w": weight}, "optim": {"step": 3, "lr": [0.5, 0.25]}}
+    with AsyncCheckpointSaver() as saver:
+        saver.save_sharded(checkpointer, 0, state, {"trainer": {"epoch": 0}})
+        weight.add_(100.0)  # after the snapshot: not in checkpoint 0
+        state["optim"]["lr"][0] = 9.0
+        saver.save_sharded(checkpointer, 1, state, {"trainer": {"epoch": 1}})
+        original = BurnpackStorageWriter.write_file
+
+        def full_disk(self, target, *args):  # checkpoint 2's shards only
+            if "ckpt.2" in str(self.path):
+                raise OSError(28, "No space left on device (injected)", str(target))
+            return original(self, target, *args)
+
+        monkeypatch.setattr(BurnpackStorageWriter, "write_file", full_disk)
+        saver.save_sharded(checkpointer, 2, state)
+        with pytest.raises(Exception, match="No space left on device") as raised:
+            saver.save_sharded(checkpointer, 3, state)
+        assert "(raised by the asynchronous save of checkpoint 2" in str(raised.value.__notes__)
+    assert checkpointer.latest_checkpoint_number(verify=True) == 1  # 3 was never started
+    first = load_full_state_dict(checkpointer.checkpoint_path(0))
+    assert first["model.w"].tolist() == list(range(6)) and first["optim.lr"] == [0.5, 0.25]
+    assert load_full_state_dict(checkpointer.checkpoint_path(1))["model.w"][0] == 100.0
+    assert checkpointer.load_checkpoint(1, ["trainer"]) == {"trainer": {"epoch": 1}}
+
+
 def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_path):
     from lightning_bpk.callback import BurnpackCheckpoint
 
