@@ -2,7 +2,7 @@
 
 Each run resumes like a trainer (latest + 1, or one in four re-saves the latest) and is killed
 either at a random moment or just before a random filesystem operation (write, fsync, mkdir,
-rename/replace, unlink/rmdir). After every kill the directory must satisfy
+rename/replace/link, unlink/rmdir). After every kill the directory must satisfy
 ``tests/scripts/crash_saver.py:check_after_kill``: every sentinel has its data and verifies, the
 quick and the verifying search agree with no warning, and the latest loads bit-exactly. Every
 50 kills (and at the end) the saver runs to completion and no temporary may remain.

@@ -104,9 +104,10 @@ class Staged:
     url: str
 
 
-def _check(lease: Lease | None) -> None:
+def _check(lease: Lease | None, listing: Mapping[str, int | None] | None = None) -> None:
+    """Steps 1 and 7: the lease is still this run's (``listing``: the directory's, just made)."""
     if lease is not None:
-        lease.check()
+        lease.check(listing)
 
 
 def _stage_at(names: Names, listing: Mapping[str, int | None], n: int) -> Staged:
@@ -127,8 +128,9 @@ def _stage_at(names: Names, listing: Mapping[str, int | None], n: int) -> Staged
 def begin(names: Names, n: int, lease: Lease | None) -> Staged:
     """Steps 1-3 ahead of a save whose files other processes write (a sharded save's ranks):
     where to write them. :func:`commit` with ``staged`` then commits them."""
-    _check(lease)
-    return _stage_at(names, names.store.list(""), n)
+    listing = names.store.list("")
+    _check(lease, listing)
+    return _stage_at(names, listing, n)
 
 
 def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[str]:
@@ -144,13 +146,17 @@ def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[s
 
 
 def _stage(
-    names: Names, staged: Staged, data: Mapping[str, Any], described: Mapping[str, FileEntry]
+    names: Names,
+    staged: Staged,
+    data: Mapping[str, Any],
+    described: Mapping[str, FileEntry],
+    prestaged: bool,
 ) -> dict[str, FileEntry]:
     """Step 4: write every entry of ``data`` into the staging prefix; the manifest entries of
-    those and of the files already there."""
+    those and (``prestaged``: made by :func:`begin`) of the files other processes put there."""
     store = names.store
     files = dict(described)
-    for file, size in sorted(store.list(staged.key).items()):
+    for file, size in sorted(store.list(staged.key).items() if prestaged else ()):
         key = file[: -len(RECORD_SUFFIX)]
         if file.endswith(RECORD_SUFFIX) and key not in files and key not in data:
             files[key] = FileEntry(*describe(store, f"{staged.key}/{file}", size))
@@ -196,10 +202,11 @@ def commit(
     is saving into a local directory."""
     store = names.store
     with store.exclusive():
-        _check(lease)
         listing = store.list("")
+        _check(lease, listing)
         for leftover in _leftovers(names, listing, None if staged is None else staged.key):
             store.remove_prefix(leftover)
+        prestaged = staged is not None  # other processes may have written files there
         if staged is None:
             staged = _stage_at(names, listing, n)
         sentinel = sentinel_name(names.identifier, n)
@@ -209,7 +216,7 @@ def commit(
         ]
         state = "writing"  # -> "committed", or "unknown" when the sentinel's fate is not known
         try:
-            files = _stage(names, staged, data, described or {})
+            files = _stage(names, staged, data, described or {}, prestaged)
             store.publish(staged.key, staged.name)
             try:
                 _confirm(names, staged, files)
@@ -287,8 +294,8 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
     old copy of a re-saved N that a crash left beside the new one goes too."""
     store = names.store
     try:
-        _check(lease)
         listing = store.list("")
+        _check(lease, listing)
         found = sentinels(listing, names.identifier)
         data = data_names(listing, names.prefix)
         doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data))
@@ -320,9 +327,9 @@ def remove(names: Names, numbers: Iterable[int], lease: Lease | None) -> None:
     never leaves a sentinel without data."""
     store = names.store
     with store.exclusive():
-        _check(lease)
-        wanted = sorted(set(numbers))
         listing = store.list("")
+        _check(lease, listing)
+        wanted = sorted(set(numbers))
         found = sentinels(listing, names.identifier)
         data = data_names(listing, names.prefix)
         store.remove(found[m] for m in wanted if m in found)

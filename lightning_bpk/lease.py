@@ -40,6 +40,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ class CheckpointSupersededError(LightningBpkError, RuntimeError):
     """A newer run took over the checkpoint directory; this run must stop writing there."""
 
 
-def _generations(listing: dict[str, Any]) -> list[int]:
+def _generations(listing: Mapping[str, Any]) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_LEASE.fullmatch, listing) if m is not None)
 
 
@@ -94,10 +95,12 @@ class Lease:
             f"({_ACQUIRE_ATTEMPTS} attempts)"
         )
 
-    def check(self) -> None:
-        """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing), or
-        a :class:`~lightning_bpk.storage.DirectoryGoneError` if the directory itself is gone."""
-        listing = self.store.list("")
+    def check(self, listing: Mapping[str, Any] | None = None) -> None:
+        """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing, or
+        ``listing``: the directory's, made by the caller just now), or a
+        :class:`~lightning_bpk.storage.DirectoryGoneError` if the directory itself is gone."""
+        if listing is None:
+            listing = self.store.list("")
         generations = _generations(listing)
         if generations and generations[-1] == self.generation:
             return

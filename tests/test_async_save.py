@@ -104,14 +104,14 @@ def test_staging_buffers_are_allocated_once_and_reused(tmp_path):
     with AsyncCheckpointSaver() as saver:
         saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(net)})
         allocations = saver.staging.allocations
-        pointers = {k: b.data_ptr() for k, b in saver.staging._buffers.items()}
+        pointers = {k: b.data_ptr() for k, b in saver.staging.buffers.items()}
         assert allocations == len(net.state_dict())
         assert saver.staging.nbytes == sum(t.nbytes for t in net.state_dict().values())
         for n in range(1, 4):
             saver.save_checkpoint(checkpointer, n, {"model": ModuleRecord.from_module(net)})
             saver.wait()
             assert saver.staging.allocations == allocations
-            assert {k: b.data_ptr() for k, b in saver.staging._buffers.items()} == pointers
+            assert {k: b.data_ptr() for k, b in saver.staging.buffers.items()} == pointers
 
 
 def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(tmp_path):
@@ -149,7 +149,28 @@ def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
     area.prune()
     area.copy("m", "a", torch.zeros(4, dtype=torch.float64))
     area.prune()  # "b" was not used since the last prune
-    assert set(area._buffers) == {("m", "a")}
+    assert set(area.buffers) == {("m", "a")}
+
+
+def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
+    """A tensor of _PLACED_MIN bytes or more starts at the same offset within a memory page as
+    its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
+    there); the file is the one a synchronous save writes."""
+    from lightning_bpk.lightning.async_save import _PAGE, _PLACED_MIN
+
+    torch.manual_seed(0)
+    big = torch.randn(_PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
+    state = {"a": big, "b": torch.randn(_PLACED_MIN // 4), "small": torch.ones(5)}
+    area = _StagingArea()
+    staged = _freeze(area, "state", ModuleRecord(state))
+    sync = tmp_path / "sync.bpk"
+    ModuleRecord(state).save(sync)
+    with burnpack.read(sync) as pack:
+        offsets = {n: pack.data_start + pack.entries[n].data_offsets[0] for n in state}
+    tensors = staged.content()[0]
+    for name in ("a", "b"):
+        assert (tensors[name].data.data_ptr() - offsets[name]) % _PAGE == 0, name
+    assert staged.to_bytes() == sync.read_bytes()
 
 
 def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
@@ -338,6 +359,45 @@ def _fit(root: Path, callback, epochs: int = 3) -> None:
     make_trainer(str(root), epochs, [callback]).fit(TinyModel())
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_save_sharded_commits_a_snapshot_of_the_shards_and_fails_the_next_save(
+    tmp_path, monkeypatch, where
+):
+    """``save_sharded`` in one process (no process group: a world of one) on local disk and
+    in memory://: the shards as they were when the call returned, committed with the records;
+    a failed write is raised by the next call (once), nothing of it committed."""
+    import uuid
+
+    from lightning_bpk.dcp import BurnpackStorageWriter, load_full_state_dict
+
+    base = tmp_path if where == "local" else f"memory://sharded-{uuid.uuid4().hex[:8]}/run"
+    checkpointer = Checkpointer(base)
+    weight = torch.arange(6.0)
+    state = {"model": {"w": weight}, "optim": {"step": 3, "lr": [0.5, 0.25]}}
+    with AsyncCheckpointSaver() as saver:
+        saver.save_sharded(checkpointer, 0, state, {"trainer": {"epoch": 0}})
+        weight.add_(100.0)  # after the snapshot: not in checkpoint 0
+        state["optim"]["lr"][0] = 9.0
+        saver.save_sharded(checkpointer, 1, state, {"trainer": {"epoch": 1}})
+        original = BurnpackStorageWriter.write_file
+
+        def full_disk(self, target, *args):  # checkpoint 2's shards only
+            if "ckpt.2" in str(self.path):
+                raise OSError(28, "No space left on device (injected)", str(target))
+            return original(self, target, *args)
+
+        monkeypatch.setattr(BurnpackStorageWriter, "write_file", full_disk)
+        saver.save_sharded(checkpointer, 2, state)
+        with pytest.raises(Exception, match="No space left on device") as raised:
+            saver.save_sharded(checkpointer, 3, state)
+        assert "(raised by the asynchronous save of checkpoint 2" in str(raised.value.__notes__)
+    assert checkpointer.latest_checkpoint_number(verify=True) == 1  # 3 was never started
+    first = load_full_state_dict(checkpointer.checkpoint_path(0))
+    assert first["model.w"].tolist() == list(range(6)) and first["optim.lr"] == [0.5, 0.25]
+    assert load_full_state_dict(checkpointer.checkpoint_path(1))["model.w"][0] == 100.0
+    assert checkpointer.load_checkpoint(1, ["trainer"]) == {"trainer": {"epoch": 1}}
+
+
 def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_path):
     from lightning_bpk.callback import BurnpackCheckpoint
 
@@ -413,7 +473,7 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
             first = self.before is None
             if first:
                 self._saver.wait()  # join the reservation, as the save itself does first
-                self.before = dict(self._saver.staging._buffers)
+                self.before = dict(self._saver.staging.buffers)
                 module = trainer.lightning_module
                 self.wanted = {
                     (key, name): (tuple(entry.shape), entry.data.dtype)
@@ -425,7 +485,7 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
                 }
             super()._save(trainer, number, **kwargs)
             if first:
-                self.after = dict(self._saver.staging._buffers)
+                self.after = dict(self._saver.staging.buffers)
 
     roots = {"sync": tmp_path / "sync", "async": tmp_path / "async"}
     observed = Observed(dirpath=roots["async"], every_n_train_steps=4, async_save=True)
@@ -449,14 +509,19 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
         assert (roots["async"] / "ckpt.4" / name).read_bytes() == want, name
 
 
-def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
-    """FSDP2 state (DTensors) is saved by every rank through DCP, never through the staging
-    area: reserving it would hold a global-shape copy of the model and optimizer on rank 0."""
+def test_sharded_async_saves_copy_the_shards_into_buffers_reserved_after_the_first_step(
+    tmp_path, monkeypatch
+):
+    """FSDP2 state (DTensors) saved asynchronously: the shards are copied into staging buffers
+    this rank reserved after the first optimizer step (its local shard shapes), copied into
+    again by every save, and the checkpoints hold what a synchronous run's hold."""
     import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning_fsdp import ShardedTiny
 
     from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.dcp import load_full_state_dict
+    from lightning_bpk.lightning.async_save import _SHARDS_OWNER
 
     L, _, make_trainer = _lightning()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
@@ -465,24 +530,40 @@ def test_sharded_saves_reserve_no_staging(tmp_path, monkeypatch):
 
     class Observed(BurnpackCheckpoint):
         def _save(self, trainer, number, **kwargs):
-            self._saver.wait()
-            seen.append((number, self._saver.staging.nbytes))
+            self._saver.wait()  # join the reservation (or the previous save)
+            buffers = dict(self._saver.staging.buffers)
             super()._save(trainer, number, **kwargs)
+            seen.append((number, buffers, dict(self._saver.staging.buffers)))
 
-    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
-    callback = Observed(async_save=True, every_n_train_steps=3)
-    try:
-        L.seed_everything(0)
-        make_trainer(str(tmp_path), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    assert seen == [(3, 0), (4, 0)]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt.*")) == [
-        "ckpt.3",
-        "ckpt.4",
-    ]
+    for root, callback in (
+        (tmp_path / "sync", BurnpackCheckpoint(every_n_train_steps=3)),
+        (tmp_path / "async", Observed(async_save=True, every_n_train_steps=3)),
+    ):
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        try:
+            L.seed_everything(0)
+            make_trainer(str(root), 1, [callback], strategy=strategy, **quick).fit(ShardedTiny())
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert [number for number, _, _ in seen] == [3, 4]
+    (_, reserved, after), (_, before_next, after_next) = seen
+    shards = {key for key in after if key[0] == _SHARDS_OWNER}
+    assert {key for key in reserved if key[0] == _SHARDS_OWNER} == shards  # reserved ahead
+    assert any(key[1].startswith("/model/") for key in shards)
+    assert any(key[1].startswith("/optim/state/") for key in shards)
+    for key in shards:  # copied into, never reallocated
+        assert reserved[key] is after[key] is before_next[key] is after_next[key], key
+    for n in (3, 4):
+        want = load_full_state_dict(tmp_path / "sync" / "checkpoints" / f"ckpt.{n}")
+        got = load_full_state_dict(tmp_path / "async" / "checkpoints" / f"ckpt.{n}")
+        assert sorted(want) == sorted(got)
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert _bitwise_equal(got[key], value), (n, key)
+            else:
+                assert got[key] == value, (n, key)
 
 
 def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monkeypatch):

@@ -44,17 +44,26 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import mmap
 import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
+from lightning_bpk.burnpack.writer import _plan
 from lightning_bpk.checkpointer import Checkpointer, Retention
+from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import Record, StateRecord
 
 __all__ = [
@@ -63,8 +72,27 @@ __all__ = [
 
 # Name of the writer thread (visible in py-spy, faulthandler dumps and thread listings).
 _WRITER_THREAD_NAME = "lightning_bpk-async-save"
+# A staging buffer of at least this many bytes starts where its bytes lie within a page of
+# the file written from it (a page of room per buffer), so an O_DIRECT writer writes it with
+# no copy; below it a copy into the writer's own buffers costs little.
+_PLACED_MIN = 8 * 1024 * 1024
+_PAGE = mmap.PAGESIZE
 # Staging owner of :meth:`AsyncCheckpointSaver.save_record` snapshots, whatever their path.
 _RECORD_OWNER = "<record>"
+# Staging owner of the shards of :meth:`AsyncCheckpointSaver.save_sharded`.
+_SHARDS_OWNER = "<shards>"
+# No process group made yet (None: made, and there is no distributed run).
+_NO_GROUP = object()
+
+
+@dataclass
+class _Slot:
+    """One staging buffer: ``view`` (the tensor a snapshot holds) inside ``raw``, the memory
+    (touched once, reused); for a ``DTensor``, ``shard`` is the DTensor around ``view``."""
+
+    raw: torch.Tensor
+    view: torch.Tensor
+    shard: DTensor | None = None
 
 
 class _StagingArea:
@@ -80,49 +108,99 @@ class _StagingArea:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._slots: dict[tuple[str, str], _Slot] = {}
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
 
-    def copy(self, owner: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the buffer."""
+    def copy(
+        self, owner: str, name: str, tensor: torch.Tensor, at: int | None = None
+    ) -> torch.Tensor:
+        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the frozen
+        view: the buffer, or for a ``DTensor`` (one rank's shard of a sharded tensor) a
+        ``DTensor`` of the same layout around the buffer its local shard was copied into.
+
+        ``at``: the offset the tensor's bytes will have in the file written from the snapshot;
+        a buffer of :data:`_PLACED_MIN` bytes or more then starts at the same offset within a
+        memory page, so an ``O_DIRECT`` writer writes it from where it lies, with no copy.
+
+        The one place where a snapshot's bytes are copied (a device's tensors too: the copy
+        lands in host memory)."""
         key = (owner, name)
-        source = tensor.detach()
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-            self._buffers[key] = buffer
-            self.allocations += 1
-        buffer.copy_(source)
+        with torch.no_grad():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            source = local.detach()
+            slot = self._place(key, source.shape, source.dtype, at)
+            slot.view.copy_(source)
         self._used.add(key)
-        return buffer
+        if not isinstance(tensor, DTensor):
+            return slot.view
+        shard = slot.shard
+        if (
+            shard is None
+            or shard.device_mesh != tensor.device_mesh
+            or shard.placements != tensor.placements
+            or shard.shape != tensor.shape
+            or shard.stride() != tensor.stride()
+        ):
+            shard = slot.shard = DTensor.from_local(
+                slot.view,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        return shard
+
+    def _place(
+        self, key: tuple[str, str], shape: torch.Size, dtype: torch.dtype, at: int | None
+    ) -> _Slot:
+        """The slot of ``key`` for a tensor of ``shape`` and ``dtype`` (placed for file offset
+        ``at``): the one it had when that fits, else a new one."""
+        nbytes = shape.numel() * dtype.itemsize
+        slot = self._slots.get(key)
+        if slot is None or slot.view.dtype != dtype or slot.raw.numel() < nbytes:
+            room = _PAGE if nbytes >= _PLACED_MIN else 0
+            raw = torch.empty(nbytes + room, dtype=torch.uint8)
+            slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
+            self.allocations += 1
+        start = 0
+        if at is not None and slot.raw.numel() >= nbytes + _PAGE:
+            start = (at - slot.raw.data_ptr()) % _PAGE
+        if slot.view.shape != shape or slot.view.data_ptr() != slot.raw.data_ptr() + start:
+            slot.view = slot.raw[start : start + nbytes].view(dtype).view(shape)
+            slot.shard = None
+        return slot
 
     def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype]]) -> None:
         """Allocate and fault in buffers for ``(owner, name, shape, dtype)`` ahead of the first
         snapshot (fresh memory is slow to touch; see :meth:`AsyncCheckpointSaver.reserve`)."""
         for owner, name, shape, dtype in wanted:
-            buffer = self._buffers.get((owner, name))
-            if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype:
-                buffer = torch.empty(shape, dtype=dtype, device="cpu")
-                buffer.zero_()  # touch every page now, not during the first save
-                self._buffers[(owner, name)] = buffer
-                self.allocations += 1
+            before = self.allocations
+            slot = self._place((owner, name), torch.Size(shape), dtype, None)
+            if self.allocations != before:
+                slot.raw.zero_()  # touch every page now, not during the first save
 
     def prune(self) -> None:
         """Free buffers the snapshots since the last prune did not use (removed tensors)."""
-        for key in set(self._buffers) - self._used:
-            del self._buffers[key]
+        for key in set(self._slots) - self._used:
+            del self._slots[key]
         self._used = set()
 
     def clear(self) -> None:
         """Free every buffer (the next save allocates them again)."""
-        self._buffers.clear()
+        self._slots.clear()
         self._used = set()
+
+    @property
+    def buffers(self) -> dict[tuple[str, str], torch.Tensor]:
+        """The buffers, by ``(owner, tensor name)``."""
+        return {key: slot.view for key, slot in self._slots.items()}
 
     @property
     def nbytes(self) -> int:
         """Bytes held in staging buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(slot.raw.numel() for slot in self._slots.values())
 
 
 class _StagedRecord(Record):
@@ -143,17 +221,20 @@ class _StagedRecord(Record):
         return self._frozen
 
 
-def _freeze_entry(area: _StagingArea, owner: str, name: str, value: Any) -> Any:
-    """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging."""
+def _freeze_entry(
+    area: _StagingArea, owner: str, name: str, value: Any, at: int | None = None
+) -> Any:
+    """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging (placed for
+    file offset ``at``, see :meth:`_StagingArea.copy`)."""
     if isinstance(value, torch.Tensor):
-        return area.copy(owner, name, value)
+        return area.copy(owner, name, value, at)
     if not isinstance(value, burnpack.TensorEntry):
         return value  # not a tensor: the writer reports it as the synchronous path would
     data = value.data
     if callable(data) and not isinstance(data, torch.Tensor):
         data = data()  # a deferred provider reads live state: call it now, not on the writer
     if isinstance(data, torch.Tensor):
-        data = area.copy(owner, name, data)
+        data = area.copy(owner, name, data, at)
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
     return burnpack.TensorEntry(
@@ -169,8 +250,59 @@ def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
     """
     record = value if isinstance(value, Record) else StateRecord(value)
     tensors, scalars, metadata = record.to_content()
-    frozen = {name: _freeze_entry(area, owner, name, t) for name, t in tensors.items()}
+    at = _offsets(_StagedRecord(record.kind, tensors, scalars, metadata))
+    frozen = {
+        name: _freeze_entry(area, owner, name, t, at.get(name)) for name, t in tensors.items()
+    }
     return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+
+
+def _offsets(record: Record) -> dict[str, int]:
+    """The file offset of each tensor of ``record`` that is staged where it lies in the file
+    (:data:`_PLACED_MIN` bytes or more): the writer plans the same content the same way. No
+    plan when there is none (a few small tensors: nothing to gain)."""
+    tensors, scalars, metadata = record.content()
+    if not any(_nbytes(t) >= _PLACED_MIN for t in tensors.values()):
+        return {}
+    plan = _plan(tensors, metadata, scalars, True)
+    data = burnpack.data_section_start(len(plan.encoded))
+    return {p.name: data + p.start for p in plan.tensors if p.entry.nbytes >= _PLACED_MIN}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, burnpack.TensorEntry):
+        return value.nbytes
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+# Leaves a snapshot shares with the live state: nothing can change them in place.
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def _map_tree(value: Any, tensor: Callable[[str, torch.Tensor], Any], path: str = "") -> Any:
+    """Nested state (dicts, lists, tuples: a DCP state dict) rebuilt with every tensor replaced
+    by ``tensor(path, it)`` (``path``: where it lies, ``/model/net.0.weight``), immutable leaves
+    kept and any other leaf deep-copied: nothing of the result changes with the live state."""
+    if isinstance(value, torch.Tensor):
+        return tensor(path, value)
+    if isinstance(value, Mapping):
+        return {k: _map_tree(v, tensor, f"{path}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_map_tree(v, tensor, f"{path}/{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """A new gloo group over every rank, for the writer threads' collectives (a collective
+    itself: every rank creates it at the same point), with the default group's timeout, so a
+    rank that died stops the others' writes as it stops their training."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    timeout, world = None, dist.group.WORLD
+    with contextlib.suppress(AttributeError, RuntimeError):  # private: the default group's
+        timeout = world._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 class AsyncCheckpointSaver:
@@ -186,6 +318,8 @@ class AsyncCheckpointSaver:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_what = ""
+        # the writer threads' process group of a sharded run (made by the first save_sharded)
+        self._group: Any = _NO_GROUP
         self._lock = threading.Lock()  # guards _executor/_pending against a concurrent close()
 
     # -- submitting --------------------------------------------------------------------------
@@ -227,10 +361,11 @@ class AsyncCheckpointSaver:
 
         self._submit(what, save)
 
-    def reserve(self, data: Mapping[str, Any]) -> None:
+    def reserve(self, data: Mapping[str, Any], *, shards: Mapping[str, Any] | None = None) -> None:
         """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
-        ``data`` needs, on the writer thread, so the first save costs the training thread a
-        copy only. Returns at once; the next save waits for it (as for any write in flight)."""
+        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), on
+        the writer thread, so the first save costs the training thread a copy only. Returns at
+        once; the next save waits for it (as for any write in flight)."""
         self.wait()
         wanted = []
         for key, value in data.items():
@@ -239,7 +374,70 @@ class AsyncCheckpointSaver:
                 tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
                 if isinstance(tensor, torch.Tensor):
                     wanted.append((key, name, tuple(tensor.shape), tensor.dtype))
+
+        def shard(path: str, tensor: torch.Tensor) -> None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype))
+
+        _map_tree(shards or {}, shard)
         self._submit("staging buffers", self.staging.reserve, wanted)
+
+    def save_sharded(
+        self,
+        checkpointer: Checkpointer,
+        iteration_number: int,
+        state: Mapping[str, Any],
+        data: Mapping[str, Any] | None = None,
+        on_saved: Callable[[Path | str], None] | None = None,
+        *,
+        retention: Retention | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Snapshot this rank's shards of ``state`` now and save checkpoint
+        ``iteration_number`` of a sharded run in the background: a collective, which every rank
+        calls at the same point (as ``dcp.save``).
+
+        ``state`` is a DCP state dict (nested dicts and lists of ``DTensor`` shards, tensors and
+        plain values): each rank's shards are copied into its staging buffers (reused by every
+        later save) and the same save as a synchronous one runs on each rank's writer thread
+        (:func:`lightning_bpk.sharded` ``._save``): every rank writes its file, then global rank
+        0 commits them with ``data`` (its records: schedulers, trainer state; other ranks pass
+        None) and writes the sentinel last, once every rank's file is durable. The writer
+        threads' collectives run over a gloo process group of their own, created at the first
+        call, never the training's (collectives of two threads on one group would interleave).
+
+        Waits for the previous save first and re-raises its error, on every rank: each rank's
+        writer learns the outcome of the whole save, so a write that failed on one rank fails
+        the next call on all of them. ``on_saved(path)`` runs on rank 0's writer thread once
+        the checkpoint is complete.
+        """
+        self.wait()
+        if retention is None and iteration_number % checkpointer.checkpoint_frequency:
+            return
+        with self._lock:
+            if self._group is _NO_GROUP:
+                self._group = _checkpoint_group()
+            group = self._group
+        shards = _map_tree(state, functools.partial(self.staging.copy, _SHARDS_OWNER))
+        frozen = {key: _freeze(self.staging, key, value) for key, value in (data or {}).items()}
+        self.staging.prune()
+        what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
+
+        def save() -> Path | str | None:
+            path = sharded._save(
+                checkpointer,
+                iteration_number,
+                shards,
+                frozen,
+                group=group,
+                retention=retention,
+                storage_options=storage_options,
+            )
+            if path is not None and on_saved is not None:
+                on_saved(path)
+            return path
+
+        self._submit(what, save)
 
     def save_record(
         self,
@@ -289,16 +487,21 @@ class AsyncCheckpointSaver:
         return pending.result()
 
     def close(self) -> None:
-        """Wait for the write in flight, stop the writer thread, free the staging buffers, and
-        re-raise the write's error if it failed."""
+        """Wait for the write in flight, stop the writer thread, free the staging buffers and
+        the writer threads' process group, and re-raise the write's error if it failed."""
         try:
             self.wait()
         finally:
             with self._lock:
                 executor, self._executor = self._executor, None
+                group, self._group = self._group, _NO_GROUP
             if executor is not None:
                 executor.shutdown(wait=True)
             self.staging.clear()
+            if group not in (_NO_GROUP, None) and dist.is_initialized():
+                # gone already if the default group was destroyed (that destroys every group)
+                with contextlib.suppress(ValueError, RuntimeError):
+                    dist.destroy_process_group(group)
 
     def __enter__(self) -> AsyncCheckpointSaver:
         return self

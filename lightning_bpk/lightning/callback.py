@@ -190,6 +190,9 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
             save or at teardown; a preemption save and teardown wait for the write. With a URL
             ``dirpath`` this is "upload behind": the upload and commit run on that thread.
+            Sharded (FSDP2) state too: every rank copies its shards into its own staging
+            buffers and writes them on its writer thread, over a process group of their own;
+            a write that fails on one rank fails the next save on every rank.
         storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs

@@ -187,13 +187,17 @@ class CheckpointDispatch:
 
     def _reserve_staging(self, trainer: pl.Trainer) -> None:
         """After the first optimizer step (its state exists now), let the async saver allocate
-        the model's and optimizers' staging buffers on its own thread, before any save. Not for
-        sharded saves, which never use them (and DTensors would reserve the global shapes)."""
+        the model's and optimizers' staging buffers on its own thread, before any save: rank
+        0's for a whole checkpoint, every rank's for the shards it writes of a sharded one."""
         self._reserved = True
-        if not trainer.is_global_zero or self._saver is None:
+        if self._saver is None:
             return
         module = trainer.lightning_module
         if self._sharded(trainer, {"state_dict": module.state_dict()}):
+            checkpoint = {"state_dict": module.state_dict()}
+            self._saver.reserve({}, shards=sharded._take_state(trainer, checkpoint))
+            return
+        if not trainer.is_global_zero:
             return
         data: dict[str, Any] = {trainer_state.MODEL_KEY: ModuleRecord.from_module(module)}
         for i, optimizer in enumerate(trainer.optimizers):
@@ -209,7 +213,8 @@ class CheckpointDispatch:
         preempted: bool = False,
         flush: bool = False,
     ) -> None:
-        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, all learn the result).
+        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, or every rank its
+        shards; all learn the result).
 
         ``consumed`` is the number of batches of this epoch a mid-epoch save comes after
         (``None``: the epoch's end). ``flush`` waits for an asynchronous write to be durable.
@@ -221,15 +226,9 @@ class CheckpointDispatch:
         # Lightning's own dict builder; weights_only=False here means "include optimizers,
         # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
         checkpoint = _compat.dump_checkpoint(trainer)
-        staged: Any = {}  # sharded.save_shards' result on rank 0
+        shards = None  # the DCP state of a sharded save, every rank's
         if self._sharded(trainer, checkpoint):
-            assert self.checkpointer is not None  # every rank's, made in setup
-            try:
-                staged = sharded.save_shards(
-                    trainer, self.checkpointer, number, checkpoint, self.storage_options
-                )
-            except sharded.ShardedCheckpointError as e:  # raised on every rank alike
-                raise CheckpointSaveError(f"{e}{_untouched(e)}") from e
+            shards = sharded._take_state(trainer, checkpoint)
         assert self._ranks is not None  # made in setup
         ranks = self._ranks.gather(self._position.capture(consumed or 0, epoch_end))
         extra: dict[str, Any] = {POSITION_KEY: ranks}
@@ -243,26 +242,39 @@ class CheckpointDispatch:
                 "replay": False,
             }
         forced = preempted or ended is not None or not epoch_end
+        retention = self._retention(number, forced)
+        checkpoint = dict(checkpoint, **extra)
         error: BaseException | None = None
-        if trainer.is_global_zero:
-            try:
-                self._write(trainer, number, dict(checkpoint, **extra), forced, staged)
+        try:
+            if shards is not None:  # every rank writes its shards
+                self._write_sharded(trainer, number, shards, checkpoint, retention, flush)
+            elif trainer.is_global_zero:
+                self._write(trainer, number, checkpoint, retention)
                 if flush and self._saver is not None:
                     self._saver.wait()
-            except Exception as e:
-                error = e
+        except Exception as e:
+            error = e
         if self._ranks.agree(int(error is not None)):
-            if error is not None:
-                # an asynchronous save's error says which earlier save it comes from in a note
-                detail = " ".join([str(error), *getattr(error, "__notes__", [])])
-                assert self.checkpointer is not None  # rank 0's, made in setup
+            if error is None:
                 raise CheckpointSaveError(
-                    f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
-                    f"({detail}){_untouched(error)}"
-                ) from error
-            raise CheckpointSaveError(f"rank 0 failed to save checkpoint {number}")
+                    f"another rank failed to save checkpoint {number} (its log says why)"
+                )
+            raise CheckpointSaveError(self._failure(number, error)) from error
         self.last_saved_number = number
         self.triggers.saved(trainer.global_step, started)
+
+    def _failure(self, number: int, error: BaseException) -> str:
+        """What a failed save says: the error (and, for an asynchronous save's, which earlier
+        save it comes from: its note), and what became of the checkpoints before it."""
+        notes = getattr(error, "__notes__", [])
+        if isinstance(error, sharded.ShardedCheckpointError):  # it names the checkpoint
+            return " ".join([f"{error}{_untouched(error)}", *notes])
+        detail = " ".join([str(error), *notes])
+        assert self.checkpointer is not None  # made in setup
+        return (
+            f"saving checkpoint {number} into {self.checkpointer.base_directory} failed "
+            f"({detail}){_untouched(error)}"
+        )
 
     def _sharded(self, trainer: pl.Trainer, checkpoint: dict) -> bool:
         """Every rank writes its share: FSDP2 / tensor parallel, or ``distributed_save``."""
@@ -270,24 +282,22 @@ class CheckpointDispatch:
             self.distributed_save and trainer.world_size > 1
         )
 
+    def _retention(self, number: int, forced: bool) -> Retention | None:
+        """The retention of a save made whatever the frequency (None: an ordinary save)."""
+        assert self.checkpointer is not None
+        if not forced or number % self.checkpointer.checkpoint_frequency == 0:
+            return None
+        # Saved whatever the frequency; the same retention (the last d, the same milestones).
+        f, k = self.checkpoint_frequency, self.keep_every
+        return Retention(1, self.checkpoint_duration, None if k is None else k * f)
+
     def _write(
-        self, trainer: pl.Trainer, number: int, checkpoint: dict, forced: bool, staged: Any
+        self, trainer: pl.Trainer, number: int, checkpoint: dict, retention: Retention | None
     ) -> None:
+        """Rank 0 saves the whole checkpoint (asynchronously with a saver)."""
         assert self.checkpointer is not None
         checkpointer = self.checkpointer
-        retention = None
-        if forced and number % checkpointer.checkpoint_frequency:
-            # Saved whatever the frequency; the same retention (the last d, the same milestones).
-            f, k = self.checkpoint_frequency, self.keep_every
-            retention = Retention(1, self.checkpoint_duration, None if k is None else k * f)
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        if staged:  # the shards are written: commit them with the rest, synchronously
-            rest = trainer_state._other_records(checkpoint, schedulers)
-            path = checkpointer.save_checkpoint(
-                number, rest, retention=retention, staged=staged.staged, described=staged.files
-            )
-            log.info("saved sharded checkpoint %d at %s", number, path)
-            return
         data = trainer_state.to_records(
             checkpoint, trainer.lightning_module, trainer.optimizers, schedulers
         )
@@ -303,6 +313,47 @@ class CheckpointDispatch:
             path = checkpointer.save_checkpoint(number, data, retention=retention)
         if path is not None:
             self._log_saved(number)(path)
+
+    def _write_sharded(
+        self,
+        trainer: pl.Trainer,
+        number: int,
+        shards: dict[str, Any],
+        checkpoint: dict,
+        retention: Retention | None,
+        flush: bool,
+    ) -> None:
+        """Every rank writes its ``shards`` and rank 0 commits them with the other records
+        (asynchronously with a saver: every rank's writer thread; raises an earlier failure)."""
+        assert self.checkpointer is not None
+        data = None
+        if trainer.is_global_zero:
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            data = trainer_state._other_records(checkpoint, schedulers)
+        if self._saver is None:
+            path = sharded._save(
+                self.checkpointer,
+                number,
+                shards,
+                data,
+                retention=retention,
+                storage_options=self.storage_options,
+            )
+            if path is not None:
+                log.info("saved sharded checkpoint %d at %s", number, path)
+            return
+        logged = self._log_saved(number) if trainer.is_global_zero else None
+        self._saver.save_sharded(
+            self.checkpointer,
+            number,
+            shards,
+            data,
+            logged,
+            retention=retention,
+            storage_options=self.storage_options,
+        )
+        if flush:
+            self._saver.wait()
 
     @staticmethod
     def _log_saved(number: int) -> Callable[[Path | str], None]:

@@ -21,12 +21,15 @@ optimizer ``optim.state.<param id>.<Burn name>`` (Adam's ``exp_avg`` is
 them through :class:`~lightning_bpk.dcp.BurnpackStorageReader` into the live (sharded) model and
 optimizers, on any number of ranks: DCP's planner reshards.
 
-A save is one collective, and one commit: rank 0 checks the lease and chooses the checkpoint's
-staging prefix (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`), every rank writes its
-shards there (the DCP writer with ``commit=False``), and rank 0 commits them with the other
-records through :meth:`~lightning_bpk.checkpointer.Checkpointer.save_checkpoint`, whose
-sentinel, written last, is the one commit. If any rank fails, DCP raises on every rank, rank 0
-removes what was written, and every earlier checkpoint stays as it was.
+A save is one collective, and one commit (:func:`_save`): rank 0 checks the lease and chooses
+the checkpoint's staging prefix (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`), every
+rank writes its shards there (the DCP writer with ``commit=False``), and rank 0 commits them with
+the other records through :meth:`~lightning_bpk.checkpointer.Checkpointer.save_checkpoint`, whose
+sentinel, written last, is the one commit; every rank learns the outcome. If any rank fails,
+every rank raises, rank 0 removes what was written, and every earlier checkpoint stays as it
+was. With ``async_save=True`` the training thread only copies each rank's shards into reused
+staging buffers and the same collective runs on every rank's writer thread, over a process
+group of its own (:meth:`~lightning_bpk.async_save.AsyncCheckpointSaver.save_sharded`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -53,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from lightning_bpk import _sharded_index, storage
 from lightning_bpk._checkpoint import open_data_directory
 from lightning_bpk._sharded_names import DEFAULT_PREFIX, PARAM_IDS_KEY
-from lightning_bpk.checkpointer import Checkpointer, Staged
+from lightning_bpk.checkpointer import Checkpointer, Retention, Staged
 from lightning_bpk.dcp import (
     INDEX_KIND,
     SHARD_KIND,
@@ -140,9 +144,9 @@ def _dcp_state(
 
 
 class Shards(NamedTuple):
-    """Rank 0's account of the shards every rank wrote into a checkpoint's staging prefix:
-    where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their manifest
-    entries (the DCP writer described each file as it wrote it)."""
+    """The coordinator's account of the shards every rank wrote into a checkpoint's staging
+    prefix: where (:class:`~lightning_bpk.checkpointer.Checkpointer.begin`'s answer) and their
+    manifest entries (the DCP writer described each file as it wrote it)."""
 
     staged: Staged
     files: Mapping[str, FileEntry]
@@ -155,57 +159,77 @@ def _failures(error: CheckpointException) -> str:
     )
 
 
-def save_shards(
-    trainer: pl.Trainer,
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_coordinator(group: dist.ProcessGroup | None) -> bool:
+    return not _distributed() or dist.get_rank(group) == 0
+
+
+def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """The coordinator's ``value`` on every rank of ``group`` (None: the default group)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def _take_state(trainer: pl.Trainer, checkpoint: dict) -> dict[str, Any]:
+    """The DCP state of a save (every rank, on the training thread): the model's shards under
+    ``model`` and each optimizer's state keyed by parameter id under ``optim`` (``optim1``...),
+    taken out of Lightning's ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` are
+    removed: the rest goes into the records rank 0 commits beside the shards)."""
+    module = trainer.lightning_module
+    checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
+    optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
+    return _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
+
+
+def _write_shards(
     checkpointer: Checkpointer,
     number: int,
-    checkpoint: dict,
-    storage_options: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any],
+    group: dist.ProcessGroup | None,
+    storage_options: Mapping[str, Any] | None,
 ) -> Shards | None:
-    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective)
-    into checkpoint ``number``'s own staging prefix, which rank 0 chose
+    """Write every rank's shards of ``state`` (a collective over ``group``) into checkpoint
+    ``number``'s own staging prefix, which the coordinator chose
     (:meth:`~lightning_bpk.checkpointer.Checkpointer.begin`: it checks the lease first).
 
     Sharded (DTensor) state: each rank writes its shards. Replicated state (DDP): DCP's planner
     gives each tensor to one rank, balancing the bytes, so every rank writes a share
-    (``storage_options`` go to fsspec).
-
-    The one sharded save, of the callback and of :class:`~lightning_bpk.fabric.CheckpointManager`
-    alike: of ``trainer`` it reads ``is_global_zero``, ``strategy.broadcast``,
-    ``lightning_module`` and ``optimizers`` (a Fabric run passes those four).
-
-    Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint`` and returns, on rank 0,
-    what ``save_checkpoint(staged=..., described=...)`` commits (on other ranks: None). A
-    failure on any rank raises :class:`ShardedCheckpointError` on every rank, and rank 0
-    removes what was written.
+    (``storage_options`` go to fsspec). Returns, on the coordinator, what
+    ``save_checkpoint(staged=..., described=...)`` commits (elsewhere: None). A failure on any
+    rank raises :class:`ShardedCheckpointError` on every rank, and the coordinator removes what
+    was written.
     """
+    coordinator = _is_coordinator(group)
     staged, failure = None, None
-    if trainer.is_global_zero:
+    if coordinator:
         try:
             staged = checkpointer.begin(number)
         except Exception as e:  # every rank must reach the broadcast, and learn of it
             failure = e
-    target, error = trainer.strategy.broadcast(
+    target, error = _broadcast(
         (
             "" if staged is None else staged.url,
             None if failure is None else f"{type(failure).__name__}: {failure}",
-        )
+        ),
+        group,
     )
     if error is not None:
         raise ShardedCheckpointError(
             f"preparing checkpoint {number} failed on rank 0: {error}"
         ) from failure
-    module = trainer.lightning_module
-    checkpoint.pop("optimizer_states", None)  # positional under DDP: ours are keyed by fqn
-    optimizer_states = [get_optimizer_state_dict(module, o) for o in trainer.optimizers]
-    state = _dcp_state(module, checkpoint.pop("state_dict"), trainer.optimizers, optimizer_states)
     # commit=False: the index is an ordinary file of the staging prefix; the checkpointer's
-    # sentinel, written by publish() after every rank's file is confirmed, is the one commit.
+    # sentinel, written by the commit after every rank's file is confirmed, is the one commit.
     writer = BurnpackStorageWriter(
         storage.location(target), storage_options=storage_options, commit=False
     )
     try:
-        dcp.save(state, storage_writer=writer)
+        dcp.save(dict(state), storage_writer=writer, process_group=group)
     except CheckpointException as e:  # raised on every rank alike
         if staged is not None:
             checkpointer.discard(staged)
@@ -224,6 +248,72 @@ def save_shards(
         for name, info in writer.files.items()
     }
     return Shards(staged, files)
+
+
+def save_shards(
+    trainer: pl.Trainer,
+    checkpointer: Checkpointer,
+    number: int,
+    checkpoint: dict,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Shards | None:
+    """Write the model and optimizer shards of ``checkpoint`` from every rank (a collective over
+    the default group) into checkpoint ``number``'s own staging prefix (:func:`_write_shards`),
+    for the caller to commit with ``save_checkpoint(staged=..., described=...)``: the sharded
+    save of :class:`~lightning_bpk.fabric.CheckpointManager`, which passes a Fabric run as
+    ``trainer`` (of which only ``lightning_module`` and ``optimizers`` are read).
+
+    Removes ``state_dict`` and ``optimizer_states`` from ``checkpoint``; returns on rank 0 what
+    to commit (on other ranks: None). A failure on any rank raises
+    :class:`ShardedCheckpointError` on every rank, and rank 0 removes what was written.
+    """
+    state = _take_state(trainer, checkpoint)
+    return _write_shards(checkpointer, number, state, None, storage_options)
+
+
+def _save(
+    checkpointer: Checkpointer,
+    number: int,
+    state: Mapping[str, Any],
+    data: Mapping[str, Any] | None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    retention: Retention | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str | None:
+    """Save checkpoint ``number`` of a sharded run: a collective over ``group`` (None: the
+    default group), the same on the training thread (a synchronous save) and on the writer
+    thread of an asynchronous one (its own group).
+
+    Every rank writes its shards of ``state`` (:func:`_write_shards`); then the coordinator
+    commits them with ``data`` (its records: schedulers, trainer state; other ranks pass None)
+    through :meth:`~lightning_bpk.checkpointer.Checkpointer.save_checkpoint`, whose sentinel,
+    written last, exists only once every rank's file is durable; and every rank learns the
+    outcome. Returns the checkpoint's directory on the coordinator (None elsewhere, and where
+    ``checkpoint_frequency`` skips ``number``). A failure anywhere raises on every rank: the
+    coordinator's own error there, :class:`ShardedCheckpointError` elsewhere.
+    """
+    if retention is None and number % checkpointer.checkpoint_frequency:
+        return None  # skipped alike on every rank, before anything is written
+    shards = _write_shards(checkpointer, number, state, group, storage_options)
+    path, error = None, None
+    if shards is not None:
+        try:
+            path = checkpointer.save_checkpoint(
+                number,
+                data or {},
+                retention=retention,
+                staged=shards.staged,
+                described=shards.files,
+            )
+        except Exception as e:  # every rank must reach the broadcast, and learn of it
+            error = e
+    failed = _broadcast(None if error is None else f"{type(error).__name__}: {error}", group)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise ShardedCheckpointError(f"rank 0 failed to commit checkpoint {number}: {failed}")
+    return path
 
 
 # --- loading --------------------------------------------------------------------------------------

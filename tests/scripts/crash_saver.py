@@ -6,7 +6,7 @@ Run as a script it saves iterations ``--start``, ``--start + 1``, ... into ``BAS
 
 - from outside, at a random moment (the parent sends SIGKILL after a random delay), or
 - by itself with ``--kill-at K``: just before its K-th filesystem operation (``write``,
-  ``fsync``, ``mkdir``, ``rename``/``replace``, ``unlink``/``rmdir``), so every step of the
+  ``fsync``, ``mkdir``, ``rename``/``replace``/``link``, ``unlink``/``rmdir``), so every step of the
   publish sequence and of garbage collection can be hit on purpose. It is still a real SIGKILL
   of a real process: nothing after that point runs, no ``finally``, no atexit.
 
@@ -41,7 +41,7 @@ from lightning_bpk.records import StateRecord
 # Short retention with keep_every, so kills also land in garbage collection and its sparing.
 SETTINGS = {"checkpoint_frequency": 1, "checkpoint_duration": 3, "keep_every": 4}
 # The operations --kill-at counts: every kind of step the publish sequence and GC consist of.
-_KILL_POINTS = ("fsync", "mkdir", "rename", "replace", "unlink", "rmdir")
+_KILL_POINTS = ("fsync", "mkdir", "rename", "replace", "link", "unlink", "rmdir")
 # Tensor sizes: big enough that writing takes a measurable part of a save, small enough that
 # a save takes milliseconds (the default suite must stay fast).
 _MODEL_NUMEL = 64 * 1024

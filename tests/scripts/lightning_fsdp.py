@@ -2,18 +2,24 @@
 on gloo CPU processes, checkpointed by ``BurnpackCheckpoint`` (run by tests/test_sharded.py)::
 
     python lightning_fsdp.py --root DIR --epochs 3 --devices 2 [--kill-at-step K] [--out FILE]
-        [--ddp]
+        [--ddp] [--async-save [--trace]] [--kill-in-write N --kill-rank R]
 
-``--fail-at-epoch E --fail-rank R``: rank R's shard write of epoch E's save fails with ENOSPC
+``--fail-at-epoch E --fail-rank R``: rank R's shard write of checkpoint E fails with ENOSPC
 (injected at the write call); with ``--fail-put`` its upload to the object store fails instead
 (``--root s3://...``: checkpoints go to the bucket). ``--tolerate-save-error``: a failed save
 ends fit, and the script still writes ``--out`` (the state fit had trained).
 ``--keep N``: ``checkpoint_duration``.
 ``--ddp`` runs plain DDP instead, with ``BurnpackCheckpoint(distributed_save=True)``: the ranks
 split the writing of the replicated state.
+``--async-save``: ``BurnpackCheckpoint(async_save=True)``; with ``--trace`` each rank's writer
+holds checkpoint N's write until its training thread asks for the next save (or tears down), and
+prints ``TRACE rank=R`` lines of what each thread did in which order.
+``--kill-in-write N --kill-rank R``: rank R SIGKILLs itself once its file of checkpoint N is
+written, before it is published (on the writer thread when the save is asynchronous).
 
 ``--kill-at-step K`` SIGKILLs the whole process group (every rank) after global step K.
 ``--out`` writes the gathered full model and optimizer state as a burnpack for exact comparison.
+The collectives time out after a minute: a rank whose peer died fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import argparse
 import errno
 import logging
 import os
+import re
 import signal
 import sys
+import threading
+from datetime import timedelta
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -64,9 +73,16 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     return flat
 
 
-def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -> None:
-    """Make ``rank``'s shard file write fail with ENOSPC during the save of ``epoch``, or with
-    ``put`` its upload to the object store (as when the store's retries give up)."""
+def _checkpoint_number(where: object) -> int:
+    """The checkpoint a write belongs to, from its staging path or key (``ckpt.N...``): the
+    epoch of an epoch-numbered checkpoint, known on the writer thread too."""
+    return int(re.search(r"ckpt\.([0-9]+)", str(where)).group(1))
+
+
+def inject_failure(model: L.LightningModule, number: int, rank: int, put: bool) -> None:
+    """Make ``rank``'s shard file write fail with ENOSPC during the save of checkpoint
+    ``number``, or with ``put`` its upload to the object store (as when the store's retries
+    give up)."""
     from lightning_bpk import storage
     from lightning_bpk.dcp import BurnpackStorageWriter
     from lightning_bpk.store import objects as store_objects
@@ -75,7 +91,8 @@ def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -
     original = getattr(owner, name)
 
     def failing(self, target, *args):
-        if model.trainer.current_epoch == epoch and model.trainer.global_rank == rank:
+        where = self.url_of(args[0]) if put else self.path
+        if _checkpoint_number(where) == number and model.trainer.global_rank == rank:
             if put:
                 raise storage.StorageError(
                     f"upload to {self.url_of(args[0])}: ConnectionError: injected "
@@ -85,6 +102,69 @@ def inject_failure(model: L.LightningModule, epoch: int, rank: int, put: bool) -
         return original(self, target, *args)
 
     setattr(owner, name, failing)
+
+
+def kill_in_write(model: L.LightningModule, number: int, rank: int) -> None:
+    """SIGKILL ``rank`` once its file of checkpoint ``number`` is written, before it is
+    published."""
+    from lightning_bpk.dcp import BurnpackStorageWriter
+
+    original = BurnpackStorageWriter.write_file
+
+    def write_then_die(self, target, *args):
+        original(self, target, *args)
+        if _checkpoint_number(self.path) == number and model.trainer.global_rank == rank:
+            print(f"KILLED rank={rank} in the write of checkpoint {number}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    BurnpackStorageWriter.write_file = write_then_die
+
+
+class Trace:
+    """What each thread did, in order (``--trace``): the training thread's requests and
+    snapshots of each save, the writer thread's writes. The writer holds checkpoint N's write
+    until the training thread asks for a later save (or tears down), so a next save that did
+    not wait for the write in flight would show up as a snapshot taken before the write ended."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.asked = threading.Condition()
+        self.last_asked = -1
+
+    def add(self, what: str) -> None:
+        with self.asked:
+            self.events.append(f"{what}@{threading.current_thread().name}")
+
+    def install(self) -> None:
+        from lightning_bpk.lightning import async_save, sharded
+
+        save, snapshot = sharded._save, async_save.AsyncCheckpointSaver.save_sharded
+        trace = self
+
+        def traced_save(checkpointer, number, *args, **kwargs):
+            trace.add(f"write {number} start")
+            with trace.asked:
+                later = trace.asked.wait_for(lambda: trace.last_asked > number, timeout=60)
+            assert later, "the training thread never asked for a later save"
+            try:
+                return save(checkpointer, number, *args, **kwargs)
+            finally:
+                trace.add(f"write {number} end")
+
+        def traced_snapshot(self, checkpointer, number, *args, **kwargs):
+            result = snapshot(self, checkpointer, number, *args, **kwargs)
+            trace.add(f"snapshot {number}")
+            return result
+
+        sharded._save = traced_save
+        async_save.AsyncCheckpointSaver.save_sharded = traced_snapshot
+
+    def ask(self, number: int) -> None:
+        """The training thread asks for save ``number`` (teardown: a number above any)."""
+        self.add(f"ask {number}")
+        with self.asked:
+            self.last_asked = number
+            self.asked.notify_all()
 
 
 def main(argv: list[str]) -> None:
@@ -103,6 +183,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-put", action="store_true")
     parser.add_argument("--tolerate-save-error", action="store_true")
     parser.add_argument("--keep", type=int, default=4)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--kill-in-write", type=int)
+    parser.add_argument("--kill-rank", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
 
@@ -116,12 +200,23 @@ def main(argv: list[str]) -> None:
     model.on_step = on_step
     if args.fail_at_epoch is not None:
         inject_failure(model, args.fail_at_epoch, args.fail_rank, args.fail_put)
+    if args.kill_in_write is not None:
+        kill_in_write(model, args.kill_in_write, args.kill_rank)
+    timeout = timedelta(seconds=60)
     strategy = (
-        "ddp"
+        DDPStrategy(timeout=timeout)
         if args.ddp
-        else ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        else ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1, timeout=timeout
+        )
     )
-    callback = BurnpackCheckpoint(distributed_save=args.ddp, checkpoint_duration=args.keep)
+    trace = Trace() if args.trace else None
+    checkpoint = BurnpackCheckpoint if trace is None else _traced(trace)
+    callback = checkpoint(
+        distributed_save=args.ddp, checkpoint_duration=args.keep, async_save=args.async_save
+    )
+    if trace is not None:
+        trace.install()
     trainer = make_trainer(
         args.root, args.epochs, [callback], strategy=strategy, devices=args.devices
     )
@@ -134,7 +229,25 @@ def main(argv: list[str]) -> None:
     state = full_state(model, trainer.optimizers[0])
     if args.out and trainer.is_global_zero:
         burnpack.write(args.out, state)
+    if trace is not None:
+        print(f"TRACE rank={trainer.global_rank}: {' | '.join(trace.events)}", flush=True)
     report_finished(trainer, callback)
+
+
+def _traced(trace: Trace) -> type:
+    """The callback class, telling ``trace`` when a save is asked for and at teardown."""
+    from lightning_bpk import BurnpackCheckpoint
+
+    class Traced(BurnpackCheckpoint):
+        def _save(self, trainer, number, **kwargs):
+            trace.ask(number)
+            super()._save(trainer, number, **kwargs)
+
+        def teardown(self, trainer, pl_module, stage):
+            trace.ask(sys.maxsize)
+            super().teardown(trainer, pl_module, stage)
+
+    return Traced
 
 
 if __name__ == "__main__":
