@@ -56,9 +56,6 @@ from lightning_bpk.records.base import Record, RecordError, StateRecord
 from lightning_bpk.records.files import describe, save_record
 from lightning_bpk.store import Store
 
-# What _fs.scratch_path appends to a name: "<name>.<pid>-<counter>.tmp".
-_SCRATCH = r"\.[0-9]+-[0-9]+" + re.escape(_fs.SCRATCH_SUFFIX)
-
 
 @dataclass(frozen=True)
 class Retention:
@@ -137,10 +134,10 @@ def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[s
     """Step 2: the scratch names a crashed save of this checkpointer left (staging
     directories, sentinel scratch files), never ``keep``."""
     data = re.escape(names.prefix) + r"\." + NUMBER_PATTERN
-    data += f"(?:{re.escape(VERSION_MARK)}[0-9a-f]+)?(?:\\.dcp)?(?:{_SCRATCH})+"
+    data += f"(?:{re.escape(VERSION_MARK)}[0-9a-f]+)?(?:\\.dcp)?(?:{_fs.SCRATCH_MARK})+"
     # a create-only sentinel is staged as a scratch file written through its own scratch file
     sentinel = re.escape(sentinel_stem(names.identifier)) + r"\." + NUMBER_PATTERN
-    sentinel += f"(?:{_SCRATCH})+"
+    sentinel += f"(?:{_fs.SCRATCH_MARK})+"
     pattern = re.compile(f"{data}|{sentinel}")
     return [name for name in listing if pattern.fullmatch(name) and name != keep]
 

@@ -42,6 +42,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -53,6 +54,7 @@ import numpy
 
 __all__ = [
     "DIRECT_MIN",
+    "SCRATCH_MARK",
     "SCRATCH_SUFFIX",
     "BufferedSink",
     "DirectSink",
@@ -70,6 +72,8 @@ __all__ = [
 
 # Scratch names carry this suffix so a later save can recognise and remove leftovers of a crash.
 SCRATCH_SUFFIX = ".tmp"
+# What scratch_path appends to a name, as a regular expression: ".<pid>-<counter>.tmp".
+SCRATCH_MARK = r"\.[0-9]+-[0-9]+" + re.escape(SCRATCH_SUFFIX)
 
 DIRECT_MIN = 256 * 1024
 """Files smaller than this are written through the page cache: measured here, a durable write

@@ -223,14 +223,14 @@ def test_saving_the_same_iteration_twice_second_wins(tmp_path: Path) -> None:
 def test_failure_between_data_and_sentinel_keeps_latest(tmp_path, monkeypatch) -> None:
     c = Checkpointer(tmp_path)
     c.save_checkpoint(1, {"x": 1})
-    real = _fs.atomic_file
+    real = _fs.write_all
 
-    def failing(target: Path):
-        if target.name.startswith(SENTINEL):
+    def failing(f, data) -> None:  # the sentinel's bytes fail to reach its (scratch) file
+        if Path(str(getattr(f, "name", ""))).name.startswith(SENTINEL):
             raise OSError(errno.EIO, "injected")
-        return real(target)
+        real(f, data)
 
-    monkeypatch.setattr(_fs, "atomic_file", failing)
+    monkeypatch.setattr(_fs, "write_all", failing)
     with pytest.raises(OSError, match="injected"):
         c.save_checkpoint(2, {"x": 2})
     assert get_latest_checkpoint_number(tmp_path) == 1

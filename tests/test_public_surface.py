@@ -95,6 +95,7 @@ _UNDOCUMENTED_PENDING = {
     "replay_message",
     "unpositioned_message",
     "workers_message",
+    "SCRATCH_MARK",
     "SCRATCH_SUFFIX",
     "CONFIGURABLES",
     "SIGNAL_CONNECTOR_MODULE",

@@ -125,6 +125,46 @@ def test_local_publish_needs_a_name_never_used(tmp_path):
     assert store.read("ckpt.1/x") == b"old"
 
 
+def test_local_files_in_a_staging_folder_are_fsynced_once_by_publish(tmp_path, monkeypatch):
+    """Below a staging folder nothing is visible under a final name until publish renames the
+    folder, so files there are written in place and fsynced once, by publish (with the folder,
+    before the rename); a failed write there leaves no partial file."""
+    store = open_store(tmp_path)
+    store.check(create=True)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    staging = store.staging("ckpt.5")
+    data = bytes(range(256)) * 2000  # past DIRECT_MIN
+    with store.sink(f"{staging}/model.bpk", len(data)) as sink:
+        sink.write(data)
+    store.put(f"{staging}/sub/trainer.bpk", b"t")
+    with store.scratch(f"{staging}/extra.bin") as path:
+        path.write_bytes(b"e")
+    assert synced == []  # no fsync before publish
+    with pytest.raises(RuntimeError), store.sink(f"{staging}/broken.bpk", 4) as sink:
+        sink.write(b"ha")
+        raise RuntimeError("failed while writing")
+    assert sorted(store.list(staging)) == ["extra.bin", "model.bpk", "sub"]
+    store.publish(staging, "ckpt.5")
+    folder = str(tmp_path / staging)
+    files = {f"{folder}/model.bpk", f"{folder}/sub/trainer.bpk", f"{folder}/extra.bin"}
+    assert sorted(synced[:-1]) == sorted([*files, folder, f"{folder}/sub"])
+    assert synced[-1] == str(tmp_path)  # the rename, after every file and folder
+    assert store.read("ckpt.5/model.bpk") == data
+    assert store.read("ckpt.5/sub/trainer.bpk") == b"t"
+    # outside a staging folder every write is durable on its own, as before
+    synced.clear()
+    store.put("plain", b"p")
+    assert len(synced) == 2 and synced[0].startswith(f"{tmp_path}/plain.")  # its scratch file
+    assert synced[1] == str(tmp_path)
+
+
 def test_local_file_is_a_file_with_the_bytes(store):
     store.check(create=True)
     store.put("d/f", b"content")
