@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -163,13 +162,6 @@ def test_local_files_in_a_staging_folder_are_fsynced_once_by_publish(tmp_path, m
     store.put("plain", b"p")
     assert len(synced) == 2 and synced[0].startswith(f"{tmp_path}/plain.")  # its scratch file
     assert synced[1] == str(tmp_path)
-
-
-def test_local_file_is_a_file_with_the_bytes(store):
-    store.check(create=True)
-    store.put("d/f", b"content")
-    with store.local_file("d/f") as path:
-        assert Path(path).read_bytes() == b"content"
 
 
 def test_exclusive_is_a_lock_locally_and_nothing_remotely(store, tmp_path):

@@ -27,11 +27,6 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
-def is_fabric_loader(loader: Any) -> bool:
-    """``loader`` is what ``fabric.setup_dataloaders`` returned."""
-    return isinstance(loader, _FabricDataLoader)
-
-
 def inner_loader(loader: Any) -> Any:
     """The DataLoader behind ``fabric.setup_dataloaders``' wrapper (else ``loader`` itself)."""
     return loader._dataloader if isinstance(loader, _FabricDataLoader) else loader

@@ -9,7 +9,7 @@ sharded (DCP) writer are written once against it; only the two backends know whe
                                               │
                                         Store (Protocol)
    list · size · read · read_into · put(create_only) · sink · scratch · staging · publish
-                      remove · remove_prefix · exclusive · local_file · check
+                      remove · remove_prefix · exclusive · map · refused · check
                     ┌─────────────────────────┴─────────────────────────┐
              LocalStore (local.py)                            ObjectStore (objects.py)
       fsync + rename, link-or-fail create,         fsspec: bounded retries with jitter, multipart
@@ -21,8 +21,8 @@ site: ``publish`` is a rename plus a directory fsync locally and "the files are 
 remotely (``staging`` returns the final prefix); ``sink`` writes past the page cache locally
 (``O_DIRECT``, see :mod:`lightning_bpk._fs`) and through it remotely, where the scratch file is
 read back at once for the upload; ``exclusive`` is an ``flock`` locally and a
-no-op remotely, where the lease (:mod:`lightning_bpk.lease`) fences; ``local_file`` is the file
-itself locally and a downloaded copy remotely.
+no-op remotely, where the lease (:mod:`lightning_bpk.lease`) fences; ``map`` maps the file
+copy-on-write locally and fills an anonymous mapping by ranged reads remotely.
 
 :func:`open_store` picks the backend from the protocol fsspec's ``url_to_fs`` would pick (none
 or ``file://``: local). A URL whose driver is not installed is refused with the extra to
@@ -182,11 +182,6 @@ class Store(Protocol):
         :meth:`Mapped.fetch` asked for them (local: the file mapped copy-on-write, every byte
         there at once; remote: an anonymous mapping filled by ranged reads), so a reader can
         check a head before the tensors are fetched and pay nothing extra on local disk."""
-        ...
-
-    def local_file(self, key: str) -> AbstractContextManager[Path]:
-        """A local file holding the bytes of ``key`` (local: the file itself; remote: a
-        downloaded copy, deleted on exit), for readers that need a file."""
         ...
 
     def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:

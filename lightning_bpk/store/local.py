@@ -9,8 +9,9 @@ published by renaming its staging directory into place, then fsyncing the parent
 is written in place with no fsync of its own: nothing can see it under a final name before
 :meth:`LocalStore.publish` fsyncs every file and the folder, then renames; so a checkpoint of
 three files costs one fsync per file and two per folder, not three per file. Reads use
-``preadv`` into the caller's buffer; :meth:`LocalStore.local_file` hands readers the file itself
-(``burnpack.read`` maps it zero-copy). Nothing here follows a symlink inside a checkpoint.
+``preadv`` into the caller's buffer; :meth:`LocalStore.map` maps the file itself copy-on-write
+(a reader checks the head, then reads the tensors from the mapping). Nothing here follows a
+symlink inside a checkpoint.
 """
 
 from __future__ import annotations
@@ -161,11 +162,6 @@ class LocalStore:
             return _Mapped(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)  # the mapping keeps the file's pages reachable on its own
-
-    @contextlib.contextmanager
-    def local_file(self, key: str) -> Iterator[Path]:
-        """The file itself: nothing to copy."""
-        yield self._path(key)
 
     def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
         """A problem for ``prefix`` itself and for each entry below it that is a symlink: one

@@ -426,17 +426,6 @@ class ObjectStore:
         manifest's claim), filled by ranged reads as :meth:`_Fetched.fetch` asks."""
         return _Fetched(self, key, mmap.mmap(-1, size))
 
-    @contextlib.contextmanager
-    def local_file(self, key: str) -> Iterator[Path]:
-        """A downloaded copy of ``key`` in a scratch folder, deleted on exit."""
-        folder = Path(tempfile.mkdtemp(prefix="lightning_bpk-download-"))
-        try:
-            local = folder / key.rpartition("/")[2]
-            self.download(key, local)
-            yield local
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
     def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
         """Nothing: an object store holds objects only, no links."""
         return []
