@@ -5,11 +5,11 @@ Writes follow the recipe of :mod:`lightning_bpk._fs`: a scratch name in the *tar
 fsync, ``os.replace`` (or ``os.link`` for a create-only write, which fails atomically when the
 name exists and never shows a half-written file), fsync of the directory. A prefix of files is
 published by renaming its staging directory into place, then fsyncing the parent. A file written
-*inside* a staging directory (a key below a scratch-named folder, see :meth:`LocalStore.staging`)
+*inside* a staging directory (a key below a scratch-named folder, see ``LocalStore.staging``)
 is written in place with no fsync of its own: nothing can see it under a final name before
-:meth:`LocalStore.publish` fsyncs every file and the folder, then renames; so a checkpoint of
+``LocalStore.publish`` fsyncs every file and the folder, then renames; so a checkpoint of
 three files costs one fsync per file and two per folder, not three per file. Reads use
-``preadv`` into the caller's buffer; :meth:`LocalStore.map` maps the file itself copy-on-write
+``preadv`` into the caller's buffer; ``LocalStore.map`` maps the file itself copy-on-write
 (a reader checks the head, then reads the tensors from the mapping). Nothing here follows a
 symlink inside a checkpoint.
 """
