@@ -16,6 +16,10 @@ LIGHTNING_TESTS := tests/test_lightning_compat.py tests/test_callback.py tests/t
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	# litdata's StreamingDataLoader, for the Fabric loader tests. Without its dependencies: it
+	# declares torchvision, whose PyPI wheel is built against CUDA torch and, beside the CPU
+	# pin, breaks `import lightning`; what litdata's loader needs is already in .[dev].
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt 'litdata>=0.2.50'
 	touch $(STAMP)
 
 lint: $(STAMP)

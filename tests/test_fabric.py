@@ -134,6 +134,40 @@ def _order(loader: ResumableLoader, passes: int) -> list[list[float]]:
 )
 @pytest.mark.parametrize("where", [0, 2, 7], ids=["start", "mid-pass", "second-pass"])
 def test_a_restored_loader_continues_with_the_next_batch_of_the_same_order(make, where):
+    _continues(make, where)
+
+
+def _litdata_item(i: int) -> torch.Tensor:
+    return torch.tensor([float(i)])
+
+
+@pytest.fixture(scope="module")
+def litdata_chunks(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """20 numbers written by litdata's ``optimize`` as small chunks (a streaming dataset)."""
+    litdata = pytest.importorskip("litdata")
+    out = str(tmp_path_factory.mktemp("litdata") / "chunks")
+    litdata.optimize(
+        fn=_litdata_item, inputs=list(range(20)), output_dir=out, chunk_bytes="256B", num_workers=1
+    )
+    return out
+
+
+@pytest.mark.parametrize("where", [0, 2, 7], ids=["start", "mid-pass", "second-pass"])
+def test_a_restored_litdata_loader_continues_with_the_next_batch(litdata_chunks, where):
+    """litdata's ``StreamingDataLoader`` is positioned through its own state (shuffled chunks,
+    the epoch, the samples consumed), as ``torchdata``'s is."""
+    litdata = pytest.importorskip("litdata")
+
+    def make() -> object:
+        dataset = litdata.StreamingDataset(litdata_chunks, shuffle=True, seed=3)
+        return litdata.StreamingDataLoader(dataset, batch_size=3)
+
+    _continues(make, where)
+
+
+def _continues(make, where: int) -> None:
+    """Take ``where`` batches, save, and check a new loader restored from the state hands out
+    exactly the batches the first one goes on with (the rest of its pass, then two more)."""
     torch.manual_seed(11)
     loader = ResumableLoader(make())
     length = len(loader)

@@ -92,6 +92,7 @@ class ResumableLoader:
         self._in_pass = False
         self._skip = 0  # batches of a resumed pass consumed before the save
         self._rng_at_first_batch: dict | None = None
+        self._tail = False  # restored at the end of a pass through the loader's own state
         if kind == positions.REPLAY:
             warnings.warn(positions.replay_message(inner), stacklevel=2)
 
@@ -120,12 +121,21 @@ class ResumableLoader:
         self._passes += 1
         self._in_pass = True
         rng, self._rng_at_first_batch = self._rng_at_first_batch, None
-        for batch in self.loader:
-            if rng is not None:  # a resumed stateful loader drew its seeds creating its iterator
-                trainer_state.restore_rng(rng)
-                rng = None
-            self._consumed += 1
-            yield batch
+        # A stateful loader restored from the end of a pass may first finish that pass, with
+        # nothing left in it (torchdata's does; litdata's starts the next one): then the pass
+        # this iteration stands for is the loader's next one.
+        tail, self._tail = self._tail, False
+        for _ in range(2 if tail else 1):
+            for batch in self.loader:
+                if (
+                    rng is not None
+                ):  # a resumed stateful loader drew its seeds creating its iterator
+                    trainer_state.restore_rng(rng)
+                    rng = None
+                self._consumed += 1
+                yield batch
+            if self._consumed:
+                break
         self._in_pass = False
         self._consumed = 0
 
@@ -136,13 +146,18 @@ class ResumableLoader:
         all are out), the pass counter and the RNG states now: plain data (tensors, ints)."""
         done = not self._in_pass or self._consumed >= positions.loader_length(self.loader)
         epoch = self._passes if done else self._passes - 1
-        return {
+        state = {
             "version": _VERSION,
             "position": self._tracker.capture(0 if done else self._consumed, done),
             "epoch": epoch,
             "world_size": self._group.world_size,
             "rng": trainer_state.capture_rng(),
         }
+        if done and self.kind == positions.STATEFUL:
+            # A loader may count its passes in its own state (litdata's next shuffle depends
+            # on it), so it travels at the end of a pass too.
+            state["loader_state"] = self._inner.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (a :meth:`state_dict`) at the next pass: the rest of the saved
@@ -167,6 +182,9 @@ class ResumableLoader:
         self._tracker.resume(position, rng)
         if self.kind == positions.STATEFUL and not epoch_end:
             self._rng_at_first_batch = rng
+        if epoch_end and "loader_state" in state:
+            self._inner.load_state_dict(state["loader_state"])
+            self._tail = True
         plan = position.get("resample")
         self._skip = 0 if epoch_end else int((plan or position)["batches"])
         self._passes = epoch
