@@ -152,6 +152,19 @@ def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
     assert set(area.buffers) == {("m", "a")}
 
 
+def test_host_tensors_are_staged_in_pageable_memory_and_nothing_waits():
+    # The capability check picks the plain path for a CPU tensor (tests/test_gpu.py pins the
+    # pinned one): no pinned buffer, no side stream, no event for the writer to wait on.
+    area = _StagingArea()
+    area.copy("m", "a", torch.ones(4))
+    area.reserve([("m", "b", (2, 3), torch.bfloat16, False)])
+    assert not any(slot.raw.is_pinned() for slot in area._slots.values())
+    ready = area.settle()
+    assert ready._events == []
+    ready.wait()
+    assert area.buffers[("m", "a")].tolist() == [1.0] * 4
+
+
 def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
     """A tensor of _PLACED_MIN bytes or more starts at the same offset within a memory page as
     its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
