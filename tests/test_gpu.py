@@ -158,3 +158,18 @@ def test_a_run_killed_and_resumed_ends_bit_identical(device: str, tmp_path: Path
     final = torch.load(tmp_path / "resumed.pt")
     assert expected.keys() == final.keys()
     assert all(torch.equal(final[k], v) for k, v in expected.items())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal where torch sees no GPU")
+def test_the_gpu_benchmark_says_why_it_measures_nothing_without_cuda(tmp_path: Path) -> None:
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu.py"
+    out = tmp_path / "never.md"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "no CUDA device" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists()
