@@ -14,6 +14,13 @@ virtio disk, more with first-touch memory). :class:`AsyncCheckpointSaver` splits
    then garbage collection, in that order. A sentinel therefore never names data that is not yet
    durable, and old checkpoints are only collected after the new one is complete.
 
+**On a GPU** (a tensor on a CUDA device, chosen by capability, no flag) the staging buffers are
+pinned host memory and the copies are issued ``non_blocking`` on a side stream that first waits
+for the training stream; the training stream then waits for them on the device (so a kernel
+queued after the save returns cannot change a tensor before it was copied), and the writer
+thread waits on their event before it reads (:mod:`lightning_bpk._device`). Nothing of the
+state is copied on the device.
+
 Rules, each one a failure mode seen in other libraries:
 
 - **At most one save in flight.** A new save first waits for the previous one (its staging
