@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.lightning.async_save import (
     _WRITER_THREAD_NAME,
@@ -150,6 +150,53 @@ def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
     area.copy("m", "a", torch.zeros(4, dtype=torch.float64))
     area.prune()  # "b" was not used since the last prune
     assert set(area.buffers) == {("m", "a")}
+
+
+def test_host_tensors_are_staged_in_pageable_memory_and_nothing_waits():
+    # The capability check picks the plain path for a CPU tensor (tests/test_gpu.py pins the
+    # pinned one): no pinned buffer, no side stream, no event for the writer to wait on.
+    area = _StagingArea()
+    area.copy("m", "a", torch.ones(4))
+    area.reserve([("m", "b", (2, 3), torch.bfloat16, False)])
+    assert not any(slot.raw.is_pinned() for slot in area._slots.values())
+    ready = area.settle()
+    assert ready._events == []
+    ready.wait()
+    assert area.buffers[("m", "a")].tolist() == [1.0] * 4
+
+
+def test_the_writer_reads_the_buffers_only_once_the_copies_have_landed(tmp_path):
+    # Where a GPU's tensors were staged, settle() hands the writer their copies' events. A gate
+    # stands for one such event here (no CUDA on this machine): until it opens, the writer has
+    # not started the checkpointer's save, and the training thread was not held up by it.
+    landed = threading.Event()
+    started = threading.Event()
+    order: list[str] = []
+
+    class Copy:  # a CUDA event's part in this: synchronize() returns once the copy landed
+        def synchronize(self) -> None:
+            assert landed.wait(WAIT)
+            order.append("started" if started.is_set() else "waited first")
+
+    class Copies(_device.DeviceToHost):
+        def settle(self) -> _device.Ready:
+            super().settle()
+            return _device.Ready([Copy()])
+
+    class Watched(Checkpointer):
+        def save_checkpoint(self, iteration_number, data):
+            started.set()
+            return super().save_checkpoint(iteration_number, data)
+
+    checkpointer = Watched(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        saver.staging._copies = Copies()
+        saver.save_checkpoint(checkpointer, 0, {"model": ModuleRecord.from_module(_net())})
+        assert saver.busy  # returned while the writer waits for the copies
+        landed.set()
+        saver.wait()
+    assert order == ["waited first"] and started.is_set()
+    assert checkpointer.load_checkpoint(0) is not None
 
 
 def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):

@@ -438,3 +438,23 @@ def test_export_checkpoint_model_to_safetensors(tmp_path):
         export_checkpoint(tmp_path, tmp_path / "x.safetensors")
     with pytest.raises(RecordError, match=r"export writes \.safetensors"):
         export_checkpoint(ckpt_dir, tmp_path / "x.bpk")
+
+
+@pytest.mark.parametrize("suffix", [".bpk", ".safetensors"])
+def test_loads_without_a_module_take_a_device(suffix: str, tmp_path: Path) -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    path = save_module_record(ModuleRecord.from_module(net), tmp_path / f"m{suffix}")
+    expected = net.state_dict()
+    for device in ("cpu", torch.device("cpu")):
+        record = load_module_record(path, device=device)
+        content = read_content(path, device=device)
+        for tensors in (record.tensors, content.tensors):
+            assert tensors.keys() == expected.keys()
+            assert all(
+                torch.equal(tensors[k], v) and tensors[k].is_cpu for k, v in expected.items()
+            )
+    for device, message in [("meta", "holds no data"), ("bogus", "'bogus'")]:
+        with pytest.raises(ValueError, match=message):
+            load_module_record(tmp_path / f"absent{suffix}", device=device)
+        with pytest.raises(ValueError, match=message):
+            read_content(tmp_path / f"absent{suffix}", device=device)

@@ -118,9 +118,14 @@ def test_read_any_and_a_set_at_a_url(sets):
     url = "memory://sets-test/model.safetensors.index.json"
     assert is_set(url) and is_set("memory://sets-test")
     for source in (index, url):
-        content = read_any(source)
+        content = read_any(source, device="cpu")
         assert list(content.tensors) == list(EXPERTS)
         assert all(torch.equal(content.tensors[n], t) for n, t in EXPERTS.items())
+        with pytest.raises(ValueError, match="'meta': it holds no data"):
+            read_any(source, device="meta")
+    single = next(index.parent.glob("*.safetensors"))  # one shard: a plain file
+    plain = read_any(single, device="cpu")
+    assert plain.tensors and all(torch.equal(t, EXPERTS[n]) for n, t in plain.tensors.items())
     net = Net()
     load_remapped(url, net, FUSE)
     _check(net)

@@ -11,6 +11,7 @@ import torch
 
 from lightning_bpk import trainer_state
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.lightning import trainer_state as _trainer_state
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
 from lightning_bpk.trainer_state import DROPPED_KEY, RNG_KEY
 
@@ -143,3 +144,30 @@ def test_load_errors_name_the_path(tmp_path):
     ModuleRecord.from_module(torch.nn.Linear(1, 1)).save(tmp_path / "m.bpk")
     with pytest.raises(RecordError, match="'module' record, not a checkpoint"):
         trainer_state.load(tmp_path / "m.bpk")
+
+
+def test_cuda_rng_states_are_kept_per_device_and_old_lists_still_load(tmp_path):
+    # A checkpoint of a 2-GPU single process (new form) and of an older version (a list per
+    # device) both store and read back their CUDA states by device index; on a machine without
+    # CUDA restoring them sets the other generators and leaves CUDA alone.
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
+    for key, cuda in [("cuda_devices", {"0": states[0], "1": states[1]}), ("cuda", states)]:
+        captured = {**trainer_state.capture_rng(), key: cuda}
+        expected = torch.rand(3)
+        path = trainer_state.save_file({"rng": captured}, tmp_path / f"{key}.ckpt")
+        loaded = trainer_state.load(path)["rng"]
+        by_device = _trainer_state._cuda_states(loaded)
+        assert sorted(by_device) == [0, 1]
+        assert all(torch.equal(by_device[i], states[i]) for i in range(2))
+        if not torch.cuda.is_available():
+            trainer_state.restore_rng(loaded)
+            assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_rank_restores_only_its_own_device_and_only_one_that_exists():
+    assert _trainer_state._cuda_devices(8, None) == list(range(8))
+    assert _trainer_state._cuda_devices(8, 5) == [5]
+    assert _trainer_state._own_cuda_device() is None  # no process group: a single process
+    assert _trainer_state._cuda_states({"torch": torch.zeros(1)}) == {}
+    if not torch.cuda.is_available():
+        assert "cuda_devices" not in trainer_state.capture_rng()

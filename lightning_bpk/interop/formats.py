@@ -41,7 +41,7 @@ from typing import Any
 import safetensors
 import torch
 
-from lightning_bpk import _fs, burnpack
+from lightning_bpk import _device, _fs, burnpack
 from lightning_bpk._sharded_names import is_sharded
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
@@ -356,11 +356,23 @@ def _read_set(path: Path) -> Content | None:
     return None
 
 
-def read_content(path: str | os.PathLike[str]) -> Content:
+def read_content(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Content:
     """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), a checkpoint set
     (an index or its directory: see :mod:`lightning_bpk.interop.sets`), or the model of a
-    sharded checkpoint directory, assembled from every rank's shards."""
-    path = Path(path)
+    sharded checkpoint directory, assembled from every rank's shards.
+
+    ``device``: where the tensors go, ``cpu`` or a CUDA device (checked before anything is
+    read; a ``ValueError`` names any other). They are read and verified on the host, then
+    copied to a CUDA device through reused pinned bounce buffers."""
+    target = _device.target_device(device)
+    content = _read_content(Path(path))
+    if target.type != "cpu":
+        content.tensors = _device.to_device(content.tensors, target)
+    return content
+
+
+def _read_content(path: Path) -> Content:
+    """:func:`read_content` on the host."""
     content = _read_set(path)
     if content is not None:
         return content
@@ -402,13 +414,15 @@ def convert(
     return write_content(dst, read_content(src), progress)
 
 
-def load_module_record(path: str | os.PathLike[str]) -> ModuleRecord:
+def load_module_record(
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+) -> ModuleRecord:
     """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader) or
-    checkpoint set."""
+    checkpoint set, its tensors on ``device`` (see :func:`read_content`)."""
     path = Path(path)
     if path.suffix.lower() == ".bpk" and not path.is_dir():
-        return ModuleRecord.load(path)
-    content = read_content(path)
+        return ModuleRecord.load(path, device=device)
+    content = read_content(path, device=device)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
     if kind != ModuleRecord.kind:
         raise RecordError("validation", f"{path} holds a {kind!r} record, not 'module'")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk import _device, _fs, burnpack, storage
 from lightning_bpk.interop._index import (
     BPK_INDEX,
     SAFETENSORS_INDEX,
@@ -79,15 +79,18 @@ def describe_set(path: str | os.PathLike[str]) -> CheckpointSet:
     return found
 
 
-def read_any(path: str | os.PathLike[str]) -> Content:
+def read_any(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Content:
     """Every tensor of a file or a set, as :func:`~lightning_bpk.interop.formats.read_content`
-    reads a file (a set's tensors in index order, their data read once)."""
+    reads a file (a set's tensors in index order, their data read once), on ``device`` (as
+    ``read_content``'s: checked first, the tensors verified on the host and then copied)."""
+    target = _device.target_device(device)
     if set_kind(path) is None and storage.is_local(path):
-        return read_content(storage.local_path(path))
+        return read_content(storage.local_path(path), device=target)
     with open_source(path) as source:
         tensors = {name: source.read(name).clone() for name in source.specs}
         metadata = {RECORD_KIND_KEY: ModuleRecord.kind, **source.metadata}
         metadata.update({ALIAS_PREFIX + a: t for a, t in source.aliases.items()})
+        tensors = _device.to_device(tensors, target)
         return Content(tensors, param_ids=dict(source.param_ids), metadata=metadata)
 
 

@@ -14,6 +14,13 @@ virtio disk, more with first-touch memory). :class:`AsyncCheckpointSaver` splits
    then garbage collection, in that order. A sentinel therefore never names data that is not yet
    durable, and old checkpoints are only collected after the new one is complete.
 
+**On a GPU** (a tensor on a CUDA device, chosen by capability, no flag) the staging buffers are
+pinned host memory and the copies are issued ``non_blocking`` on a side stream that first waits
+for the training stream; the training stream then waits for them on the device (so a kernel
+queued after the save returns cannot change a tensor before it was copied), and the writer
+thread waits on their event before it reads (:mod:`lightning_bpk._device`). Nothing of the
+state is copied on the device.
+
 Rules, each one a failure mode seen in other libraries:
 
 - **At most one save in flight.** A new save first waits for the previous one (its staging
@@ -60,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.burnpack.writer import _plan
 from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.lightning import sharded
@@ -88,7 +95,8 @@ _NO_GROUP = object()
 @dataclass
 class _Slot:
     """One staging buffer: ``view`` (the tensor a snapshot holds) inside ``raw``, the memory
-    (touched once, reused); for a ``DTensor``, ``shard`` is the DTensor around ``view``."""
+    (touched once, reused; pinned when it stages a tensor of an accelerator); for a ``DTensor``,
+    ``shard`` is the DTensor around ``view``."""
 
     raw: torch.Tensor
     view: torch.Tensor
@@ -101,6 +109,11 @@ class _StagingArea:
     Buffers are keyed by ``(owner, tensor name)``; a buffer is replaced only when the tensor's
     shape or dtype changes, and buffers no snapshot used last time are dropped by :meth:`prune`.
 
+    A tensor on an accelerator (CUDA) is staged in pinned memory by a non-blocking copy on a
+    side stream (:class:`lightning_bpk._device.DeviceToHost`): nothing of it is copied on the
+    device, and the buffers are complete only once the :meth:`settle` after the snapshot has
+    been waited on (the writer does, before it reads).
+
     >>> area = _StagingArea()
     >>> a = area.copy("model", "w", torch.ones(3)); b = area.copy("model", "w", torch.zeros(3))
     >>> a is b, area.allocations, b.tolist()
@@ -111,6 +124,7 @@ class _StagingArea:
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
+        self._copies = _device.DeviceToHost()
 
     def copy(
         self, owner: str, name: str, tensor: torch.Tensor, at: int | None = None
@@ -124,13 +138,15 @@ class _StagingArea:
         memory page, so an ``O_DIRECT`` writer writes it from where it lies, with no copy.
 
         The one place where a snapshot's bytes are copied (a device's tensors too: the copy
-        lands in host memory)."""
+        lands in host memory, pinned, and is complete once :meth:`settle`'s result is waited
+        on)."""
         key = (owner, name)
         with torch.no_grad():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             source = local.detach()
-            slot = self._place(key, source.shape, source.dtype, at)
-            slot.view.copy_(source)
+            pinned = _device.accelerated(source.device)
+            slot = self._place(key, source.shape, source.dtype, at, pinned)
+            self._copies.copy(slot.view, source)
         self._used.add(key)
         if not isinstance(tensor, DTensor):
             return slot.view
@@ -152,16 +168,32 @@ class _StagingArea:
             )
         return shard
 
+    def settle(self) -> _device.Ready:
+        """End a snapshot: what its reader waits on before reading the buffers (nothing, unless
+        tensors of an accelerator were copied)."""
+        return self._copies.settle()
+
     def _place(
-        self, key: tuple[str, str], shape: torch.Size, dtype: torch.dtype, at: int | None
+        self,
+        key: tuple[str, str],
+        shape: torch.Size,
+        dtype: torch.dtype,
+        at: int | None,
+        pinned: bool = False,
     ) -> _Slot:
         """The slot of ``key`` for a tensor of ``shape`` and ``dtype`` (placed for file offset
-        ``at``): the one it had when that fits, else a new one."""
+        ``at``; in pinned memory when ``pinned``): the one it had when that fits, else a new
+        one."""
         nbytes = shape.numel() * dtype.itemsize
         slot = self._slots.get(key)
-        if slot is None or slot.view.dtype != dtype or slot.raw.numel() < nbytes:
+        if (
+            slot is None
+            or slot.view.dtype != dtype
+            or slot.raw.numel() < nbytes
+            or (pinned and not slot.raw.is_pinned())
+        ):
             room = _PAGE if nbytes >= _PLACED_MIN else 0
-            raw = torch.empty(nbytes + room, dtype=torch.uint8)
+            raw = _device.host_buffer(nbytes + room, pinned=pinned)
             slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
             self.allocations += 1
         start = 0
@@ -172,12 +204,13 @@ class _StagingArea:
             slot.shard = None
         return slot
 
-    def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype]]) -> None:
-        """Allocate and fault in buffers for ``(owner, name, shape, dtype)`` ahead of the first
-        snapshot (fresh memory is slow to touch; see :meth:`AsyncCheckpointSaver.reserve`)."""
-        for owner, name, shape, dtype in wanted:
+    def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype, bool]]) -> None:
+        """Allocate and fault in buffers for ``(owner, name, shape, dtype, pinned)`` ahead of
+        the first snapshot (fresh memory is slow to touch, pinning it slower still; see
+        :meth:`AsyncCheckpointSaver.reserve`)."""
+        for owner, name, shape, dtype, pinned in wanted:
             before = self.allocations
-            slot = self._place((owner, name), torch.Size(shape), dtype, None)
+            slot = self._place((owner, name), torch.Size(shape), dtype, None, pinned)
             if self.allocations != before:
                 slot.raw.zero_()  # touch every page now, not during the first save
 
@@ -373,11 +406,13 @@ class AsyncCheckpointSaver:
             for name, entry in record.to_content()[0].items():
                 tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
                 if isinstance(tensor, torch.Tensor):
-                    wanted.append((key, name, tuple(tensor.shape), tensor.dtype))
+                    pinned = _device.accelerated(tensor.device)
+                    wanted.append((key, name, tuple(tensor.shape), tensor.dtype, pinned))
 
         def shard(path: str, tensor: torch.Tensor) -> None:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype))
+            pinned = _device.accelerated(local.device)
+            wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype, pinned))
 
         _map_tree(shards or {}, shard)
         self._submit("staging buffers", self.staging.reserve, wanted)
@@ -456,10 +491,17 @@ class AsyncCheckpointSaver:
         self._submit(f"record {path}", write or Record.save, staged, path)
 
     def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the writer thread once the snapshot's copies have landed."""
+        ready = self.staging.settle()
+
+        def run() -> Any:
+            ready.wait()  # device-to-host copies still in flight: nothing reads them before
+            return fn(*args)
+
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=_WRITER_THREAD_NAME)
-            self._pending = self._executor.submit(fn, *args)
+            self._pending = self._executor.submit(run)
             self._pending_what = what
 
     # -- waiting -----------------------------------------------------------------------------

@@ -28,6 +28,10 @@ all would be worse. Anything else that cannot be stored (e.g. an object a user's
 
 **RNG states** (torch, CUDA when available, numpy, Python ``random``) go under :data:`RNG_KEY`;
 Lightning ignores the key, :func:`restore_rng` puts them back (the callback does, at fit start).
+CUDA states are kept per device index (``cuda_devices``): a single process captures and
+restores every device's, a rank of a distributed run (DDP, FSDP2: one device per rank) only its
+own device's, so no rank touches (or creates a context on) another rank's GPU, and a checkpoint
+saved with more devices than are here restores those that exist.
 """
 
 from __future__ import annotations
@@ -134,12 +138,47 @@ def capture_rng() -> dict[str, Any]:
         },
     }
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        devices = _cuda_devices(torch.cuda.device_count(), _own_cuda_device())
+        states["cuda_devices"] = {str(i): torch.cuda.get_rng_state(i) for i in devices}
     return states
 
 
+def _own_cuda_device() -> int | None:
+    """The one CUDA device this process's RNG states are its own on: the current device of a
+    rank of a distributed run; None for a single process (every device is its own)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+def _cuda_devices(count: int, own: int | None) -> list[int]:
+    """The CUDA device indexes whose RNG states a process captures and restores: all ``count``
+    of them for a single process, else only its ``own``.
+
+    >>> _cuda_devices(4, None), _cuda_devices(4, 2)
+    ([0, 1, 2, 3], [2])
+    """
+    return list(range(count)) if own is None else [own]
+
+
+def _cuda_states(states: Mapping[str, Any]) -> dict[int, torch.Tensor]:
+    """The CUDA RNG states of captured ``states`` by device index: ``cuda_devices`` (``{"0":
+    state}``), or the ``cuda`` list (one per device) of a checkpoint this package saved before.
+
+    >>> state = torch.zeros(16, dtype=torch.uint8)
+    >>> list(_cuda_states({"cuda": [state, state]}))
+    [0, 1]
+    >>> list(_cuda_states({"cuda_devices": {"3": state}}))
+    [3]
+    """
+    if "cuda_devices" in states:
+        return {int(index): state for index, state in states["cuda_devices"].items()}
+    return dict(enumerate(states.get("cuda", [])))
+
+
 def restore_rng(states: Mapping[str, Any]) -> None:
-    """Set the global RNG states :func:`capture_rng` returned (CUDA only when both have it).
+    """Set the global RNG states :func:`capture_rng` returned (CUDA only when both have it: on
+    each device of this process, see the module docstring, that the states name).
 
     >>> s = capture_rng(); a = torch.rand(1); restore_rng(s); torch.equal(a, torch.rand(1))
     True
@@ -163,8 +202,11 @@ def restore_rng(states: Mapping[str, Any]) -> None:
             python_state["gauss_next"],
         )
     )
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    saved = _cuda_states(states)
+    if saved and torch.cuda.is_available():
+        for index in _cuda_devices(torch.cuda.device_count(), _own_cuda_device()):
+            if index in saved:
+                torch.cuda.set_rng_state(saved[index], index)
 
 
 # --- Lightning dict -> storable data --------------------------------------------------------------

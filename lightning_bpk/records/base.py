@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from lightning_bpk import burnpack, state
+import torch
+
+from lightning_bpk import _device, burnpack, state
 from lightning_bpk.errors import LightningBpkError
 
 __all__ = [
@@ -135,23 +137,44 @@ class Record:
             raise RecordError.from_format_error(e) from e
 
     @classmethod
-    def from_bytes(cls: type[R], data: bytes | bytearray | memoryview) -> R:
-        """Parse a record from burnpack bytes."""
+    def from_bytes(
+        cls: type[R], data: bytes | bytearray | memoryview, *, device: str | torch.device = "cpu"
+    ) -> R:
+        """Parse a record from burnpack bytes, its tensors on ``device`` (see :meth:`load`)."""
+        target = _device.target_device(device)
         try:
             pack = burnpack.loads(data)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
-        return cls._from_checked_pack(pack)
+        return cls._from_checked_pack(pack)._on(target)
 
     @classmethod
-    def load(cls: type[R], path: str | os.PathLike[str]) -> R:
-        """Read a record file (Burn's rule: ``.bpk`` is tried when ``path`` has no suffix)."""
+    def load(
+        cls: type[R], path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    ) -> R:
+        """Read a record file (Burn's rule: ``.bpk`` is tried when ``path`` has no suffix).
+
+        ``device``: where its tensors go, ``cpu`` or a CUDA device (checked before the file is
+        read; a ``ValueError`` names any other). Checksums are verified on the host first, then
+        the tensors are copied to a CUDA device through reused pinned bounce buffers."""
+        target = _device.target_device(device)
         try:
             pack = burnpack.read(path)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
         with pack:
-            return cls._from_checked_pack(pack)
+            return cls._from_checked_pack(pack)._on(target)
+
+    def _on(self: R, target: torch.device) -> R:
+        """This record with its tensors on the checked device ``target`` (itself for ``cpu``:
+        a loaded record's tensors are on the host)."""
+        return self if target.type == "cpu" else self._moved_to(target)
+
+    def _moved_to(self: R, target: torch.device) -> R:
+        """This record, every tensor it holds (in attributes, nested in dicts, lists and
+        tuples) replaced by a copy on ``target``, a tensor held twice copied once."""
+        vars(self).update(_device._moved(dict(vars(self)), target))
+        return self
 
     @classmethod
     def _from_checked_pack(cls: type[R], pack: burnpack.Pack) -> R:
@@ -197,14 +220,16 @@ class StateRecord(Record):
         return cls(state.decode(pack))
 
 
-def load_record(path: str | os.PathLike[str]) -> Record:
-    """Open any record this package wrote, choosing the class from its kind tag."""
+def load_record(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Record:
+    """Open any record this package wrote, choosing the class from its kind tag; its tensors
+    on ``device`` (see :meth:`Record.load`)."""
+    target = _device.target_device(device)
     try:
         pack = burnpack.read(path)
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        return _record_from_pack(pack)
+        return _record_from_pack(pack)._on(target)
 
 
 def _record_from_pack(pack: burnpack.Pack) -> Record:

@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.burnpack import _parallel
 from lightning_bpk.records.base import Record, RecordError, _user_metadata
 
@@ -171,9 +171,12 @@ def _load_all(plan: list[tuple[torch.Tensor, torch.Tensor, int | None]], *, cast
     same-dtype copies between contiguous CPU tensors are one batch shared by two threads
     (:func:`burnpack._parallel.copy <lightning_bpk.burnpack._parallel.copy>`): torch's own
     ``copy_`` of a large tensor stalls at its thread pool's barrier whenever another process
-    holds a core (smaller ones it copies on one thread)."""
+    holds a core (smaller ones it copies on one thread). Same-dtype copies from the host into
+    contiguous tensors of a CUDA device go through reused pinned bounce buffers, non-blocking
+    (:func:`lightning_bpk._device.upload`), not torch's pageable synchronous copy."""
     loaded: set[int] = set()  # a tied tensor appears under several names; load it once
     batch = []
+    uploads = []
     with torch.no_grad():
         for target, tensor, pid in plan:
             if id(target) in loaded:
@@ -188,11 +191,19 @@ def _load_all(plan: list[tuple[torch.Tensor, torch.Tensor, int | None]], *, cast
                 and tensor.is_contiguous()
             ):
                 batch.append((target, tensor, pid))
+            elif (
+                tensor.dtype == target.dtype
+                and tensor.is_cpu
+                and _device.accelerated(target.device)
+                and target.is_contiguous()
+            ):
+                uploads.append((target, tensor, pid))
             else:
                 _load(target, tensor, pid, cast)
+        _device.upload((t, s) for t, s, _ in uploads)
     _parallel.copy((burnpack.tensor_bytes(t), burnpack.tensor_bytes(s)) for t, s, _ in batch)
     torch.autograd.graph.increment_version([t for t, _, _ in batch])
-    for target, _, pid in batch:
+    for target, _, pid in batch + uploads:
         if pid is not None:
             set_param_id(target, pid)
 
