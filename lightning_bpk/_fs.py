@@ -58,6 +58,7 @@ __all__ = [
     "SCRATCH_SUFFIX",
     "BufferedSink",
     "DirectSink",
+    "MemorySink",
     "Sink",
     "Worker",
     "aligned_buffer",
@@ -72,8 +73,10 @@ __all__ = [
 
 # Scratch names carry this suffix so a later save can recognise and remove leftovers of a crash.
 SCRATCH_SUFFIX = ".tmp"
-# What scratch_path appends to a name, as a regular expression: ".<pid>-<counter>.tmp".
 SCRATCH_MARK = r"\.[0-9]+-[0-9]+" + re.escape(SCRATCH_SUFFIX)
+"""What :func:`scratch_path` appends to a name (``.<pid>-<counter>.tmp``), as a regular
+expression: how a later save recognises the leftovers of a crash, and the store a staging
+folder."""
 
 DIRECT_MIN = 256 * 1024
 """Files smaller than this are written through the page cache: measured here, a durable write
@@ -492,6 +495,26 @@ class DirectSink:
             view.release()
         _shared.give(self._buffers)
         self._buffers = []
+
+
+class MemorySink:
+    """The bytes in memory (``file``, a ``BytesIO``): the sink of ``burnpack.dumps``."""
+
+    name = "<bytes>"
+    direct = False
+
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+
+    def write(self, data: Bytes) -> None:
+        self.file.write(data)
+
+    def patch(self, offset: int, data: Bytes) -> None:
+        with self.file.getbuffer() as view:
+            view[offset : offset + len(data)] = data
+
+    def finish(self) -> None:
+        """Nothing is held back."""
 
 
 class BufferedSink:

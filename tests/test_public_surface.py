@@ -95,7 +95,6 @@ _UNDOCUMENTED_PENDING = {
     "replay_message",
     "unpositioned_message",
     "workers_message",
-    "SCRATCH_MARK",
     "SCRATCH_SUFFIX",
     "CONFIGURABLES",
     "SIGNAL_CONNECTOR_MODULE",
@@ -219,6 +218,7 @@ _BURNPACK_WRITER = {
     "TensorsArg",
     "data_section_start",
     "dumps",
+    "offsets",
     "size",
     "write",
 }

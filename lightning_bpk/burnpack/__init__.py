@@ -63,6 +63,7 @@ from lightning_bpk.burnpack.writer import (
     TensorsArg,
     data_section_start,
     dumps,
+    offsets,
     size,
     write,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "data_section_start",
     "dumps",
     "loads",
+    "offsets",
     "read",
     "read_into",
     "size",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import io
 import math
 import operator
 import os
@@ -51,6 +50,7 @@ __all__ = [
     "TensorsArg",
     "data_section_start",
     "dumps",
+    "offsets",
     "size",
     "tensor_bytes",
     "write",
@@ -446,26 +446,6 @@ def _write_plan(plan: _Plan, sink: _fs.Sink) -> bytes:
     return header + meta + padding
 
 
-class _Memory:
-    """The sink of :func:`dumps`: the bytes in memory."""
-
-    name = "<bytes>"
-    direct = False
-
-    def __init__(self) -> None:
-        self.file = io.BytesIO()
-
-    def write(self, data: _fs.Bytes) -> None:
-        self.file.write(data)
-
-    def patch(self, offset: int, data: _fs.Bytes) -> None:
-        with self.file.getbuffer() as view:
-            view[offset : offset + len(data)] = data
-
-    def finish(self) -> None:
-        """Nothing is held back."""
-
-
 class _Written(NamedTuple):
     """What :func:`_write_to` wrote: the file's size and its head (see :func:`_write_plan`)."""
 
@@ -515,7 +495,7 @@ def dumps(
     256
     """
     plan = _plan(tensors, metadata, scalars, checksums)
-    memory = _Memory()
+    memory = _fs.MemorySink()
     _write_plan(plan, memory)
     return memory.file.getvalue()
 
@@ -530,6 +510,26 @@ def size(
     """The exact byte size :func:`dumps` would produce, computed without calling any provider."""
     plan = _plan(tensors, metadata, scalars, checksums)
     return data_section_start(len(plan.encoded)) + plan.data_size
+
+
+def offsets(
+    tensors: TensorsArg,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    scalars: Mapping[str, Any] | None = None,
+    checksums: bool = True,
+) -> dict[str, int]:
+    """Where each tensor's bytes start in the file :func:`dumps` would produce, computed
+    without calling any provider (so memory can hold a tensor at its file offset within a page,
+    for a writer that bypasses the page cache).
+
+    >>> at = offsets({"a": torch.zeros(3), "b": torch.zeros(1)})
+    >>> at["b"] - at["a"], at["a"] % TENSOR_ALIGNMENT
+    (256, 0)
+    """
+    plan = _plan(tensors, metadata, scalars, checksums)
+    data = data_section_start(len(plan.encoded))
+    return {p.name: data + p.start for p in plan.tensors}
 
 
 def _with_suffix(path: str | os.PathLike[str]) -> Path:

@@ -68,7 +68,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _device, burnpack
-from lightning_bpk.burnpack.writer import _plan
 from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import Record, StateRecord
@@ -297,9 +296,8 @@ def _offsets(record: Record) -> dict[str, int]:
     tensors, scalars, metadata = record.content()
     if not any(_nbytes(t) >= _PLACED_MIN for t in tensors.values()):
         return {}
-    plan = _plan(tensors, metadata, scalars, True)
-    data = burnpack.data_section_start(len(plan.encoded))
-    return {p.name: data + p.start for p in plan.tensors if p.entry.nbytes >= _PLACED_MIN}
+    at = burnpack.offsets(tensors, metadata=metadata, scalars=scalars)
+    return {name: at[name] for name, t in tensors.items() if _nbytes(t) >= _PLACED_MIN}
 
 
 def _nbytes(value: Any) -> int:
