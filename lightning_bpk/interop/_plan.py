@@ -25,8 +25,9 @@ from lightning_bpk.interop._dims import Dims, follow
 from lightning_bpk.interop._sources import Source
 from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.interop.rules import Item, Items, Links, Step, observing, tracing
+from lightning_bpk.records._params import owning_module
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import Adapter, ModuleRecord, owning_module
+from lightning_bpk.records.module import Adapter, ModuleRecord
 
 __all__ = [
     "DEFAULT_WORKERS",

@@ -45,8 +45,9 @@ from lightning_bpk.interop._plan import (
 )
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.remap import KeyRemapper
+from lightning_bpk.records._params import load_tensor, owning_module
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import Adapter, load_tensor, owning_module
+from lightning_bpk.records.module import Adapter
 
 
 def load_remapped(

@@ -67,8 +67,8 @@ from lightning_bpk.interop._plan import (
 from lightning_bpk.interop._sources import Source, Span, open_source, ranged_reader
 from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.interop.rules import Items, RemapError
+from lightning_bpk.records._params import load_tensor, set_param_id
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.records.module import load_tensor, set_param_id
 
 __all__ = [
     "ShardedLoad",

@@ -6,7 +6,7 @@ record reads like Burn's ``ModuleRecord`` and a Burn file (no kind tag, Burn's n
 
 **Parameter ids.** Every parameter is written with a u64 ``param_id`` (Burn's ``ParamId``); the
 optimizer record keys its state by these ids. A parameter that was loaded from a record carries
-that record's id (an attribute on the ``nn.Parameter``: ``set_param_id``). A parameter that
+that record's id (an attribute on the ``nn.Parameter``). A parameter that
 was never loaded gets :func:`default_param_id` of its fully qualified name relative to the module
 passed in: the first 8 bytes of ``blake2b(name, digest_size=8, person=b"lightning_bpk")`` read
 little-endian. That is stable across processes, so a fresh run names the same state the same
@@ -59,20 +59,21 @@ from torch import nn
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.burnpack import _parallel
+from lightning_bpk.records._params import (
+    _PARAM_ID_ATTR,
+    _load,
+    owning_module,
+    set_param_id,
+)
 from lightning_bpk.records.base import Record, RecordError, _user_metadata
 
 __all__ = [
     "Adapter",
     "ModuleRecord",
     "default_param_id",
-    "load_tensor",
-    "owning_module",
     "param_ids",
-    "set_param_id",
 ]
 
-# Attribute on an nn.Parameter holding the u64 id it was loaded with.
-_PARAM_ID_ATTR = "_lightning_bpk_param_id"
 # Metadata prefix of tied-weight aliases: "<prefix><alias name>" -> "<stored name>".
 ALIAS_PREFIX = "lightning_bpk/alias/"
 # Personalization of the name hash, so our ids do not coincide with other blake2b uses.
@@ -123,47 +124,6 @@ def param_ids(module: nn.Module) -> dict[str, int]:
     """
     table = _param_table(module)
     return {name: table[id(p)][0] for name, p in module.named_parameters(remove_duplicate=False)}
-
-
-def owning_module(module: nn.Module, name: str) -> nn.Module | None:
-    """The submodule at the prefix of a dotted tensor name, or None when there is none: the
-    ``layer`` an :class:`Adapter` is given for ``name`` (``module`` itself for a top-level name).
-
-    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 1))
-    >>> owning_module(net, "0.weight") is net[0], owning_module(net, "9.weight")
-    (True, None)
-    """
-    prefix = name.rpartition(".")[0]
-    try:
-        return module.get_submodule(prefix)
-    except AttributeError:
-        return None
-
-
-def set_param_id(tensor: torch.Tensor, pid: int) -> None:
-    """Give ``tensor`` (a module's parameter or buffer) the record id ``pid`` it was loaded
-    with, so that a record made of its module later writes it back under that id."""
-    setattr(tensor, _PARAM_ID_ATTR, pid)
-
-
-def load_tensor(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
-    """Load ``tensor`` into the module tensor ``target`` in place, as :meth:`ModuleRecord.apply`
-    does (shapes already checked): one copy, casting to ``target``'s dtype when ``cast``, else
-    ``target`` takes ``tensor``'s dtype (it stays the same object, so optimizers still hold it);
-    then ``target`` takes the record's ``pid`` (:func:`set_param_id`), if any."""
-    with torch.no_grad():
-        _load(target, tensor, pid, cast)
-
-
-def _load(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
-    """:func:`load_tensor` inside ``torch.no_grad()`` (entered once for a whole module: per
-    tensor it cost more than the copy of a small one)."""
-    if cast or tensor.dtype == target.dtype:
-        target.copy_(tensor)  # the one copy out of the record, casting if needed
-    else:
-        target.data = tensor.to(device=target.device, copy=True)
-    if pid is not None:
-        set_param_id(target, pid)
 
 
 def _load_all(plan: list[tuple[torch.Tensor, torch.Tensor, int | None]], *, cast: bool) -> None:
