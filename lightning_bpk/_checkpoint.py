@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from lightning_bpk import burnpack
+import torch
+
+from lightning_bpk import _device, burnpack
 from lightning_bpk.errors import StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -271,10 +273,13 @@ class CheckpointView:
 
     # -- loading --
 
-    def load(self, keys: Iterable[str] | None = None) -> dict[str, Any] | None:
-        """The data saved (records, plain data as its value), or None when the checkpoint is
-        not complete; ``KeyError`` names wanted keys it does not hold, a :class:`RecordError`
-        the first damaged file."""
+    def load(
+        self, keys: Iterable[str] | None = None, device: str | torch.device = "cpu"
+    ) -> dict[str, Any] | None:
+        """The data saved (records, plain data as its value), its tensors on ``device``, or
+        None when the checkpoint is not complete; ``KeyError`` names wanted keys it does not
+        hold, a :class:`RecordError` the first damaged file."""
+        target = _device.target_device(device)  # a bad device fails before anything is read
         try:
             manifest = self.read_manifest()
         except FileNotFoundError:
@@ -302,11 +307,16 @@ class CheckpointView:
             )
         entries = {} if manifest is None else manifest.files
         return {
-            k: self._load_one(f"{name}/{k}{RECORD_SUFFIX}", present, entries.get(k)) for k in wanted
+            k: self._load_one(f"{name}/{k}{RECORD_SUFFIX}", present, entries.get(k), target)
+            for k in wanted
         }
 
     def _load_one(
-        self, key: str, present: Mapping[str, int | None], entry: FileEntry | None
+        self,
+        key: str,
+        present: Mapping[str, int | None],
+        entry: FileEntry | None,
+        target: torch.device,
     ) -> Any:
         problems = self._file_problems(key, present, entry, full=False)
         if problems:
@@ -320,7 +330,9 @@ class CheckpointView:
             raise  # the store failed (after retries): nothing is known about the data
         except OSError as e:
             raise RecordError("io", f"{self.store.url_of(key)}: {e}") from e
-        return record.value if isinstance(record, StateRecord) else record
+        if isinstance(record, StateRecord):
+            return _device.to_device(record.value, target)
+        return record.to(target)
 
 
 def _verify(pack: burnpack.Pack) -> None:

@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 import gin
+import torch
 
 from lightning_bpk import _commit, _gin
 from lightning_bpk._checkpoint import (
@@ -359,17 +360,23 @@ class Checkpointer:
         return self._view(iteration_number).problems(full=True)
 
     def load_checkpoint(
-        self, iteration_number: int, keys: Iterable[str] | None = None
+        self,
+        iteration_number: int,
+        keys: Iterable[str] | None = None,
+        *,
+        device: str | torch.device = "cpu",
     ) -> dict[str, Any] | None:
         """The data saved for ``iteration_number``, or ``None`` if it has no complete checkpoint.
 
         Records come back as record objects, plain data (saved as a ``StateRecord``) as its
         value. ``keys`` loads only those entries (``KeyError`` names any that were not saved).
+        ``device``: where the tensors go, ``cpu`` or a CUDA device (checksums are verified on
+        the host first; see :meth:`Record.to <lightning_bpk.records.Record.to>`).
         Each file's size and header bytes are checked against the manifest, and tensors against
         their checksums; a damaged checkpoint raises :class:`RecordError` naming the file.
         Read-only and lock-free.
         """
-        return self._view(iteration_number).load(keys)
+        return self._view(iteration_number).load(keys, device)
 
     # -- writing -------------------------------------------------------------------------------
 

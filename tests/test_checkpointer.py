@@ -302,6 +302,19 @@ def test_load_selected_keys(tmp_path: Path) -> None:
     assert c.load_checkpoint(1, keys=["trainer"]) is None
 
 
+def test_load_onto_a_device(tmp_path: Path) -> None:
+    """``device=`` puts every tensor there (``cpu`` here: the data as saved; a CUDA device is
+    tests/test_gpu.py's); a device that cannot hold tensors is refused before anything is
+    read, naming it."""
+    c = Checkpointer(tmp_path)
+    c.save_checkpoint(0, tensors_payload(0))
+    for device in ("cpu", torch.device("cpu")):
+        assert_tensors_payload(c.load_checkpoint(0, device=device), 0)
+    for n in (0, 7):  # a checkpoint, and one that does not exist: neither is read
+        with pytest.raises(ValueError, match="'meta': it holds no data"):
+            c.load_checkpoint(n, device="meta")
+
+
 def test_paths(tmp_path: Path) -> None:
     c = Checkpointer(tmp_path, checkpoint_file_prefix="run", sentinel_file_identifier="x")
     assert c.checkpoint_path(12) == tmp_path / "run.12"

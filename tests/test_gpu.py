@@ -119,6 +119,10 @@ def test_loads_go_to_the_device_and_into_device_parameters(tmp_path: Path) -> No
         assert torch.equal(on_device.tensors[name].cpu(), tensor)
     with pytest.raises(ValueError, match="CUDA device"):
         ModuleRecord.load(path, device=f"cuda:{torch.cuda.device_count()}")
+    checkpointer = Checkpointer(tmp_path / "run")
+    checkpointer.save_checkpoint(1, {"model": ModuleRecord.from_module(source), "w": torch.ones(2)})
+    loaded = checkpointer.load_checkpoint(1, device="cuda")
+    assert all(t.is_cuda for t in loaded["model"].tensors.values()) and loaded["w"].is_cuda
 
 
 @needs_cuda

@@ -190,6 +190,8 @@ def test_a_device_that_cannot_take_the_tensors_is_refused_before_reading(
             load(missing, device=device)
     with pytest.raises(ValueError, match=message):
         StateRecord.from_bytes(b"not even a pack", device=device)
+    with pytest.raises(ValueError, match=message):
+        StateRecord({"w": torch.ones(1)}).to(device)
 
 
 @pytest.mark.parametrize("kind", ["module", "optimizer", "state"])

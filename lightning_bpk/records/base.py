@@ -146,7 +146,7 @@ class Record:
             pack = burnpack.loads(data)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
-        return cls._from_checked_pack(pack)._on(target)
+        return cls._from_checked_pack(pack).to(target)
 
     @classmethod
     def load(
@@ -163,16 +163,23 @@ class Record:
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
         with pack:
-            return cls._from_checked_pack(pack)._on(target)
+            return cls._from_checked_pack(pack).to(target)
 
-    def _on(self: R, target: torch.device) -> R:
-        """This record with its tensors on the checked device ``target`` (itself for ``cpu``:
-        a loaded record's tensors are on the host)."""
+    def to(self: R, device: str | torch.device) -> R:
+        """This record with its tensors on ``device``: ``cpu`` (the record itself: a loaded
+        record's tensors are on the host) or a CUDA device, where every tensor it holds (in
+        attributes, nested in dicts, lists and tuples) is replaced by a copy, a tensor held
+        twice copied once. Any other device is a ``ValueError`` naming it.
+
+        >>> record = StateRecord({"w": torch.ones(2)})
+        >>> record.to("cpu") is record
+        True
+        """
+        target = _device.target_device(device)
         return self if target.type == "cpu" else self._moved_to(target)
 
     def _moved_to(self: R, target: torch.device) -> R:
-        """This record, every tensor it holds (in attributes, nested in dicts, lists and
-        tuples) replaced by a copy on ``target``, a tensor held twice copied once."""
+        """This record, every tensor it holds replaced by a copy on the checked ``target``."""
         vars(self).update(_device._moved(dict(vars(self)), target))
         return self
 
@@ -229,7 +236,7 @@ def load_record(path: str | os.PathLike[str], *, device: str | torch.device = "c
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        return _record_from_pack(pack)._on(target)
+        return _record_from_pack(pack).to(target)
 
 
 def _record_from_pack(pack: burnpack.Pack) -> Record:
