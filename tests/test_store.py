@@ -162,6 +162,18 @@ def test_local_files_in_a_staging_folder_are_fsynced_once_by_publish(tmp_path, m
     store.put("plain", b"p")
     assert len(synced) == 2 and synced[0].startswith(f"{tmp_path}/plain.")  # its scratch file
     assert synced[1] == str(tmp_path)
+    # another store of this process writing into this process's staging folder: still once
+    staging = store.staging("ckpt.6")
+    synced.clear()
+    open_store(tmp_path).put(f"{staging}/rank1.bpk", b"r")
+    assert synced == []
+    # a staging folder another process made (a rank, maybe on another node of a shared
+    # filesystem, where this process's fsync would not reach the writer's cache): every file
+    # written into it is durable on its own, as it is written
+    foreign = f"ckpt.6.{os.getpid() + 1}-0.tmp"
+    (tmp_path / foreign).mkdir()
+    store.put(f"{foreign}/rank1.bpk", b"r")
+    assert synced and synced[0].startswith(f"{tmp_path}/{foreign}/rank1.bpk.")
 
 
 def test_exclusive_is_a_lock_locally_and_nothing_remotely(store, tmp_path):

@@ -5,8 +5,8 @@ Writes follow the recipe of :mod:`lightning_bpk._fs`: a scratch name in the *tar
 fsync, ``os.replace`` (or ``os.link`` for a create-only write, which fails atomically when the
 name exists and never shows a half-written file), fsync of the directory. A prefix of files is
 published by renaming its staging directory into place, then fsyncing the parent. A file written
-*inside* a staging directory (a key below a scratch-named folder, see ``LocalStore.staging``)
-is written in place with no fsync of its own: nothing can see it under a final name before
+*inside* a staging directory this process made (``LocalStore.staging``) is written in place
+with no fsync of its own: nothing can see it under a final name before
 ``LocalStore.publish`` fsyncs every file and the folder, then renames; so a checkpoint of
 three files costs one fsync per file and two per folder, not three per file. Reads use
 ``preadv`` into the caller's buffer; ``LocalStore.map`` maps the file itself copy-on-write
@@ -22,7 +22,6 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import shutil
 import stat
 from collections.abc import Iterable, Iterator
@@ -41,8 +40,11 @@ _SYMLINK = "is a symlink: refused, never followed (a checkpoint is made of real 
 # asynchronous save holds the lock) closes its copies, or the flock, which belongs to the open
 # file and not to the process, would stay held as long as the child lives.
 _HELD: set[int] = set()
-# A folder made by LocalStore.staging: a name with the scratch mark of lightning_bpk._fs.
-_STAGING = re.compile(".*" + _fs.SCRATCH_MARK)
+# The staging folders LocalStore.staging made in this process and publish has not renamed yet:
+# files written below one of them are fsynced by that publish (this process's). A folder another
+# process made (a rank's, possibly on another node of a shared filesystem, where this process's
+# fsync would not reach the writer's cache) is not in it: its files are fsynced as written.
+_OWN_STAGING: set[str] = set()
 
 
 def _close_held_in_child() -> None:
@@ -186,7 +188,7 @@ class LocalStore:
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not create_only and _staged(key):
+        if not create_only and self._staged(key):
             with _removed_on_failure(path), open(path, "wb", buffering=0) as f:
                 _fs.write_all(f, data)
             return True
@@ -227,7 +229,7 @@ class LocalStore:
         a staging directory, ``key`` itself, left for :meth:`publish` to fsync."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not _staged(key):
+        if not self._staged(key):
             with _fs.atomic_sink(path, size) as sink:
                 yield sink
             return
@@ -241,7 +243,7 @@ class LocalStore:
         staging directory: the target itself, removed if the block fails."""
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        if _staged(key):
+        if self._staged(key):
             with _removed_on_failure(target):
                 yield target
             return
@@ -273,7 +275,12 @@ class LocalStore:
                 path.mkdir(parents=True)
             except FileExistsError:
                 continue
+            _OWN_STAGING.add(str(path))
             return path.relative_to(self.root).as_posix()
+
+    def _staged(self, key: str) -> bool:
+        """Whether ``key`` lies below a staging folder this process made (see _OWN_STAGING)."""
+        return bool(_OWN_STAGING) and any(str(p) in _OWN_STAGING for p in self._path(key).parents)
 
     def publish(self, staging: Path | str, prefix: str) -> None:
         source = staging if isinstance(staging, Path) else self._path(staging)
@@ -290,6 +297,7 @@ class LocalStore:
             _fs.fsync_dir(folder)
         try:
             os.rename(source, target)
+            _OWN_STAGING.discard(str(source))
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
@@ -312,6 +320,7 @@ class LocalStore:
 
     def remove_prefix(self, prefix: str) -> None:
         _remove(self._path(prefix))
+        _OWN_STAGING.discard(str(self._path(prefix)))
 
     @contextlib.contextmanager
     def exclusive(self, *, wait: bool = False) -> Iterator[None]:
@@ -355,11 +364,6 @@ class _Mapped:
 
     def fetch(self, start: int, end: int) -> None:
         """Nothing to fetch."""
-
-
-def _staged(key: str) -> bool:
-    """Whether ``key`` lies below a staging folder (a scratch-named directory component)."""
-    return any(_STAGING.fullmatch(part) for part in key.split("/")[:-1])
 
 
 @contextlib.contextmanager
