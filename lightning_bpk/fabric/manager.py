@@ -173,7 +173,6 @@ class CheckpointManager:
         self.overwrite = overwrite
         self.storage_options = dict(storage_options) if storage_options is not None else None
         self.restored_step: int | None = None
-        self._preloaded: dict[str, Any] | None = None  # what rank 0 read choosing the restore
         self.last_saved_step: int | None = None
         self._checked_newer = False
         self._ranks = _ranks(fabric)
@@ -240,7 +239,7 @@ class CheckpointManager:
         """
         state = {} if state is None else state
         parts = _state.split(state)
-        number, location, sharded = self._choose()
+        number, location, sharded, preloaded = self._choose()
         if number < 0:
             if self.fabric.is_global_zero:
                 log.info("no complete checkpoint in %s: starting from scratch", self.directory)
@@ -251,8 +250,7 @@ class CheckpointManager:
         if sharded:
             data = _sharded.load(self.checkpointer, number, location, parts, self.storage_options)
         else:
-            data = self._preloaded if self.fabric.is_global_zero else None
-            self._preloaded = None
+            data = preloaded
             if data is None:
                 data = self.checkpointer.load_checkpoint(number)
             if data is None:
@@ -274,15 +272,17 @@ class CheckpointManager:
         self.preemption.log_restart(str(location))
         return Restored(remainder, self.restored_step)
 
-    def _choose(self) -> tuple[int, str, bool]:
-        """``(number, where, sharded)`` of the checkpoint to restore (-1: none), chosen by
-        rank 0 and broadcast; what rank 0 read choosing is kept for its own restore."""
-        self._preloaded = None
+    def _choose(self) -> tuple[int, str, bool, dict[str, Any] | None]:
+        """``(number, where, sharded, data)`` of the checkpoint to restore (-1: none), chosen by
+        rank 0 and broadcast; ``data``: what rank 0 read choosing, for its own restore (None on
+        the other ranks, or when it read none)."""
         choice: tuple[int, str, bool, str | None] = (-1, "", False, None)
-        failure: Exception | None = None
+        preloaded, failure = None, None
         if self.fabric.is_global_zero:
             try:
-                choice = self._choose_on_rank0()
+                choice, preloaded = _choose_on_rank0(
+                    self.checkpointer, self.override_number, self.verify, self.storage_options
+                )
             except Exception as e:  # every rank must reach the broadcast, and learn of it
                 failure = e
                 choice = (-1, "", False, f"cannot look for a checkpoint in {self.directory}: {e}")
@@ -291,61 +291,7 @@ class CheckpointManager:
             raise failure
         if error is not None:
             raise CheckpointResumeError(error)
-        return number, where, sharded
-
-    def _choose_on_rank0(self) -> tuple[int, str, bool, str | None]:
-        checkpointer = self.checkpointer
-        names = (checkpointer.sentinel_file_identifier, checkpointer.checkpoint_file_prefix)
-        override = self.override_number
-        if override is None:
-            override = bound_override_number()
-        if override is None and self.verify:  # every byte verified as it is read, once
-            choice = choose_resume(
-                checkpointer.store,
-                *names,
-                (TRAINER_KEY,),
-                at_most=2**63,
-                unloaded=(INDEX_DATA_KEY,),
-            )
-            self._preloaded = choice.data
-            where = "" if choice.location is None else str(choice.location)
-            return choice.number, where, choice.number >= 0 and choice.data is None, None
-        if override is None:  # sentinels and file sizes only; every rank reads it to restore
-            override = get_latest_checkpoint_number(
-                self.directory, None, *names, False, self.storage_options, (TRAINER_KEY,)
-            )
-        elif override >= 0:
-            problems = verify_checkpoint(
-                self.directory,
-                override,
-                *names,
-                self.storage_options,
-                full=self.verify,
-                required_keys=(TRAINER_KEY,),
-            )
-            if problems:
-                complete = [e.number for e in self._complete()]
-                error = (
-                    f"cannot restore checkpoint {override} in {self.directory} (override_number"
-                    f" = {override}): {summarise(problems)}. Complete checkpoints there: "
-                    f"{complete or 'none'}; nothing was changed"
-                )
-                return -1, "", False, error
-        if override < 0:
-            return -1, "", False, None
-        where = str(checkpointer.checkpoint_path(override))
-        sharded = _sharded.is_sharded(checkpointer, override, self.storage_options)
-        return override, where, sharded, None
-
-    def _complete(self) -> list[Any]:
-        checkpointer = self.checkpointer
-        entries = list_checkpoints(
-            self.directory,
-            checkpointer.sentinel_file_identifier,
-            checkpointer.checkpoint_file_prefix,
-            self.storage_options,
-        )
-        return [e for e in entries if e.complete]
+        return number, where, sharded, preloaded
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -465,7 +411,8 @@ class CheckpointManager:
         error = None
         if self.fabric.is_global_zero:
             try:
-                newer = sorted(e.number for e in self._complete() if e.number > step)
+                complete = _complete(self.checkpointer, self.storage_options)
+                newer = sorted(e.number for e in complete if e.number > step)
                 if newer and self.overwrite:
                     log.warning(
                         "overwrite=True: removing checkpoints %s in %s, newer than step %d",
@@ -527,6 +474,68 @@ class CheckpointManager:
         if not isinstance(record, ModuleRecord):
             raise ValueError(f"checkpoint {number} holds no module under {key!r}")
         return save_module_record(record, path)
+
+
+def _choose_on_rank0(
+    checkpointer: Checkpointer,
+    override: int | None,
+    verify: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[tuple[int, str, bool, str | None], dict[str, Any] | None]:
+    """Rank 0's choice of the checkpoint to restore, ``(number, where, sharded, error)``, and
+    the data it read choosing (None when it read none: every rank reads the checkpoint)."""
+    directory = checkpointer.base_directory
+    names = (checkpointer.sentinel_file_identifier, checkpointer.checkpoint_file_prefix)
+    if override is None:
+        override = bound_override_number()
+    if override is None and verify:  # every byte verified as it is read, once
+        choice = choose_resume(
+            checkpointer.store,
+            *names,
+            (TRAINER_KEY,),
+            at_most=2**63,
+            unloaded=(INDEX_DATA_KEY,),
+        )
+        where = "" if choice.location is None else str(choice.location)
+        sharded = choice.number >= 0 and choice.data is None
+        return (choice.number, where, sharded, None), choice.data
+    if override is None:  # sentinels and file sizes only; every rank reads it to restore
+        override = get_latest_checkpoint_number(
+            directory, None, *names, False, storage_options, (TRAINER_KEY,)
+        )
+    elif override >= 0:
+        problems = verify_checkpoint(
+            directory,
+            override,
+            *names,
+            storage_options,
+            full=verify,
+            required_keys=(TRAINER_KEY,),
+        )
+        if problems:
+            complete = [e.number for e in _complete(checkpointer, storage_options)]
+            error = (
+                f"cannot restore checkpoint {override} in {directory} (override_number"
+                f" = {override}): {summarise(problems)}. Complete checkpoints there: "
+                f"{complete or 'none'}; nothing was changed"
+            )
+            return (-1, "", False, error), None
+    if override < 0:
+        return (-1, "", False, None), None
+    where = str(checkpointer.checkpoint_path(override))
+    sharded = _sharded.is_sharded(checkpointer, override, storage_options)
+    return (override, where, sharded, None), None
+
+
+def _complete(checkpointer: Checkpointer, storage_options: Mapping[str, Any] | None) -> list[Any]:
+    """The complete checkpoints of ``checkpointer``'s directory."""
+    entries = list_checkpoints(
+        checkpointer.base_directory,
+        checkpointer.sentinel_file_identifier,
+        checkpointer.checkpoint_file_prefix,
+        storage_options,
+    )
+    return [e for e in entries if e.complete]
 
 
 def _describe(error: BaseException) -> str:
