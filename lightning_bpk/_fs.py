@@ -75,8 +75,7 @@ __all__ = [
 SCRATCH_SUFFIX = ".tmp"
 SCRATCH_MARK = r"\.[0-9]+-[0-9]+" + re.escape(SCRATCH_SUFFIX)
 """What :func:`scratch_path` appends to a name (``.<pid>-<counter>.tmp``), as a regular
-expression: how a later save recognises the leftovers of a crash, and the store a staging
-folder."""
+expression: how a later save recognises the leftovers of a crash."""
 
 DIRECT_MIN = 256 * 1024
 """Files smaller than this are written through the page cache: measured here, a durable write

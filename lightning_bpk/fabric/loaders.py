@@ -127,9 +127,8 @@ class ResumableLoader:
         tail, self._tail = self._tail, False
         for _ in range(2 if tail else 1):
             for batch in self.loader:
-                if (
-                    rng is not None
-                ):  # a resumed stateful loader drew its seeds creating its iterator
+                # a resumed stateful loader drew its seeds creating its iterator
+                if rng is not None:
                     trainer_state.restore_rng(rng)
                     rng = None
                 self._consumed += 1

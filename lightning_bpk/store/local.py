@@ -188,13 +188,13 @@ class LocalStore:
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not create_only and self._staged(key):
-            with _removed_on_failure(path), open(path, "wb", buffering=0) as f:
-                _fs.write_all(f, data)
-            return True
         if not create_only:
-            with _fs.atomic_file(path) as f:
-                _fs.write_all(f, data)
+            if self._staged(key):  # published (and fsynced) with its staging folder
+                with _removed_on_failure(path), open(path, "wb", buffering=0) as f:
+                    _fs.write_all(f, data)
+            else:
+                with _fs.atomic_file(path) as f:
+                    _fs.write_all(f, data)
             return True
         scratch = _fs.scratch_path(path)
         try:
