@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.burnpack import Scalar, TensorEntry, _inplace, _parallel
+from lightning_bpk.burnpack import Scalar, TensorEntry, _inplace, _parallel, reader
 
 from conftest import MNIST_BPK, run_process
 
@@ -1119,6 +1119,23 @@ def test_read_into_detects_a_flipped_byte_and_names_the_tensor(tmp_path, monkeyp
     w = torch.zeros(3, 700)
     burnpack.read_into(path, {"w": w}, verify=False)
     assert w.view(torch.uint8).flatten()[7].item() != 0 and not torch.equal(w, source["w"])
+
+
+def test_read_into_names_a_file_truncated_after_it_was_parsed(tmp_path, monkeypatch):
+    """Another program truncating the file in place between the parse and the reads: the short
+    read is an error naming the file, never a target silently left half-filled."""
+    source = {"w": torch.randn(4096)}
+    path = burnpack.write(tmp_path / "t.bpk", source)
+    parse = reader._map
+
+    def parse_then_truncate(fd, p):
+        pack = parse(fd, p)
+        os.truncate(p, pack.data_start + 1000)
+        return pack
+
+    monkeypatch.setattr(reader, "_map", parse_then_truncate)
+    with pytest.raises(burnpack.BurnpackIOError, match=rf"{path}: the file ended at byte "):
+        burnpack.read_into(path, {"w": torch.zeros(4096)})
 
 
 # =============================== atomicity under injected faults ===============================

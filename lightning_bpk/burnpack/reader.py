@@ -555,11 +555,10 @@ def read_into(
     """Load tensors of a burnpack file into existing tensors, in place (what resuming does).
 
     Every name in ``targets`` must be in the file, with the same shape. A contiguous CPU target
-    of the stored dtype is filled from the file's mapping in steps of 1 MiB, each hashed and then
-    copied while it is still in the CPU cache (one pass over the bytes), the work shared by the
-    caller's thread and a helper thread (see :mod:`lightning_bpk.burnpack._inplace`). Any other
-    target (another dtype, a view, a GPU tensor) is filled with ``copy_`` after its checksum is
-    verified.
+    of the stored dtype is read straight into (``preadv``) in steps of 1 MiB, each hashed while it
+    is still in the CPU cache (one pass over the bytes), the work shared by the caller's thread
+    and a helper thread (see :mod:`lightning_bpk.burnpack._inplace`). Any other target (another
+    dtype, a view, a GPU tensor) is filled with ``copy_`` after its checksum is verified.
 
     Everything is checked before any target is touched except the checksums of tensors copied
     straight into their targets: if one fails, :class:`ChecksumError` names it and that target
@@ -571,26 +570,38 @@ def read_into(
     >>> w = torch.zeros(3); read_into(path, {"w": w}); w.tolist()
     [0.0, 1.0, 2.0]
     """
-    with read(path) as pack:
-        direct, other = [], []
-        for name, target in targets.items():
-            info = pack._info(name)
-            if target.shape != info.shape:
-                raise ValidationError(
-                    f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
-                    f"target {list(target.shape)}"
-                )
-            flat = writable_bytes(target, info.dtype)
-            if flat is None:
-                other.append((name, target))
-                continue
-            start, end = info.data_offsets
-            stored = pack._buffer[pack.data_start + start : pack.data_start + end]
-            expected = pack.checksums.get(name) if verify else None
-            direct.append(Into(name, start, stored, flat, target.data_ptr(), expected))
-        direct.sort(key=lambda i: i.start)  # the mapping front to back: readahead when cold
-        fill(pack.source, direct)
-        torch.autograd.graph.increment_version([targets[i.name] for i in direct])
-        with torch.no_grad():
-            for name, target in other:
-                target.copy_(pack.tensor(name, verify=verify))
+    p = _resolve_path(path)
+    fd = _open(p)
+    try:
+        with _map(fd, p) as pack:
+            _fill_targets(pack, fd, targets, verify=verify)
+    finally:
+        os.close(fd)
+
+
+def _fill_targets(
+    pack: Pack, fd: int, targets: Mapping[str, torch.Tensor], *, verify: bool
+) -> None:
+    """:func:`read_into`'s work on the parsed ``pack`` of the open file ``fd``."""
+    direct, other = [], []
+    for name, target in targets.items():
+        info = pack._info(name)
+        if target.shape != info.shape:
+            raise ValidationError(
+                f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
+                f"target {list(target.shape)}"
+            )
+        flat = writable_bytes(target, info.dtype)
+        if flat is None:
+            other.append((name, target))
+            continue
+        offset = pack.data_start + info.data_offsets[0]
+        stored = pack._buffer[offset : offset + info.nbytes]
+        expected = pack.checksums.get(name) if verify else None
+        direct.append(Into(name, offset, stored, flat, target.data_ptr(), expected))
+    direct.sort(key=lambda i: i.offset)  # the file front to back: readahead when cold
+    fill(pack.source, fd, direct)
+    torch.autograd.graph.increment_version([targets[i.name] for i in direct])
+    with torch.no_grad():
+        for name, target in other:
+            target.copy_(pack.tensor(name, verify=verify))
