@@ -97,6 +97,11 @@ def _segment(key: object) -> str:
     return _escape(key if isinstance(key, str) else str(key))
 
 
+def _child(dotted: str | None, key: object) -> str:
+    """The dotted name of ``key`` under the node named ``dotted`` (``None``: the root)."""
+    return _segment(key) if dotted is None else f"{dotted}.{_segment(key)}"
+
+
 def _where(path: tuple) -> str:
     return "$" + "".join(f"[{k!r}]" for k in path)
 
@@ -137,9 +142,12 @@ class _Encoder:
         # keeps its id from being reused by a temporary made later in the walk.
         self.tensor_names: dict[int, tuple[torch.Tensor, str]] = {}
 
-    def name_for(self, path: tuple) -> str:
-        named = self.name_path(path) if self.name_path is not None else path
-        base = ".".join(_segment(k) for k in named) or _ROOT_NAME
+    def name_for(self, path: tuple, dotted: str | None) -> str:
+        """The leaf's name: ``dotted`` (its path, escaped and joined as :meth:`node` built it)
+        unless the ``name_path`` hook names it, made unique."""
+        if self.name_path is not None:
+            dotted = ".".join(_segment(k) for k in self.name_path(path))
+        base = dotted or _ROOT_NAME
         if base.startswith(_RESERVED_PREFIX):
             base = f"%{ord(base[0]):02X}{base[1:]}"
         name, n = base, 1
@@ -148,36 +156,38 @@ class _Encoder:
         self.used.add(name)
         return name
 
-    def node(self, value: Any, path: tuple) -> Any:
+    def node(self, value: Any, path: tuple, dotted: str | None = None) -> Any:
+        """The structure node of ``value`` at ``path``; ``dotted`` is the path's escaped segments
+        joined by dots, built one segment per level (``None`` at the root)."""
         if len(path) > _MAX_DEPTH:
             raise StateError(f"{_where(path)}: nesting deeper than {_MAX_DEPTH} levels")
         if value is None:
             return None
         if isinstance(value, bool):
-            return ["b", self.scalar(path, Scalar.Bool(value))]
+            return ["b", self.scalar(path, dotted, Scalar.Bool(value))]
         if isinstance(value, int):
             if _I64_MIN <= value <= _U64_MAX:
-                return ["i", self.scalar(path, Scalar.coerce(int(value)))]
-            name = self.name_for(path)
+                return ["i", self.scalar(path, dotted, Scalar.coerce(int(value)))]
+            name = self.name_for(path, dotted)
             self.content.metadata[name] = str(int(value))
             return ["I", name]
         if isinstance(value, float):
-            return ["f", self.scalar(path, Scalar.Float(float(value)))]
+            return ["f", self.scalar(path, dotted, Scalar.Float(float(value)))]
         if isinstance(value, str):
-            name = self.name_for(path)
+            name = self.name_for(path, dotted)
             self.content.metadata[name] = value
             return ["s", name]
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 and self.as_scalar is not None and self.as_scalar(path):
                 dtype = self.check_dtype(value, path)
-                return ["z", self.scalar(path, _tensor_scalar(value)), dtype]
-            return ["t", self.tensor(value, path)]
+                return ["z", self.scalar(path, dotted, _tensor_scalar(value)), dtype]
+            return ["t", self.tensor(value, path, dotted)]
         if isinstance(value, np.ndarray):
-            return ["n", self.tensor(_from_numpy(value, path), path)]
+            return ["n", self.tensor(_from_numpy(value, path), path, dotted)]
         if isinstance(value, (bytes, bytearray)):
             data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else None
             tensor = torch.zeros(0, dtype=torch.uint8) if data is None else data
-            return ["y" if isinstance(value, bytes) else "Y", self.tensor(tensor, path)]
+            return ["y" if isinstance(value, bytes) else "Y", self.tensor(tensor, path, dotted)]
         if isinstance(value, dict):
             kind = _DICT_KINDS.get(type(value), "D")  # other dict subclasses decode as dict
             items = []
@@ -187,31 +197,31 @@ class _Encoder:
                         f"{_where(path)}: dict key {k!r} of type {type(k).__name__} "
                         "is not supported (use str, int, float, bool or None)"
                     )
-                items.append([k, self.node(v, (*path, k))])
+                items.append([k, self.node(v, (*path, k), _child(dotted, k))])
             return [kind, items]
         if isinstance(value, list):
-            return ["L", [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+            return ["L", [self.node(v, (*path, i), _child(dotted, i)) for i, v in enumerate(value)]]
         if isinstance(value, tuple) and type(value) is tuple:
-            return ["U", [self.node(v, (*path, i)) for i, v in enumerate(value)]]
+            return ["U", [self.node(v, (*path, i), _child(dotted, i)) for i, v in enumerate(value)]]
         if isinstance(value, (np.integer, np.floating, np.bool_)):
-            return self.node(value.item(), path)
+            return self.node(value.item(), path, dotted)
         raise StateError(
             f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__} "
             "without pickle; convert it to plain data (dict/list/tuple/str/int/float/bool/None/"
             "tensor)"
         )
 
-    def scalar(self, path: tuple, scalar: Scalar) -> str:
-        name = self.name_for(path)
+    def scalar(self, path: tuple, dotted: str | None, scalar: Scalar) -> str:
+        name = self.name_for(path, dotted)
         self.content.scalars[name] = scalar
         return name
 
-    def tensor(self, tensor: torch.Tensor, path: tuple) -> str:
+    def tensor(self, tensor: torch.Tensor, path: tuple, dotted: str | None) -> str:
         shared = self.tensor_names.get(id(tensor))
         if shared is not None:
             return shared[1]
         self.check_dtype(tensor, path)
-        name = self.name_for(path)
+        name = self.name_for(path, dotted)
         self.content.tensors[name] = tensor.detach()
         self.tensor_names[id(tensor)] = (tensor, name)
         return name
