@@ -6,7 +6,7 @@ interleaved: no checkpoint callback, Lightning's own ``ModelCheckpoint()`` (a to
 whole dict every epoch), ``BurnpackCheckpoint()`` (synchronous saves) and
 ``BurnpackCheckpoint(async_save=True)``. Each run is a whole ``trainer.fit`` in a fresh
 directory, teardown included (so the async variant pays for waiting on its last write). The
-overhead is the median's excess over no callback.
+overhead is the median over the rounds of the ratio to the same round's run without a callback.
 
 The example's epochs are short (~40 ms: 25 batches of a tiny MLP) while each save has a fixed
 cost, so a second, clearly labelled measurement passes over the same data ``REPEAT`` times per
@@ -68,6 +68,10 @@ QUICK_EPOCHS = 10
 REPEAT = 10  # data passes per epoch of the "longer epochs" measurement
 STEP_INTERVAL = 50  # optimizer steps between checkpoints in measure_steps
 STEP_EPOCHS = 4  # of the longer epochs (250 steps each): 20 checkpoints per run
+_PAIRED = (  # how the overhead columns are computed (see fabric.paired_overhead)
+    "Overheads are medians over the rounds of the ratio to the same round's run without "
+    "checkpoints:"
+)
 BUDGETS = (0.01, 0.02, 0.05)  # max_overhead values tried with every_n_train_steps="auto"
 # Issue 23's bound for async checkpoints per epoch (the longer epochs) and every STEP_INTERVAL
 # steps; also below Lightning's ModelCheckpoint in the same run (each row's ``limit``).
@@ -120,13 +124,12 @@ class Overhead:
 
     @property
     def overhead(self) -> float:
-        best = "async" if "async" in self.times else "sync"
-        return self.median(best) / self.median("none") - 1
+        return fabric.paired_overhead(self.times, "async" if "async" in self.times else "sync")
 
     @property
     def limit(self) -> float:
         """At most ``OVERHEAD_LIMIT``, and below Lightning's ``ModelCheckpoint`` in this run."""
-        return min(OVERHEAD_LIMIT, self.median("lightning") / self.median("none") - 1)
+        return min(OVERHEAD_LIMIT, fabric.paired_overhead(self.times, "lightning"))
 
     def markdown(self) -> list[str]:
         base = self.median("none")
@@ -137,17 +140,18 @@ class Overhead:
             f"(whole `fit`). An epoch lasts {base / self.epochs * 1000:.0f} ms without "
             "checkpoints; each async save blocks the training thread for "
             f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}; "
-            "Lightning's `dump_checkpoint`, building the records, the staging copy):",
+            "Lightning's `dump_checkpoint`, building the records, the staging copy). "
+            f"{_PAIRED}",
             "",
             "| variant | median fit time | range | overhead |",
             "|---|---|---|---|",
         ]
         names = {"lightning": "Lightning `ModelCheckpoint()`"}
         for variant, times in self.times.items():
-            med = statistics.median(times)
             lines.append(
-                f"| {names.get(variant, variant)} | {med:.3f} s | {min(times):.3f} - "
-                f"{max(times):.3f} s | {(med / base - 1) * 100:+.1f} % |"
+                f"| {names.get(variant, variant)} | {statistics.median(times):.3f} s | "
+                f"{min(times):.3f} - {max(times):.3f} s | "
+                f"{fabric.paired_overhead(self.times, variant) * 100:+.1f} % |"
             )
         return lines
 
@@ -225,17 +229,14 @@ class StepOverhead:
         f"{OVERHEAD_LIMIT:.0%}, or Lightning's ModelCheckpoint's in this run if lower)"
     )
 
-    def _overhead(self, variant: str) -> float:
-        return statistics.median(self.times[variant]) / statistics.median(self.times["none"]) - 1
-
     @property
     def overhead(self) -> float:
-        return self._overhead("async")
+        return fabric.paired_overhead(self.times, "async")
 
     @property
     def limit(self) -> float:
         """At most ``OVERHEAD_LIMIT``, and below Lightning's ``ModelCheckpoint`` in this run."""
-        return min(OVERHEAD_LIMIT, self._overhead("lightning"))
+        return min(OVERHEAD_LIMIT, fabric.paired_overhead(self.times, "lightning"))
 
     def markdown(self) -> list[str]:
         base = statistics.median(self.times["none"])
@@ -250,7 +251,7 @@ class StepOverhead:
             f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}; "
             f"range {min(self.blocked) * 1000:.1f} - {max(self.blocked) * 1000:.1f} ms), the "
             f"first save of a run for {statistics.median(self.first) * 1000:.1f} ms (median of "
-            f"{len(self.first)}):",
+            f"{len(self.first)}). {_PAIRED}",
             "",
             "| variant | median fit time | range | overhead |",
             "|---|---|---|---|",
@@ -261,10 +262,9 @@ class StepOverhead:
             "async": f"`BurnpackCheckpoint(every_n_train_steps={STEP_INTERVAL}, async_save=True)`",
         }
         for variant, times in self.times.items():
-            med = statistics.median(times)
             lines.append(
-                f"| {names[variant]} | {med:.3f} s | {min(times):.3f} - {max(times):.3f} s | "
-                f"{(med / base - 1) * 100:+.1f} % |"
+                f"| {names[variant]} | {statistics.median(times):.3f} s | {min(times):.3f} - "
+                f"{max(times):.3f} s | {fabric.paired_overhead(self.times, variant) * 100:+.1f} % |"
             )
         lines += [
             "",

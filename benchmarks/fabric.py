@@ -52,6 +52,15 @@ VARIANTS = {
 }
 
 
+def paired_overhead(runs: dict[str, list[float]], variant: str, base: str = "none") -> float:
+    """The median over the rounds of ``variant``'s time over the same round's ``base`` time,
+    minus one. Runs of a few seconds on these VMs drift by 10-20 % between rounds (other
+    tenants); a round's variants run back to back, so their ratio cancels most of the drift
+    that a ratio of medians taken across rounds keeps."""
+    pairs = zip(runs[variant], runs[base], strict=True)
+    return statistics.median(v / b for v, b in pairs) - 1
+
+
 @dataclass
 class FabricOverhead:
     """Loop times per variant, and the loop's time in each save of the async manager."""
@@ -68,12 +77,8 @@ class FabricOverhead:
     )
 
     def overhead_of(self, variant: str, of: str = "times") -> float:
-        """The median over the rounds of ``variant``'s loop over the round's loop without
-        checkpoints, minus one (``of="cpu"``: the loop thread's CPU time)."""
-        runs = getattr(self, of)
-        return (
-            statistics.median(v / n for v, n in zip(runs[variant], runs["none"], strict=True)) - 1
-        )
+        """:func:`paired_overhead` of ``variant`` (``of="cpu"``: the loop thread's CPU time)."""
+        return paired_overhead(getattr(self, of), variant)
 
     @property
     def overhead(self) -> float:
