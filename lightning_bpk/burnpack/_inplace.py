@@ -43,7 +43,7 @@ __all__ = ["READ_STEP", "Into", "damaged", "fill", "writable_bytes"]
 
 READ_STEP = 1024 * 1024
 """Bytes read and then hashed per step: the hash reads what ``preadv`` just wrote, from the
-core's 2 MiB L2 cache here (1 MiB steps 6.2 ms for 64 MiB; 256 KiB and 2 MiB steps no faster).
+core's 1 MiB L2 cache here (1 MiB steps 6.2 ms for 64 MiB; 256 KiB and 2 MiB steps no faster).
 Smaller tensors are handed to a thread together, up to this many bytes per unit."""
 
 
