@@ -320,24 +320,28 @@ METHODS = {m.label: m for m in SAVES + LOADS + COLD_LOADS}
 
 
 def prepare(b: Bench, m: Method) -> None:
-    """Put the files a load reads in the page cache (warm) or out of it (cold).
-
-    Warm: each file is dropped from the cache and read back once, so every method's file sits
-    in the cache the same way. Left as its writer left it, a file written through the cache
-    (safetensors, torch.save) keeps the large folios of its write while one written with
-    ``O_DIRECT`` (burnpack) enters the cache by readahead: mapping every page of 64 MiB then
-    took 0.2 ms for the first and 5 ms for the second on this VM, a difference of how the file
-    was written, not of the reader measured."""
+    """Put the files a load reads in the page cache (warm) or out of it (cold): :func:`recache`."""
     for name in m.files:
-        path = b.path(name)
-        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            if not file.is_file():
-                continue
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                while not m.cold and os.read(fd, 8 * MiB):
-                    pass
-            finally:
-                os.close(fd)
+        recache(b.path(name), cold=m.cold)
+
+
+def recache(path: Path, *, cold: bool) -> None:
+    """Drop the file ``path`` (or every file below the folder) from the page cache and, unless
+    ``cold``, read it back once, so every method's file sits in the cache the same way.
+
+    Left as its writer left it, a file written through the cache (safetensors, torch.save, DCP's
+    ``FileSystemWriter``) keeps the large folios of its write, or stays cached at all, while one
+    written with ``O_DIRECT`` (burnpack) is not cached and enters the cache by readahead: mapping
+    every page of 64 MiB then took 0.2 ms for the first and 5 ms for the second on this VM, a
+    difference of how the file was written, not of the reader measured."""
+    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if not file.is_file():
+            continue
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            while not cold and os.read(fd, 8 * MiB):
+                pass
+        finally:
+            os.close(fd)

@@ -4,7 +4,9 @@ default ``FileSystemWriter``/``Reader``, side by side in the same run, on the sa
 The state is 16 float32 tensors (1 GiB in total, or 64 MiB with ``--quick``), each a ``DTensor``
 sharded along dim 0 over the 2 ranks (FSDP2's layout), so each rank writes and reads half.
 A save is timed from a barrier before it to a barrier after it (the slowest rank); a load reads
-into the existing shards.
+into the existing shards, its files first dropped from the page cache and read back once
+(``methods.recache``: DCP's buffered writes would otherwise leave its files cached and burnpack's
+``O_DIRECT`` writes leave none).
 
 Asynchronous saves, side by side in the same rounds: ``AsyncCheckpointSaver.save_sharded`` (what
 ``BurnpackCheckpoint(async_save=True)`` runs under FSDP2: each rank copies its shards into reused
@@ -45,6 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import bounded
+import methods
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -237,6 +240,9 @@ def worker(rank: int, port: int, root: str, total: int, reps: int, out: str) -> 
             for v in state.values():
                 v.to_local().zero_()
             directory = Path(root) / DIRECTORY[label].split()[0]
+            if rank == 0:  # both loads from a warm cache, whatever the writer left there
+                methods.recache(directory, cold=False)
+            dist.barrier()
             reader = LOADS[label](directory)
             elapsed, peak = _run(lambda r=reader: dcp.load(state, storage_reader=r), last)
             if rnd:
