@@ -511,20 +511,22 @@ def read(path: str | os.PathLike[str]) -> Pack:
     ...     pack.names, pack.tensor("w").tolist()
     (['w'], [0.0, 1.0, 2.0])
     """
-    p = _resolve_path(path)
-    fd = _open(p)
-    try:
-        return _map(fd, p)
-    finally:
-        os.close(fd)  # the mapping keeps the file's pages reachable on its own
+    with _opened(_resolve_path(path)) as (fd, p):
+        return _map(fd, p)  # the mapping keeps the file's pages reachable on its own
 
 
-def _open(p: Path) -> int:
+@contextlib.contextmanager
+def _opened(p: Path) -> Iterator[tuple[int, Path]]:
+    """``(fd, p)``: the file ``p`` open for reading, closed when the block ends."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on regular files).
-        return os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise BurnpackIOError(f"cannot read {p}: {e.strerror or e}") from e
+    try:
+        yield fd, p
+    finally:
+        os.close(fd)
 
 
 def _map(fd: int, p: Path) -> Pack:
@@ -570,38 +572,26 @@ def read_into(
     >>> w = torch.zeros(3); read_into(path, {"w": w}); w.tolist()
     [0.0, 1.0, 2.0]
     """
-    p = _resolve_path(path)
-    fd = _open(p)
-    try:
-        with _map(fd, p) as pack:
-            _fill_targets(pack, fd, targets, verify=verify)
-    finally:
-        os.close(fd)
-
-
-def _fill_targets(
-    pack: Pack, fd: int, targets: Mapping[str, torch.Tensor], *, verify: bool
-) -> None:
-    """:func:`read_into`'s work on the parsed ``pack`` of the open file ``fd``."""
-    direct, other = [], []
-    for name, target in targets.items():
-        info = pack._info(name)
-        if target.shape != info.shape:
-            raise ValidationError(
-                f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
-                f"target {list(target.shape)}"
-            )
-        flat = writable_bytes(target, info.dtype)
-        if flat is None:
-            other.append((name, target))
-            continue
-        offset = pack.data_start + info.data_offsets[0]
-        stored = pack._buffer[offset : offset + info.nbytes]
-        expected = pack.checksums.get(name) if verify else None
-        direct.append(Into(name, offset, stored, flat, target.data_ptr(), expected))
-    direct.sort(key=lambda i: i.offset)  # the file front to back: readahead when cold
-    fill(pack.source, fd, direct)
-    torch.autograd.graph.increment_version([targets[i.name] for i in direct])
-    with torch.no_grad():
-        for name, target in other:
-            target.copy_(pack.tensor(name, verify=verify))
+    with _opened(_resolve_path(path)) as (fd, p), _map(fd, p) as pack:
+        direct, other = [], []
+        for name, target in targets.items():
+            info = pack._info(name)
+            if target.shape != info.shape:
+                raise ValidationError(
+                    f"{pack.source}: tensor '{name}' has shape {list(info.shape)}, the "
+                    f"target {list(target.shape)}"
+                )
+            flat = writable_bytes(target, info.dtype)
+            if flat is None:
+                other.append((name, target))
+                continue
+            offset = pack.data_start + info.data_offsets[0]
+            stored = pack._buffer[offset : offset + info.nbytes]
+            expected = pack.checksums.get(name) if verify else None
+            direct.append(Into(name, offset, stored, flat, target.data_ptr(), expected))
+        direct.sort(key=lambda i: i.offset)  # the file front to back: readahead when cold
+        fill(pack.source, fd, direct)
+        torch.autograd.graph.increment_version([targets[i.name] for i in direct])
+        with torch.no_grad():
+            for name, target in other:
+                target.copy_(pack.tensor(name, verify=verify))
