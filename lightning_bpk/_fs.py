@@ -67,6 +67,7 @@ __all__ = [
     "direct_alignment",
     "fsync_dir",
     "open_sink",
+    "read_full",
     "scratch_path",
     "write_all",
 ]
@@ -116,6 +117,19 @@ def write_all(f: BinaryIO | _At, data: Bytes) -> None:
         if written is None or written <= 0:  # pragma: no cover - raw files always report a count
             raise OSError(f"short write to {getattr(f, 'name', '?')}")
         view = view[written:]
+
+
+def read_full(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` with the bytes of the open file ``fd`` from ``offset`` on (``preadv`` may
+    return fewer bytes than asked); the count read, short of ``view.nbytes`` only where the file
+    ends first. What a short count means is the caller's to say."""
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 def scratch_path(target: Path) -> Path:

@@ -65,6 +65,22 @@ def test_atomic_file_rename_onto_directory_fails_cleanly(tmp_path):
     assert os.listdir(tmp_path) == ["dir"] and os.listdir(target) == []
 
 
+def test_read_full_fills_the_view_from_an_offset_and_counts_short_at_the_end(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(100)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        preadv = os.preadv
+        # a preadv that returns at most 7 bytes a call: the loop keeps reading until full
+        monkeypatch.setattr(os, "preadv", lambda f, views, at: preadv(f, [views[0][:7]], at))
+        view = memoryview(bytearray(30))
+        assert _fs.read_full(fd, view, 10) == 30 and bytes(view) == bytes(range(10, 40))
+        tail = memoryview(bytearray(30))
+        assert _fs.read_full(fd, tail, 90) == 10 and bytes(tail[:10]) == bytes(range(90, 100))
+    finally:
+        os.close(fd)
+
+
 def test_scratch_name_is_a_sibling_with_pid_and_counter(tmp_path):
     target = tmp_path / "model.bpk"
     scratch = _fs.scratch_path(target)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
+from lightning_bpk import _fs
 from lightning_bpk.burnpack import _parallel
 from lightning_bpk.burnpack.base import (
     BurnpackIOError,
@@ -119,18 +119,15 @@ def _large(source: str, fd: int, item: Into) -> None:
 def _read_exact(source: str, fd: int, view: memoryview, offset: int) -> None:
     """Fill ``view`` with the file's bytes from ``offset`` on; a file that shrank since it was
     parsed (truncated in place by another program) is a :class:`BurnpackIOError`."""
-    done = 0
-    while done < view.nbytes:
-        try:
-            got = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as e:
-            raise BurnpackIOError(f"cannot read {source}: {e.strerror or e}") from e
-        if got == 0:
-            raise BurnpackIOError(
-                f"{source}: the file ended at byte {offset + done} while reading it (it was "
-                "truncated after it was opened)"
-            )
-        done += got
+    try:
+        done = _fs.read_full(fd, view, offset)
+    except OSError as e:
+        raise BurnpackIOError(f"cannot read {source}: {e.strerror or e}") from e
+    if done < view.nbytes:
+        raise BurnpackIOError(
+            f"{source}: the file ended at byte {offset + done} while reading it (it was "
+            "truncated after it was opened)"
+        )
 
 
 def _small(source: str, batch: list[Into]) -> None:

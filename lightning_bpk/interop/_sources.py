@@ -33,7 +33,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from lightning_bpk import burnpack, storage
+from lightning_bpk import _fs, burnpack, storage
 from lightning_bpk.burnpack.base import MAX_RANK, _stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
@@ -447,12 +447,8 @@ def ranged_reader(file: Location) -> tuple[Callable[[memoryview, int], None], Ca
         fd = os.open(file, os.O_RDONLY)
 
         def read_local(view: memoryview, offset: int) -> None:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
-                if n == 0:
-                    raise RecordError("io", f"{file}: ends inside a tensor's bytes")
-                done += n
+            if _fs.read_full(fd, view, offset) < view.nbytes:
+                raise RecordError("io", f"{file}: ends inside a tensor's bytes")
 
         return read_local, lambda: os.close(fd)
     store = storage.object_store(storage.parent_of(file))

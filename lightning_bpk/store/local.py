@@ -140,18 +140,13 @@ class LocalStore:
             os.close(fd)
 
     def _preadv(self, fd: int, key: str, view: memoryview, offset: int, *, exact: bool) -> None:
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                if exact:
-                    raise OSError(
-                        errno.EIO,
-                        f"{done} bytes at {offset}, expected {view.nbytes} (the file is shorter)",
-                        self.url_of(key),
-                    )
-                return
-            done += got
+        done = _fs.read_full(fd, view, offset)
+        if exact and done < view.nbytes:
+            raise OSError(
+                errno.EIO,
+                f"{done} bytes at {offset}, expected {view.nbytes} (the file is shorter)",
+                self.url_of(key),
+            )
 
     def map(self, key: str, size: int) -> _Mapped:
         """The file mapped copy-on-write (``size`` is ignored: the file's own size counts), so
