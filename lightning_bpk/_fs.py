@@ -233,7 +233,7 @@ def _sink_on(fd: int, name: str, size: int, *, direct: bool) -> Iterator[Sink]:
     else:
         why = "read back at once" if not direct else f"{size} bytes < {DIRECT_MIN}"
     if sink is None:
-        sink = BufferedSink(io.FileIO(fd, "wb", closefd=False), name, size)
+        sink = BufferedSink(fd, name, size)
         _log.debug("writing %s through the page cache (%s)", name, why)
     try:
         yield sink
@@ -383,7 +383,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class _At:
-    """An ``O_DIRECT`` descriptor as a raw file positioned at ``offset``, for :func:`write_all`."""
+    """A descriptor as a raw file positioned at ``offset`` (``pwrite``: no seek, no ``fstat``
+    of a file object), for :func:`write_all`."""
 
     __slots__ = ("fd", "name", "offset")
 
@@ -536,9 +537,9 @@ class BufferedSink:
 
     direct = False
 
-    def __init__(self, file: io.FileIO, name: str, size: int) -> None:
+    def __init__(self, fd: int, name: str, size: int) -> None:
         self.name = name
-        self._file = file
+        self._fd = fd
         self._gather = memoryview(bytearray(min(max(size, 1), _GATHER_SIZE)))
         self._used = 0
         self._start = 0  # file offset of the gather buffer's first byte
@@ -548,7 +549,7 @@ class BufferedSink:
         if self._used + view.nbytes > self._gather.nbytes:
             self._flush()
             if view.nbytes >= self._gather.nbytes:
-                write_all(self._file, view)
+                write_all(_At(self._fd, self._start, self.name), view)
                 self._start += view.nbytes
                 return
         self._gather[self._used : self._used + view.nbytes] = view
@@ -556,7 +557,7 @@ class BufferedSink:
 
     def _flush(self) -> None:
         if self._used:
-            write_all(self._file, self._gather[: self._used])
+            write_all(_At(self._fd, self._start, self.name), self._gather[: self._used])
             self._start += self._used
             self._used = 0
 
@@ -569,9 +570,7 @@ class BufferedSink:
             self._gather[offset - self._start : end - self._start] = view
             return
         self._flush()
-        self._file.seek(offset)
-        write_all(self._file, view)
-        self._file.seek(0, io.SEEK_END)
+        write_all(_At(self._fd, offset, self.name), view)
 
     def finish(self) -> None:
         self._flush()

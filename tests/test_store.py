@@ -10,6 +10,7 @@ import pytest
 
 from lightning_bpk.errors import CheckpointLockedError, StorageError
 from lightning_bpk.store import LocalStore, ObjectStore, Store, open_parent, open_store
+from lightning_bpk.store.local import LOCK_FILE_NAME
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -174,6 +175,14 @@ def test_local_files_in_a_staging_folder_are_fsynced_once_by_publish(tmp_path, m
     (tmp_path / foreign).mkdir()
     store.put(f"{foreign}/rank1.bpk", b"r")
     assert synced and synced[0].startswith(f"{tmp_path}/{foreign}/rank1.bpk.")
+
+
+def test_the_lock_file_names_its_holder_over_whatever_an_earlier_holder_wrote(tmp_path):
+    """The pid is written fixed-width over the old content (no truncate per save)."""
+    store = open_store(tmp_path)
+    (tmp_path / LOCK_FILE_NAME).write_text("4194304\n")  # a longer pid, as older versions wrote
+    with store.exclusive():
+        assert (tmp_path / LOCK_FILE_NAME).read_text().strip() == str(os.getpid())
 
 
 def test_exclusive_is_a_lock_locally_and_nothing_remotely(store, tmp_path):

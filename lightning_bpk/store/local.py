@@ -45,6 +45,7 @@ _HELD: set[int] = set()
 # process made (a rank's, possibly on another node of a shared filesystem, where this process's
 # fsync would not reach the writer's cache) is not in it: its files are fsynced as written.
 _OWN_STAGING: set[str] = set()
+_PID_WIDTH = 15  # what exclusive() writes into the lock file: the pid, space-padded
 
 
 def _close_held_in_child() -> None:
@@ -223,7 +224,8 @@ class LocalStore:
         fsynced and renamed over ``key`` (see :func:`lightning_bpk._fs.atomic_sink`); inside
         a staging directory, ``key`` itself, left for :meth:`publish` to fsync."""
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if str(path.parent) not in _OWN_STAGING:  # a folder staging() made exists
+            path.parent.mkdir(parents=True, exist_ok=True)
         if not self._staged(key):
             with _fs.atomic_sink(path, size) as sink:
                 yield sink
@@ -334,8 +336,9 @@ class LocalStore:
                     f"(pid {holder}, lock {path}); two checkpointers cannot save into one "
                     "directory at once"
                 ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # one fixed-width write covers any pid written before it: no truncate (a journaled
+            # metadata change) per save
+            os.pwrite(fd, f"{os.getpid():<{_PID_WIDTH}}\n".encode(), 0)
             yield
         finally:
             _HELD.discard(fd)
