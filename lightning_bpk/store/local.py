@@ -48,6 +48,13 @@ _OWN_STAGING: set[str] = set()
 _PID_WIDTH = 15  # what exclusive() writes into the lock file: the pid, space-padded
 
 
+def _make_parent(path: Path) -> None:
+    """Make ``path``'s folder, unless it is a staging folder this process made (which exists:
+    no ``mkdir`` and ``stat`` per file written into it)."""
+    if str(path.parent) not in _OWN_STAGING:
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
 def _close_held_in_child() -> None:
     for fd in list(_HELD):
         os.close(fd)  # the child's copy only: never LOCK_UN, which would free the parent's lock
@@ -183,7 +190,7 @@ class LocalStore:
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(path)
         if not create_only:
             if self._staged(key):  # published (and fsynced) with its staging folder
                 with _removed_on_failure(path), open(path, "wb", buffering=0) as f:
@@ -224,8 +231,7 @@ class LocalStore:
         fsynced and renamed over ``key`` (see :func:`lightning_bpk._fs.atomic_sink`); inside
         a staging directory, ``key`` itself, left for :meth:`publish` to fsync."""
         path = self._path(key)
-        if str(path.parent) not in _OWN_STAGING:  # a folder staging() made exists
-            path.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(path)
         if not self._staged(key):
             with _fs.atomic_sink(path, size) as sink:
                 yield sink
@@ -239,7 +245,7 @@ class LocalStore:
         inside a scratch directory beside the target; fsynced and renamed into place. Inside a
         staging directory: the target itself, removed if the block fails."""
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent(target)
         if self._staged(key):
             with _removed_on_failure(target):
                 yield target
