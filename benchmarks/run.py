@@ -19,8 +19,9 @@ States: 16 float32 tensors of 64 MiB in total, 16 of 1 GiB in total, and 5,000 t
 seconds per GiB, which would otherwise dominate), then ``--reps`` interleaved rounds (the order
 is shuffled each round); the tables give the median, the range and the spread (max/min). The
 warm-up round also checks that each load really produced the saved bytes. The end-to-end section
-trains the example with and without per-epoch checkpointing (interleaved runs) and reports the
-overhead.
+trains the example with and without checkpoints (per epoch, every 50 steps, and a Fabric loop;
+interleaved runs) and reports each overhead two ways: over the whole run, and per step in
+steady state (``fabric.step_overhead``, the measure the targets are judged by).
 
 It writes ``docs/benchmarks.md`` and ``docs/img/benchmarks.svg``::
 
