@@ -11,9 +11,9 @@ round's run without a callback), and the per-step one the targets are judged by
 (:func:`fabric.step_overhead`: each step's time against its own run's typical step, what recurs
 at the same place in every checkpoint period summed). Fits of a few seconds drift by 10-20 %
 between runs on these VMs, so whole-fit ratios swing by more than the 2 % target; the per-step
-measure does not see that drift. It cannot see a slowdown spread evenly over every step either,
-so each variant's typical step is listed beside it (a callback that never saves leaves it
-unchanged: 1.17 ms against 1.18 ms without one, in 4 interleaved runs each).
+measure does not see that drift. It cannot see a cost spread evenly over every step either (each
+variant's typical step is listed beside it, but those drift like whole fits): the callback's
+hooks that run at every step, saving or not, are timed apart by :func:`measure_cost`.
 
 The example's epochs are short (~35 ms: 24 batches of a tiny MLP) while each save has a fixed
 cost, so a second, clearly labelled measurement passes over the same data ``REPEAT`` times per
@@ -502,12 +502,27 @@ class _CostedCheckpointer(Checkpointer):
 
 
 class _CostedCheckpoint(_TimedCheckpoint):
-    """The training thread's CPU time in each save, and its checkpointer's writer costs."""
+    """The training thread's CPU time in each save, its checkpointer's writer costs, and the
+    wall time of its hooks that run at every step (saving or not)."""
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__([], **kwargs)
         self.cpu: list[float] = []
         self.writer: list[tuple[float, float]] = []
+        self.hooks: list[float] = []  # per step that did not save: seconds in its hooks
+        self._started = 0.0
+
+    def on_train_batch_start(self, *args: object, **kwargs: object) -> None:
+        start = time.perf_counter()
+        super().on_train_batch_start(*args, **kwargs)  # type: ignore[arg-type]
+        self._started = time.perf_counter() - start
+
+    def on_train_batch_end(self, *args: object, **kwargs: object) -> None:
+        start = time.perf_counter()
+        saves = len(self.cpu)
+        super().on_train_batch_end(*args, **kwargs)  # type: ignore[arg-type]
+        if len(self.cpu) == saves:  # a step that saved is counted in the rows of its save
+            self.hooks.append(self._started + time.perf_counter() - start)
 
     def _save(self, *args: object, **kwargs: object) -> None:
         cpu = time.thread_time()
@@ -528,6 +543,7 @@ class SaveCost:
     writer_cpu: list[float]  # the writer thread's CPU time (the commit, every file)
     writer_wall: list[float]
     syncs: float  # fsync calls per save
+    hooks: list[float]  # the callback's hooks, per step that did not save
 
     def markdown(self) -> list[str]:
         def ms(values: list[float]) -> str:
@@ -546,6 +562,8 @@ class SaveCost:
             f"| writer thread (files, fsyncs, sentinel, retention) | {ms(self.writer_cpu)} | "
             f"{ms(self.writer_wall)} |",
             f"| fsync calls per save | {self.syncs:.1f} | |",
+            f"| every step that does not save: the callback's hooks (median of "
+            f"{len(self.hooks)}) | | {statistics.median(self.hooks) * 1e6:.1f} µs |",
         ]
 
 
@@ -573,6 +591,7 @@ def measure_cost(directory: Path, *, quick: bool) -> SaveCost:
         [cpu for cpu, _ in writer],
         [wall for _, wall in writer],
         calls[0] / max(1, len(writer)),
+        callback.hooks,
     )
 
 
