@@ -268,6 +268,8 @@ def train(args: argparse.Namespace) -> None:
     if args.out and fabric.is_global_zero:
         burnpack.write(Path(args.out), weights)
     print(f"FINISHED step={state['step']} rank={fabric.global_rank}", flush=True)
+    if torch.distributed.is_initialized():  # see lightning_tiny.finish_run
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ from torch.distributed.fsdp import fully_shard
 from lightning_tiny import (
     SEED,
     TinyModel,
+    finish_run,
     make_trainer,
-    report_finished,
 )  # a sibling: the script's own directory
 
 
@@ -231,7 +231,7 @@ def main(argv: list[str]) -> None:
         burnpack.write(args.out, state)
     if trace is not None:
         print(f"TRACE rank={trainer.global_rank}: {' | '.join(trace.events)}", flush=True)
-    report_finished(trainer, callback)
+    finish_run(trainer, callback)
 
 
 def _traced(trace: Trace) -> type:

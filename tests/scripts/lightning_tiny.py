@@ -248,14 +248,19 @@ def make_trainer(root: str, epochs: int, callbacks: list, **kwargs: object) -> L
     return L.Trainer(callbacks=callbacks, **options)
 
 
-def report_finished(trainer: L.Trainer, callback: Any) -> None:
-    """The line the tests read at the end of a run: this rank's final epoch and step, and the
-    checkpoint it resumed from (``callback.restored_number``, None for none)."""
+def finish_run(trainer: L.Trainer, callback: Any) -> None:
+    """Print the line the tests read at the end of a run: this rank's final epoch and step, and the
+    checkpoint it resumed from (``callback.restored_number``, None for none). Then the process
+    group is destroyed, as PyTorch asks of every script: Lightning leaves it up, and a process
+    that exits with gloo's worker threads alive can abort in the interpreter's shutdown
+    ("terminate called without an active exception", exit -6; pytorch#190489)."""
     print(
         f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
         f"step={trainer.global_step} restored={callback.restored_number}",
         flush=True,
     )
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         ModuleRecord.from_module(model).save(args.out)
         if ema is not None:
             ModuleRecord(ema.ema).save(args.out + ".ema")
-    report_finished(trainer, callback)
+    finish_run(trainer, callback)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_tiny import SEED, TinyModel, make_trainer, report_finished
+from lightning_tiny import SEED, TinyModel, finish_run, make_trainer
 
 PAUSE_LIMIT = 120.0  # seconds; a signal that never comes lets training finish (and the test fail)
 
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> None:
     trainer.fit(model)
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
-    report_finished(trainer, callback)
+    finish_run(trainer, callback)
 
 
 if __name__ == "__main__":
