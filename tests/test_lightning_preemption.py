@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -16,8 +15,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk.lightning import preemption as module
 from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS, Preemption, signal_number
-
-from conftest import run_process
 
 USED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -30,7 +27,6 @@ def _handlers_back() -> Iterator[None]:
     for signum, handler in saved.items():
         signal.signal(signum, handler)
     atexit.unregister(module._ignore_at_exit)
-    atexit.unregister(module._end_process_group)
 
 
 def test_signals_are_read_as_numbers_signals_or_names():
@@ -111,29 +107,6 @@ def test_the_stop_exits_with_status_0_and_says_where(caplog):
     assert preemption.stopping
     assert "saved checkpoint 7 at the end of epoch 7; stopping (exit status 0)" in caplog.text
     assert SIGTERMException().code is None  # a SystemExit without code: exit status 0
-
-
-_STOP_IN_A_GLOO_GROUP = """
-import atexit, sys
-import torch.distributed as dist
-from lightning_bpk.lightning.preemption import Preemption
-
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-dist.all_reduce(__import__("torch").ones(1))  # the group has done work, as after a save
-# registered first, so it runs last: after what the stop registered
-atexit.register(lambda: print(f"at exit: group up={dist.is_initialized()}", flush=True))
-Preemption([15]).stop(True, 3, None, "at the end of epoch 3")
-"""
-
-
-def test_the_stop_ends_the_process_group_at_exit(tmp_path):
-    # Lightning destroys only NCCL groups at exit, and the stop skips the script's own teardown;
-    # a gloo group still up when the interpreter finalizes can abort the process (SIGABRT)
-    script = tmp_path / "stop.py"
-    script.write_text(_STOP_IN_A_GLOO_GROUP)
-    done = run_process([sys.executable, script, tmp_path / "store"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "at exit: group up=False" in done.stdout, done.stdout
 
 
 def test_after_the_stop_a_repeated_signal_cannot_kill_the_exiting_process():

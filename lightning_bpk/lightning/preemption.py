@@ -7,7 +7,6 @@ callback makes the ranks agree on the flag at the next optimizer-step boundary, 
 :meth:`Preemption.stop`, which raises Lightning's ``SIGTERMException`` (a ``SystemExit`` without
 code: exit status 0). From then on a repeated signal is ignored until the process has exited,
 so that status stays 0; a later ``fit`` in the same process brings the default handlers back.
-For the same status, the default process group is destroyed at exit (:func:`_end_process_group`).
 
 Nothing here needs a ``Trainer``: the handlers Lightning restores at teardown are passed in as
 the dict it keeps them in.
@@ -22,7 +21,6 @@ from collections.abc import Callable, MutableMapping, Sequence
 from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk.lightning import _compat, slurm
@@ -81,19 +79,6 @@ def _ignore_at_exit(signums: Sequence[int]) -> None:
     for signum in signums:
         if signal.getsignal(signum) is _ignore_while_stopping:
             signal.signal(signum, signal.SIG_IGN)
-
-
-def _end_process_group() -> None:
-    """At the exit after a preemption stop, destroy the default process group while the
-    interpreter is still whole.
-
-    The stop leaves ``fit`` as an exception, so a script's own ``destroy_process_group`` after
-    it never runs, and Lightning ends only NCCL groups at exit: a gloo group left up can abort
-    the exiting process when its worker threads are torn down ("terminate called without an
-    active exception", pytorch#190489), SIGABRT instead of the promised status 0.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _stop_ignoring(originals: Originals, signums: Sequence[int]) -> None:
@@ -170,8 +155,7 @@ class Preemption:
     def stop(self, is_global_zero: bool, number: int | None, path: str | None, where: str) -> None:
         """Stop after the preemption save of checkpoint ``number`` at ``path`` (complete and
         flushed on every rank by now): rank 0 requeues the SLURM job if the requeue signal was
-        agreed; every rank raises ``SIGTERMException`` (exit status 0) and destroys the default
-        process group at exit."""
+        agreed; every rank raises ``SIGTERMException`` (exit status 0)."""
         if is_global_zero:
             if self.requeue_agreed:
                 assert path is not None
@@ -182,8 +166,6 @@ class Preemption:
                 where,
             )
         self.stopping = True
-        atexit.unregister(_end_process_group)
-        atexit.register(_end_process_group)
         raise SIGTERMException()
 
     def keep_ignoring(self, originals: Originals) -> None:
