@@ -169,8 +169,6 @@ def main() -> None:
         write_yaml(final / "model_config.yaml", dataclasses.asdict(config))
         fabric.print(f"final model in {final}")
     manager.close()
-    if torch.distributed.is_initialized():  # --devices 2: a gloo group, which PyTorch asks
-        torch.distributed.destroy_process_group()  # scripts to end before they exit
 
 
 if __name__ == "__main__":

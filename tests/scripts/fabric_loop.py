@@ -39,6 +39,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_tiny import exit_now  # a sibling: the script's own directory
+
 SAMPLES, BATCH_SIZE, FEATURES, SEED = 48, 4, 6, 1234
 
 
@@ -208,6 +210,7 @@ def main(argv: list[str]) -> None:
         train(args)
     finally:
         wait_for(children)
+    exit_now()  # the gloo teardown of lightning_tiny.exit_now
 
 
 def train(args: argparse.Namespace) -> None:
@@ -268,8 +271,6 @@ def train(args: argparse.Namespace) -> None:
     if args.out and fabric.is_global_zero:
         burnpack.write(Path(args.out), weights)
     print(f"FINISHED step={state['step']} rank={fabric.global_rank}", flush=True)
-    if torch.distributed.is_initialized():  # see lightning_tiny.finish_run
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

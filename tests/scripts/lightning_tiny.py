@@ -41,7 +41,7 @@ import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch
@@ -248,19 +248,31 @@ def make_trainer(root: str, epochs: int, callbacks: list, **kwargs: object) -> L
     return L.Trainer(callbacks=callbacks, **options)
 
 
-def finish_run(trainer: L.Trainer, callback: Any) -> None:
-    """Print the line the tests read at the end of a run: this rank's final epoch and step, and the
-    checkpoint it resumed from (``callback.restored_number``, None for none). Then the process
-    group is destroyed, as PyTorch asks of every script: Lightning leaves it up, and a process
-    that exits with gloo's worker threads alive can abort in the interpreter's shutdown
-    ("terminate called without an active exception", exit -6; pytorch#190489)."""
+def finish_run(trainer: L.Trainer, callback: Any) -> NoReturn:
+    """Print the line the tests read at the end of a run (this rank's final epoch and step, and
+    the checkpoint it resumed from: ``callback.restored_number``, None for none), then
+    :func:`exit_now`."""
     print(
         f"FINISHED rank={trainer.global_rank} epoch={trainer.current_epoch} "
         f"step={trainer.global_step} restored={callback.restored_number}",
         flush=True,
     )
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    exit_now()
+
+
+def exit_now() -> NoReturn:
+    """End a finished run with status 0 at once: output flushed, no interpreter teardown.
+
+    With torch 2.13 a gloo process that ends soon after a collective can die in that teardown:
+    a gloo worker thread is still dropping the collective's tensors and waits for the GIL, so
+    the interpreter's shutdown aborts it ("terminate called without an active exception",
+    SIGABRT; pytorch#190489), and ``destroy_process_group`` deadlocks instead when the group's
+    destructor, holding the GIL, joins that thread. Both were seen here, the abort in CI. Every
+    file a run writes is closed, and every save joined, before its ``FINISHED`` line.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@ lightning_tiny's model and trainer with ``BurnpackCheckpoint``; on the job's fir
 pauses at the end of validation of ``--pause-epoch`` until a preemption signal has reached the
 callback (so the test can signal a run that is known to be training), which makes the stop
 happen at that epoch's end. It prints ``START``/``EXIT`` lines (the latter at interpreter exit,
-so only for an orderly exit) and ``FINISHED`` when ``fit`` returns.
+so only for an orderly stop) and ``FINISHED`` when ``fit`` returns (after which the process ends
+at once, without ``EXIT``: lightning_tiny's ``finish_run``).
 """
 
 from __future__ import annotations
