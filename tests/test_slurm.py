@@ -302,7 +302,7 @@ def test_time_limit_warning_to_the_steps_of_a_ddp_job_requeues_once_and_both_ran
     tmp_path, cluster
 ):
     # 2 tasks under srun (Lightning's SLURM DDP: one process per task), and the warning signal
-    # that SLURM itself sends to the job steps ahead of the time limit (--signal=USR1@90).
+    # that SLURM itself sends to the job steps ahead of the time limit (--signal=USR1@150).
     root = tmp_path / "run"
     root.mkdir()
     port = _free_port()
@@ -310,15 +310,17 @@ def test_time_limit_warning_to_the_steps_of_a_ddp_job_requeues_once_and_both_ran
         root,
         "--devices 2 --pause-epoch",
         str(PAUSE_EPOCH),
-        sbatch=("--time=10", "--signal=USR1@90"),
+        sbatch=("--time=10", "--signal=USR1@150"),
         tasks=2,
     ).replace("exec srun", f"export MASTER_ADDR=127.0.0.1 MASTER_PORT={port}\nexec srun")
     job = cluster.submit(script)
     wait_for_file(root / "paused", cluster)
-    # Both ranks are training: bring the time limit near, so the warning is due now; the
-    # controller sends it at its next periodic time-limit check (every 30 s).
+    # Both ranks are training: bring the time limit near, so the warning is due within 30 s; the
+    # controller sends it at its next periodic time-limit check (every 30 s). RunTime is read in
+    # whole minutes, so 121-180 s are left at the update and at least 90 s when the warning
+    # comes: time for the save and the requeue on a loaded machine.
     elapsed = _minutes(cluster.job(job)["RunTime"])
-    cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={elapsed + 2}")
+    cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={elapsed + 3}")
 
     cluster.wait_for(job, "requeued", lambda j: j["Restarts"] == "1" and j["JobState"] == "PENDING")
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
