@@ -210,7 +210,7 @@ def main(argv: list[str]) -> None:
         train(args)
     finally:
         wait_for(children)
-    exit_now()  # the gloo teardown of lightning_tiny.exit_now
+    exit_now()  # skip the interpreter teardown that gloo can abort or hang (see exit_now)
 
 
 def train(args: argparse.Namespace) -> None:
