@@ -61,9 +61,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import ConcatDataset
 
-from lightning_bpk.async_save import AsyncCheckpointSaver
-from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ Saves (every one ends with the file fsynced):
   (one reused page-aligned 8 MiB buffer, ``pwrite``, fsync; the last block padded and the file
   cut back), the fastest durable write here;
 - burnpack: ``burnpack.write`` (scratch file, fsync, rename, directory fsync, checksums),
-  ``ModuleRecord.save``, and an :class:`~lightning_bpk.async_save.AsyncCheckpointSaver` save
-  (the part that blocks training, and the time until the file is durable);
+  ``ModuleRecord.save``, and an :class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`
+  save (the part that blocks training, and the time until the file is durable);
 - the peers: ``torch.save`` + fsync, ``safetensors`` ``save_file`` + fsync, DCP ``save``
   (single process, ``sync_files=True``) and DCP ``async_save`` in thread mode with the
   ``DefaultStager`` options that work on a CPU (the blocking part, and until durable).
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.records import ModuleRecord
 
 MiB = 1024 * 1024

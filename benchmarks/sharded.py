@@ -115,8 +115,8 @@ class _Async:
     def __init__(self, root: Path, state: dict) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from lightning_bpk.async_save import AsyncCheckpointSaver
         from lightning_bpk.checkpointer import Checkpointer
+        from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 
         self.state = state
         self.saver = AsyncCheckpointSaver()

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_bpk import trainer_state
+from lightning_bpk.lightning import trainer_state
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCHS = 4  # epochs 0-3: long enough to be interrupted in epoch 2, short enough for a demo

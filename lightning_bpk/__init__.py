@@ -6,13 +6,14 @@ The package is layered; each layer only uses the ones listed before it:
   (:class:`~lightning_bpk.errors.LightningBpkError`) and the names on disk, used by all layers;
 - :mod:`lightning_bpk.store`: the one typed ``Store`` seam, with a local-disk and an object-store
   backend (``s3://``, ``gs://``, any fsspec URL) chosen by the URL's protocol;
-  :mod:`lightning_bpk.lease`: one run owns a directory;
+  :mod:`lightning_bpk.store.lease`: one run owns a directory;
 - :mod:`lightning_bpk.burnpack`: the ``.bpk`` container, byte-compatible with Burn;
 - :mod:`lightning_bpk.state`: nested Python data <-> tensors, scalars and metadata (no pickle);
 - :mod:`lightning_bpk.records`: module, optimizer and LR-scheduler records, as Burn splits them;
 - :mod:`lightning_bpk.checkpointer`: Dopamine's sentinel protocol and retention, made crash-safe,
   written once over the ``Store`` (one checkpoint view, one commit, one resume choice);
-- :mod:`lightning_bpk.callback` / :mod:`lightning_bpk.checkpoint_io`: the Lightning integration;
+- :mod:`lightning_bpk.lightning.callback` / :mod:`lightning_bpk.lightning.checkpoint_io`: the
+Lightning integration;
   :mod:`lightning_bpk.fabric` the same for hand-written Lightning Fabric loops;
 - :mod:`lightning_bpk.interop` and :mod:`lightning_bpk.cli` sit beside them (Burn/PyTorch
   adapters, key remapping, safetensors; the ``lightning-bpk`` command).
@@ -36,12 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_bpk import burnpack, interop, state
-    from lightning_bpk.callback import (
-        BurnpackCheckpoint,
-        CheckpointResumeError,
-        CheckpointSaveError,
-    )
-    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
     from lightning_bpk.checkpointer import (
         Checkpointer,
         CheckpointLockedError,
@@ -51,7 +46,12 @@ if TYPE_CHECKING:
     )
     from lightning_bpk.dcp import BurnpackStorageReader, BurnpackStorageWriter
     from lightning_bpk.errors import LightningBpkError, StorageError
-    from lightning_bpk.lease import CheckpointSupersededError
+    from lightning_bpk.lightning.callback import (
+        BurnpackCheckpoint,
+        CheckpointResumeError,
+        CheckpointSaveError,
+    )
+    from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
     from lightning_bpk.records import (
         LrSchedulerRecord,
         ModuleRecord,
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         load_record,
         param_ids,
     )
+    from lightning_bpk.store.lease import CheckpointSupersededError
 
 from lightning_bpk import _gin
 
@@ -104,11 +105,11 @@ _EXPORTS = {
     "get_latest_checkpoint_number": "lightning_bpk.checkpointer",
     "verify_checkpoint": "lightning_bpk.checkpointer",
     "StorageError": "lightning_bpk.errors",
-    "CheckpointSupersededError": "lightning_bpk.lease",
-    "BurnpackCheckpoint": "lightning_bpk.callback",
+    "CheckpointSupersededError": "lightning_bpk.store.lease",
+    "BurnpackCheckpoint": "lightning_bpk.lightning.callback",
     "CheckpointSaveError": "lightning_bpk.errors",
-    "CheckpointResumeError": "lightning_bpk.callback",
-    "BurnpackCheckpointIO": "lightning_bpk.checkpoint_io",
+    "CheckpointResumeError": "lightning_bpk.lightning.callback",
+    "BurnpackCheckpointIO": "lightning_bpk.lightning.checkpoint_io",
     "BurnpackStorageWriter": "lightning_bpk.dcp",
     "BurnpackStorageReader": "lightning_bpk.dcp",
 }

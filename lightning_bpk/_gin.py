@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 # gin selector -> the module that defines it (the attribute is the selector's last part).
 CONFIGURABLES = {
-    "lightning_bpk.BurnpackCheckpoint": "lightning_bpk.callback",
+    "lightning_bpk.BurnpackCheckpoint": "lightning_bpk.lightning.callback",
     "lightning_bpk.checkpointer.Checkpointer": "lightning_bpk.checkpointer",
     "lightning_bpk.checkpointer.get_latest_checkpoint_number": "lightning_bpk.checkpointer",
     "lightning_bpk.fabric.CheckpointManager": "lightning_bpk.fabric.manager",

@@ -74,15 +74,17 @@ class CheckpointResumeError(LightningBpkError, RuntimeError):
     save over complete checkpoints it did not resume past (see ``overwrite``), the checkpoint
     holds the state of other optimizer or scheduler classes than the module configures, or the
     training data cannot continue its epoch under a changed setting (batch size, world size,
-    ``accumulate_grad_batches``). Raised from :mod:`lightning_bpk.callback` and
-    :mod:`lightning_bpk.data_position`; importable from either, and from ``lightning_bpk``.
+    ``accumulate_grad_batches``). Raised from :mod:`lightning_bpk.lightning.callback` and
+    :mod:`lightning_bpk.lightning.data_position`; importable from either, and from
+    ``lightning_bpk``.
     """
 
 
 class CheckpointSaveError(LightningBpkError, RuntimeError):
     """Saving a checkpoint failed (on rank 0); earlier checkpoints are untouched, unless the
     checkpoint directory itself was deleted under the run, which the message then says.
-    Raised from :mod:`lightning_bpk.callback`; importable from it and from ``lightning_bpk``."""
+    Raised from :mod:`lightning_bpk.lightning.callback`; importable from it and from
+    ``lightning_bpk``."""
 
 
 class StorageError(LightningBpkError, OSError):

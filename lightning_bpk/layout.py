@@ -36,9 +36,12 @@ __all__ = [
     "MODEL_KEY",
     "NUMBER_PATTERN",
     "OPTIMIZER_KEY",
+    "PARAM_IDS_KEY",
     "RECORD_SUFFIX",
     "RUN_SUBDIRECTORY",
     "SCHEDULER_KEY",
+    "SHARDED_INDEX_KEY",
+    "SHARDED_PREFIX",
     "TRAINER_FILE",
     "TRAINER_KEY",
     "VERSION_MARK",
@@ -53,6 +56,7 @@ __all__ = [
     "safe_name",
     "sentinel_name",
     "sentinel_stem",
+    "sharded_index_name",
 ]
 
 DEFAULT_PREFIX = "ckpt"
@@ -84,6 +88,15 @@ sentinel names stays whole until the new sentinel replaces it (``~`` is in no sa
 RUN_SUBDIRECTORY = "checkpoints"
 """Where the Lightning callback saves inside a run's ``default_root_dir`` (``lightning-bpk ls
 RUN`` looks there too)."""
+
+SHARDED_PREFIX = "sharded"
+"""The name stem of a sharded (DCP) checkpoint's files: ``sharded.rank-R.ID.bpk`` and the
+index :func:`sharded_index_name`."""
+SHARDED_INDEX_KEY = f"{SHARDED_PREFIX}.index"
+"""The sharded index's data key in a checkpoint (beside :data:`TRAINER_KEY`)."""
+PARAM_IDS_KEY = "param_ids"
+"""In a sharded checkpoint's state, beside the module under :data:`MODEL_KEY`: its parameter
+name -> u64 param id map, so the consolidated ``ModuleRecord`` keeps Burn's param ids."""
 
 _SENTINEL = re.compile(r"sentinel_(.+)_complete\." + NUMBER_PATTERN)
 _DATA_VERSION = re.compile(r"[0-9a-f]{8,32}")
@@ -192,3 +205,8 @@ def member_name_problem(name: object) -> str | None:
         if component in ("", ".", ".."):
             return f"{name!r} is not a plain name inside its checkpoint (component {component!r})"
     return None
+
+
+def sharded_index_name(prefix: str = SHARDED_PREFIX) -> str:
+    """The file (or object) name of the index inside a sharded checkpoint."""
+    return f"{prefix}.index.bpk"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bpk import storage
 from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, choose_resume
 from lightning_bpk.records.base import RecordError
+from lightning_bpk.store import object_store
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -198,7 +198,7 @@ def check_a_50_gib_claim_is_refused(url: str, data: Mapping[str, object]) -> Non
     object before allocating anything, and resume's choice must skip it."""
     checkpointer = Checkpointer(url)
     checkpointer.save_checkpoint(0, data)
-    store = storage.object_store(url)
+    store = object_store(url)
     manifest = json.loads(store.read("sentinel_checkpoint_complete.0"))
     manifest["files"]["model"]["size"] = 50 * 2**30
     store.put("sentinel_checkpoint_complete.0", json.dumps(manifest).encode())

@@ -446,7 +446,7 @@ def test_save_sharded_commits_a_snapshot_of_the_shards_and_fails_the_next_save(
 
 
 def test_async_training_writes_the_same_checkpoints_and_teardown_flushes(tmp_path):
-    from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
     class SlowAsync(BurnpackCheckpoint):
         def _make_checkpointer(self, dirpath, **overrides):
@@ -488,7 +488,7 @@ class _SavedLines(logging.Handler):
 
 
 def test_async_saves_log_each_checkpoint_once_it_is_committed(tmp_path):
-    from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
     lines = _SavedLines(tmp_path / "async")
     logger = logging.getLogger("lightning_bpk")
@@ -508,8 +508,8 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
     """The first step-triggered save finds a staging buffer of the right shape and dtype for
     every model and optimizer tensor (reserved on the writer thread after the first optimizer
     step), allocates none of them on the training thread, and writes the synchronous bytes."""
-    from lightning_bpk.callback import BurnpackCheckpoint
-    from lightning_bpk.trainer_state import TRAINER_KEY
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
+    from lightning_bpk.lightning.trainer_state import TRAINER_KEY
 
     class Observed(BurnpackCheckpoint):
         before: dict | None = None
@@ -566,9 +566,9 @@ def test_sharded_async_saves_copy_the_shards_into_buffers_reserved_after_the_fir
     from lightning.pytorch.strategies import ModelParallelStrategy
     from lightning_fsdp import ShardedTiny
 
-    from lightning_bpk.callback import BurnpackCheckpoint
     from lightning_bpk.dcp import load_full_state_dict
     from lightning_bpk.lightning.async_save import _SHARDS_OWNER
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
     L, _, make_trainer = _lightning()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
@@ -617,7 +617,7 @@ def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monke
     import errno
 
     from lightning_bpk import _fs
-    from lightning_bpk.callback import BurnpackCheckpoint, CheckpointSaveError
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint, CheckpointSaveError
 
     L, _, _ = _lightning()
 
@@ -646,7 +646,7 @@ def test_async_write_failure_raises_checkpoint_save_error_in_fit(tmp_path, monke
 def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
     import signal
 
-    from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
     L, TinyModel, make_trainer = _lightning()
     L.seed_everything(0)
@@ -665,7 +665,7 @@ def test_preemption_with_async_save_flushes_before_stopping(tmp_path):
 def test_async_checkpoint_io_matches_sync_with_model_checkpoint_top_k(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+    from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
 
     L, TinyModel, make_trainer = _lightning()
     for mode in ("sync", "async"):
@@ -691,7 +691,7 @@ def test_async_checkpoint_io_teardown_reraises_a_failed_write(tmp_path, monkeypa
     import errno
 
     from lightning_bpk import _fs
-    from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
+    from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
 
     io = BurnpackCheckpointIO(async_save=True)
     io.save_checkpoint({"epoch": 0, "w": torch.ones(3)}, tmp_path / "a.ckpt")

@@ -14,9 +14,14 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_bpk import _fs, trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint, CheckpointResumeError, CheckpointSaveError
+from lightning_bpk import _fs
 from lightning_bpk.checkpointer import CheckpointWarning, verify_checkpoint
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.callback import (
+    BurnpackCheckpoint,
+    CheckpointResumeError,
+    CheckpointSaveError,
+)
 from lightning_bpk.records import (
     LrSchedulerRecord,
     ModuleRecord,

@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_bpk import _fs
-from lightning_bpk.callback import BurnpackCheckpoint
-from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
+from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.records import ModuleRecord, RecordError
 
 from conftest import replace_with_symlink

@@ -31,7 +31,7 @@ from lightning_bpk.checkpointer import (
     get_latest_checkpoint_number,
     verify_checkpoint,
 )
-from lightning_bpk.manifest import MANIFEST_FORMAT
+from lightning_bpk.checkpointer.manifest import MANIFEST_FORMAT
 from lightning_bpk.records import Record, RecordError, StateRecord
 from lightning_bpk.store import local as store_local
 from lightning_bpk.store.local import LOCK_FILE_NAME

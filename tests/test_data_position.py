@@ -18,9 +18,16 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
-from lightning_bpk import BurnpackCheckpoint, CheckpointResumeError, trainer_state
+from lightning_bpk import BurnpackCheckpoint, CheckpointResumeError
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
-from lightning_bpk.data_position import POSITION_KEY, REPLAY, SAMPLER, STATEFUL, loader_kind
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.data_position import (
+    POSITION_KEY,
+    REPLAY,
+    SAMPLER,
+    STATEFUL,
+    loader_kind,
+)
 from lightning_bpk.records import StateRecord
 
 from lightning_tiny import BATCH_SIZE, SEED, Stream, TinyModel, make_trainer

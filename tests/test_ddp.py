@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bpk import trainer_state
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
-from lightning_bpk.data_position import POSITION_KEY
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.data_position import POSITION_KEY
 from lightning_bpk.records import ModuleRecord, StateRecord
 from lightning_bpk.store.local import LOCK_FILE_NAME
 

@@ -7,10 +7,10 @@ import pytest
 
 import lightning_bpk
 from lightning_bpk import burnpack, state
-from lightning_bpk.callback import CheckpointSaveError
 from lightning_bpk.checkpointer import CheckpointLockedError
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.interop import RemapError
+from lightning_bpk.lightning.callback import CheckpointSaveError
 from lightning_bpk.records import RecordChecksumError, RecordError
 
 FORMAT_ERRORS = [

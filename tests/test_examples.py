@@ -54,7 +54,7 @@ def test_preemption_walkthrough_exits_cleanly_and_resumes(tmp_path: Path) -> Non
     assert "continuing training at epoch 2" in out
     assert "saved checkpoint 3" in out
     # The end-of-epoch save of epoch 2 replaced the mid-epoch one: no marker left.
-    from lightning_bpk import trainer_state
+    from lightning_bpk.lightning import trainer_state
 
     final = trainer_state.load(tmp_path / "run" / "checkpoints" / "ckpt.2")
     assert trainer_state.PREEMPTED_KEY not in final

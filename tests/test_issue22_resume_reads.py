@@ -37,10 +37,10 @@ import _backends as b
 import lightning as L
 import pytest
 
-from lightning_bpk.callback import BurnpackCheckpoint
-from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.cli import main as cli_main
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
+from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
 
 from lightning_tiny import TinyModel, make_trainer
 

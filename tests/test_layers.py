@@ -25,35 +25,22 @@ LAYERS = {
     "_device": 0,
     "_gin": 0,
     "layout": 0,
-    # where the bytes go
+    # where the bytes go, and the lease that makes one run own a directory
     "store": 1,
-    "storage": 1,
-    "_sharded_names": 1,
     # the format
     "burnpack": 2,
     # the state codec
     "state": 3,
-    # records and the manifest that lists them
+    # records
     "records": 4,
-    "manifest": 4,
-    # one checkpoint: read, verified, committed, collected (DCP over the same store)
-    "lease": 5,
-    "_checkpoint": 5,
-    "_commit": 5,
+    # one checkpoint: read, verified, committed, collected, and its manifest; DCP over the
+    # same store, with the sharded index
     "checkpointer": 5,
-    "_sharded_index": 5,
     "dcp": 5,
     # interop: other frameworks' files, over records and DCP
     "interop": 6,
-    # Lightning (and the old top-level module names, which re-export it)
+    # Lightning
     "lightning": 7,
-    "async_save": 7,
-    "callback": 7,
-    "checkpoint_io": 7,
-    "data_position": 7,
-    "sharded": 7,
-    "slurm": 7,
-    "trainer_state": 7,
     # Fabric, which shares the Lightning layer's loaders, sharded glue and async saver
     "fabric": 8,
     # the command line and the package's own entry points
@@ -77,13 +64,30 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str, source: str | None = None) -> Iterator[str]:
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks: imports for type checkers,
+    which never run (a package's lazy ``__getattr__`` names its submodules that way)."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) in {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+
+
+def _imports(name: str, source: str | None = None, *, running: bool = False) -> Iterator[str]:
     """The package's modules that module ``name`` imports (a name imported from a package is
     the package, unless the name is one of its modules); ``source``: its text, if not the
-    file's."""
+    file's; ``running``: only the imports that run (not those for type checkers)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+    tree = ast.parse(path.read_text() if source is None else source)
+    skipped = _type_only(tree) if running else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -124,8 +128,9 @@ def test_no_import_climbs_a_layer(name: str) -> None:
 
 
 def test_no_import_cycle() -> None:
-    """Tarjan's strongly connected components of the import graph: none has two modules."""
-    graph = {name: set(_imports(name)) for name in MODULES}
+    """Tarjan's strongly connected components of the graph of imports that run: none has two
+    modules."""
+    graph = {name: set(_imports(name, running=True)) for name in MODULES}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -175,4 +180,19 @@ def later():
         "lightning_bpk.errors",
         "lightning_bpk.checkpointer",
         "lightning_bpk.lightning.callback",
+    }
+
+
+def test_type_checking_imports_climb_but_close_no_cycle() -> None:
+    """An import for type checkers counts against the layers (it still couples the modules)
+    but not for cycles (it never runs)."""
+    source = """
+from typing import TYPE_CHECKING
+from lightning_bpk import errors
+if TYPE_CHECKING:
+    from lightning_bpk.checkpointer import Checkpointer
+"""
+    assert _climbs("lightning_bpk.store.local", source) == ["lightning_bpk.checkpointer"]
+    assert set(_imports("lightning_bpk.store.local", source, running=True)) == {
+        "lightning_bpk.errors"
     }

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bpk import callback, checkpointer, cli, layout, trainer_state
+from lightning_bpk import checkpointer, cli, layout
 from lightning_bpk.interop import formats
+from lightning_bpk.lightning import callback, trainer_state
 
 
 def test_dopamine_defaults_and_record_files() -> None:

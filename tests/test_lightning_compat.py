@@ -83,7 +83,7 @@ def test_lightning_signal_handlers_are_recognised() -> None:
 
 
 def test_generate_state_key_names_the_callback(tmp_path: Path) -> None:
-    from lightning_bpk.callback import BurnpackCheckpoint
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
     key = compat.generate_state_key(BurnpackCheckpoint(tmp_path), dirpath=str(tmp_path))
     assert key.startswith("BurnpackCheckpoint{") and str(tmp_path) in key

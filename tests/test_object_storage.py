@@ -30,9 +30,6 @@ from fault_proxy import FaultProxy
 from fsspec.registry import _registry as fsspec_registry
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_bpk import storage, trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint
-from lightning_bpk.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.checkpointer import (
     Checkpointer,
     choose_resume,
@@ -41,7 +38,18 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.cli import main as cli_main
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
+from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.store import (
+    DirectoryGoneError,
+    ObjectStore,
+    StorageError,
+    name_of,
+    object_store,
+    open_store,
+)
 from lightning_bpk.store import objects as store_objects
 
 from conftest import (
@@ -234,7 +242,7 @@ def test_convert_and_diff_read_and_write_urls(bucket, capsys, tmp_path, monkeypa
 
 
 def test_the_sentinel_is_create_only_on_s3(bucket):
-    store = storage.open_store(f"s3://{bucket}/run")
+    store = open_store(f"s3://{bucket}/run")
     assert store.atomic_create
     assert store.create("sentinel", b"first") is True
     assert store.create("sentinel", b"second") is False  # refused by the server: 412
@@ -261,7 +269,7 @@ def test_a_bad_store_fails_in_setup_before_training_naming_the_url(
     callback = BurnpackCheckpoint(dirpath=url, storage_options=options)
     trainer = make_trainer(str(tmp_path), 1, [callback])
     try:
-        with pytest.raises(storage.StorageError, match=re.escape(url)) as error:
+        with pytest.raises(StorageError, match=re.escape(url)) as error:
             trainer.fit(model)
     finally:
         _moto_auth(s3_endpoint, "inf")
@@ -336,7 +344,7 @@ def test_a_transient_fault_reading_the_newest_checkpoint_is_retried(bucket, prox
     checkpointer = Checkpointer(url, storage_options=options)
     for n in (1, 2):
         checkpointer.save_checkpoint(n, _model(n))
-    store = storage.object_store(url, options)
+    store = object_store(url, options)
     for attempt in ("resume", "verify"):
         injected = proxy.add(fault, "GET", r"/ckpt\.2/model\.bpk", times=2, keep=300)
         with warnings.catch_warnings():
@@ -367,7 +375,7 @@ def test_a_garbled_sentinel_answer_is_retried_and_a_persistent_fault_is_a_typed_
     assert get_latest_checkpoint_number(url, storage_options=options) == 2
     assert once.hits == 1
     always = proxy.add("corrupt", "GET", sentinel, keep=5, times=10**6)
-    with pytest.raises(storage.StorageError, match=re.escape(f"{url}/")) as error:
+    with pytest.raises(StorageError, match=re.escape(f"{url}/")) as error:
         get_latest_checkpoint_number(url, storage_options=options)
     assert "Checksum" in str(error.value)
     assert always.hits >= store_objects.ATTEMPTS
@@ -383,7 +391,7 @@ def test_a_bucket_deleted_mid_run_says_so(bucket):
     fs = fsspec.filesystem("s3")
     fs.rm(bucket, recursive=True)
     fs.invalidate_cache()
-    with pytest.raises(storage.DirectoryGoneError, match="bucket does not exist") as error:
+    with pytest.raises(DirectoryGoneError, match="bucket does not exist") as error:
         checkpointer.save_checkpoint(1, _model(1))
     assert "superseded" not in str(error.value)
     assert "every checkpoint" in str(error.value)
@@ -458,18 +466,18 @@ def test_the_callback_trains_into_the_bucket_and_resumes_from_it(
     resaver.save_checkpoint(2, resaver.load_checkpoint(2))
     assert trainer_state.load(f"{url}/ckpt.2")["global_step"] == 3 * BATCHES_PER_EPOCH
     reads: collections.Counter[str] = collections.Counter()
-    read_into = storage.ObjectStore.read_into
+    read_into = ObjectStore.read_into
 
     def counted(self, key, buffer, offset=0):
         reads[key] += memoryview(buffer).nbytes
         return read_into(self, key, buffer, offset)
 
-    monkeypatch.setattr(storage.ObjectStore, "read_into", counted)
+    monkeypatch.setattr(ObjectStore, "read_into", counted)
     second = BurnpackCheckpoint(dirpath=url, checkpoint_duration=2)
     trainer = make_trainer(str(tmp_path), 4, [second])
     trainer.fit(TinyModel())
     assert second.restored_number == 2
-    data = storage.name_of(list_checkpoints(url)[-1].data)  # the oldest left: the re-saved 2
+    data = name_of(list_checkpoints(url)[-1].data)  # the oldest left: the re-saved 2
     assert data.startswith("ckpt.2~")
     fs, root = fsspec.core.url_to_fs(url)
     fs.invalidate_cache()

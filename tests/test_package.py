@@ -110,7 +110,7 @@ def test_gin_bindings_work_after_a_plain_import(tmp_path: Path) -> None:
 
 
 def test_every_configurable_has_a_stand_in_under_its_real_selector() -> None:
-    import lightning_bpk.callback  # noqa: F401  (every configurable is now registered for real)
+    import lightning_bpk.lightning.callback  # noqa: F401  (every configurable is now registered for real)
 
     for selector, module in _gin.CONFIGURABLES.items():
         real = getattr(importlib.import_module(module), selector.rpartition(".")[2])
@@ -151,9 +151,9 @@ def test_our_log_lines_show_without_a_logging_configuration() -> None:
     """As Lightning's own do: INFO lines of the ``lightning_bpk`` logger (the callback's) reach
     stderr when the program configures no logging; once it does (before or after the import),
     they go through that configuration, once."""
-    import lightning_bpk.callback
+    import lightning_bpk.lightning.callback
 
-    assert lightning_bpk.callback.log is logging.getLogger("lightning_bpk")
+    assert lightning_bpk.lightning.callback.log is logging.getLogger("lightning_bpk")
     code = """
         import logging, sys
         if sys.argv[1] == "before":

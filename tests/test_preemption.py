@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_bpk import trainer_state
-from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.lightning.preemption import _ignore_while_stopping
 from lightning_bpk.records import ModuleRecord, StateRecord
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bpk import burnpack, cli, sharded
+from lightning_bpk import burnpack, cli
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
 from lightning_bpk.dcp import load_full_state_dict
+from lightning_bpk.lightning import sharded
 from lightning_bpk.records import RECORD_KIND_KEY, default_param_id
 
 from conftest import SCRIPTS, run_process

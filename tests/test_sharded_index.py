@@ -1,4 +1,4 @@
-"""lightning_bpk._sharded_index: a hostile sharded index is refused by every reader, before
+"""lightning_bpk.dcp._index: a hostile sharded index is refused by every reader, before
 anything it names is opened, on local disk and on an object store (memory:// here; one case
 through moto over HTTP is in tests/test_sharded_object_storage.py).
 
@@ -28,20 +28,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_bpk import burnpack, cli, sharded, storage
-from lightning_bpk._sharded_index import MAX_DEPTH
+from lightning_bpk import burnpack, cli
 from lightning_bpk.dcp import (
     INDEX_KEY,
     INDEX_KIND,
     BurnpackStorageReader,
     BurnpackStorageWriter,
     ShardedCheckpointError,
-    index_name,
     load_full_state_dict,
     read_index,
 )
+from lightning_bpk.dcp._index import MAX_DEPTH
 from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import sharded_index_name
+from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import RECORD_KIND_KEY
+from lightning_bpk.store import LocalStore, ObjectStore, object_store, open_store
 
 OPENED: list[str] = []  # every path os.open/open is asked for while a test records
 
@@ -96,20 +98,20 @@ def write_checkpoint(where: Path | str) -> dict[str, Any]:
 
 
 def _document(where: Path | str) -> dict[str, Any]:
-    with burnpack.loads(_store(where).read(index_name())) as pack:
+    with burnpack.loads(_store(where).read(sharded_index_name())) as pack:
         return json.loads(pack.metadata[INDEX_KEY])
 
 
-def _store(where: Path | str) -> storage.ObjectStore | storage.LocalStore:
-    return storage.open_store(where)  # both read a key (a file name inside a directory)
+def _store(where: Path | str) -> ObjectStore | LocalStore:
+    return open_store(where)  # both read a key (a file name inside a directory)
 
 
 def _write_index(where: Path | str, text: str) -> None:
     data = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: text})
     if isinstance(where, Path):
-        (where / index_name()).write_bytes(data)
+        (where / sharded_index_name()).write_bytes(data)
     else:
-        storage.object_store(where).put(index_name(), data)
+        object_store(where).put(sharded_index_name(), data)
 
 
 def _rename_rank_file(doc: dict[str, Any], name: str) -> None:
@@ -209,7 +211,7 @@ def place(request, tmp_path) -> Iterator[tuple[Path | str, Path]]:
         return
     url = f"memory://hostile-{uuid.uuid4().hex[:8]}/ckpt"
     yield url, outside
-    storage.object_store(url).remove(list(storage.object_store(url).list("")))
+    object_store(url).remove(list(object_store(url).list("")))
 
 
 def _canary(place: tuple[Path | str, Path]) -> str:
@@ -218,9 +220,7 @@ def _canary(place: tuple[Path | str, Path]) -> str:
     (rank_file,) = _document(where)["files"]
     (outside / "evil.bpk").write_bytes(_store(where).read(rank_file))
     if isinstance(where, str):  # the same object "outside" the prefix, too
-        storage.object_store(where.rsplit("/", 1)[0]).put(
-            "outside/evil.bpk", _store(where).read(rank_file)
-        )
+        object_store(where.rsplit("/", 1)[0]).put("outside/evil.bpk", _store(where).read(rank_file))
     return str(outside / "evil.bpk")
 
 

@@ -26,7 +26,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from lightning_bpk import burnpack, cli, sharded, storage
+from lightning_bpk import burnpack, cli
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.dcp import (
     BurnpackStorageReader,
@@ -35,6 +35,8 @@ from lightning_bpk.dcp import (
     load_full_state_dict,
     read_index,
 )
+from lightning_bpk.lightning import sharded
+from lightning_bpk.store import object_store
 
 from conftest import SCRIPTS, run_process
 
@@ -180,7 +182,7 @@ def test_raw_dcp_on_memory_is_written_once_and_damage_is_named():
             dcp.save(state, storage_writer=BurnpackStorageWriter(url))
     index = read_index(url)
     assert index.check_files(verify_tensors=True) == []
-    store = storage.object_store(url)
+    store = object_store(url)
     (rank_file,) = index.files
     good = store.read(rank_file)
     start = burnpack.loads(good).data_start  # the first tensor's first byte
@@ -224,7 +226,7 @@ def test_a_load_fetches_the_index_the_head_and_only_the_chunk_it_needs():
     index = read_index(url)
     (rank_file,) = index.files
     head = index.files[rank_file]["head_size"]
-    with burnpack.loads(storage.object_store(url).read(rank_file)) as pack:
+    with burnpack.loads(object_store(url).read(rank_file)) as pack:
         start, end = (head + offset for offset in pack.entries["b"].data_offsets)
     assert sorted((s, e) for p, s, e in reads if p.endswith(rank_file)) == [(0, head), (start, end)]
     assert {p.rpartition("/")[2] for p, _, _ in reads} == {"sharded.index.bpk", rank_file}
@@ -245,7 +247,7 @@ def test_a_superseded_run_stops_before_any_rank_writes_a_shard():
         match=r"preparing checkpoint 0 failed on rank 0: CheckpointSupersededError: .*superseded",
     ):
         _save(zombie, 0, shards, {})
-    assert sorted(storage.object_store(url).list("")) == [".lightning_bpk.owner.2"]
+    assert sorted(object_store(url).list("")) == [".lightning_bpk.owner.2"]
 
 
 # --- a hostile index in a bucket, over HTTP -----------------------------------------------------
@@ -264,7 +266,7 @@ def test_a_hostile_index_in_a_bucket_opens_nothing_local_nor_outside_its_prefix(
     (rank_file,) = doc["files"]
     canary = tmp_path / "outside" / "evil.bpk"
     canary.parent.mkdir()
-    canary.write_bytes(storage.object_store(url).read(rank_file))
+    canary.write_bytes(object_store(url).read(rank_file))
     hostile._rename_rank_file(doc, str(canary))
     hostile._write_index(url, hostile.json.dumps(doc))
     converted = tmp_path / "converted.bpk"
@@ -275,9 +277,7 @@ def test_a_hostile_index_in_a_bucket_opens_nothing_local_nor_outside_its_prefix(
         with pytest.raises(sharded.ShardedCheckpointError, match=named):
             load_full_state_dict(url)
         hostile._rename_rank_file(doc, f"../{rank_file}")  # the run's prefix, beside ckpt/
-        storage.object_store(f"s3://{bucket}/run").put(
-            rank_file, storage.object_store(url).read(rank_file)
-        )
+        object_store(f"s3://{bucket}/run").put(rank_file, object_store(url).read(rank_file))
         hostile._write_index(url, hostile.json.dumps(doc))
         with pytest.raises(CheckpointException, match=rf"'\.\./{rank_file}' is not a plain name"):
             dcp.load({"w": torch.zeros(4, 4)}, storage_reader=BurnpackStorageReader(url))

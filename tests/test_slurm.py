@@ -29,9 +29,9 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from lightning_bpk import slurm
-from lightning_bpk.callback import BurnpackCheckpoint
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.lightning import slurm
+from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.records import ModuleRecord
 
 from conftest import SCRIPTS, TINY_REFERENCE_EPOCHS

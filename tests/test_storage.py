@@ -19,7 +19,6 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from lightning_bpk import storage
 from lightning_bpk.checkpointer import (
     Checkpointer,
     CheckpointWarning,
@@ -29,9 +28,20 @@ from lightning_bpk.checkpointer import (
     list_checkpoints,
     verify_checkpoint,
 )
-from lightning_bpk.lease import CheckpointSupersededError, Lease
 from lightning_bpk.records import ModuleRecord, files
+from lightning_bpk.store import (
+    MissingDriverError,
+    ObjectStore,
+    StorageError,
+    join,
+    location,
+    name_of,
+    object_store,
+    open_store,
+    parent_of,
+)
 from lightning_bpk.store import objects as store_objects
+from lightning_bpk.store.lease import CheckpointSupersededError, Lease
 
 from conftest import check_a_50_gib_claim_is_refused
 
@@ -60,11 +70,11 @@ def _keys(url: str) -> list[str]:
 
 
 def test_location_keeps_urls_and_makes_local_paths(tmp_path):
-    assert storage.location("s3://b/run/") == "s3://b/run"
-    assert storage.location(f"file://{tmp_path}") == tmp_path
-    assert storage.location(str(tmp_path)) == tmp_path
-    assert storage.join("s3://b/run", "ckpt.1") == "s3://b/run/ckpt.1"
-    assert storage.parent_of("s3://b/run/ckpt.1") == "s3://b/run"
+    assert location("s3://b/run/") == "s3://b/run"
+    assert location(f"file://{tmp_path}") == tmp_path
+    assert location(str(tmp_path)) == tmp_path
+    assert join("s3://b/run", "ckpt.1") == "s3://b/run/ckpt.1"
+    assert parent_of("s3://b/run/ckpt.1") == "s3://b/run"
 
 
 def test_missing_driver_names_the_extra(monkeypatch):
@@ -72,13 +82,13 @@ def test_missing_driver_names_the_extra(monkeypatch):
         raise ImportError("Install gcsfs to access Google Storage")
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", no_driver)
-    with pytest.raises(storage.MissingDriverError, match=r"pip install 'lightning-bpk\[gcs\]'"):
-        storage.open_store("gs://bucket/run")
+    with pytest.raises(MissingDriverError, match=r"pip install 'lightning-bpk\[gcs\]'"):
+        open_store("gs://bucket/run")
 
 
 def test_unknown_protocol_is_an_error_naming_the_url():
-    with pytest.raises(storage.StorageError, match="nosuch://b/run"):
-        storage.open_store("nosuch://b/run")
+    with pytest.raises(StorageError, match="nosuch://b/run"):
+        open_store("nosuch://b/run")
 
 
 def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, monkeypatch):
@@ -101,7 +111,7 @@ def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, 
 
 def test_an_object_is_read_in_at_most_read_streams_ranged_requests(monkeypatch):
     monkeypatch.setattr(store_objects, "READ_CHUNK", 1024)
-    store = storage.object_store(_url())
+    store = object_store(_url())
     data = os.urandom(100 * 1024 + 5)
     store.put("blob", data)
     requests = []
@@ -178,7 +188,7 @@ def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object():
     raw = bytearray(fs.cat_file(f"{root}/ckpt.1/model.bpk"))
     raw[-1] ^= 0xFF  # a tensor byte: only its checksum tells
     fs.pipe_file(f"{root}/ckpt.1/model.bpk", bytes(raw))
-    store = storage.object_store(url)
+    store = object_store(url)
     assert get_latest_checkpoint_number(url) == 1  # the quick checks pass
     with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
         number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=1)
@@ -189,15 +199,15 @@ def test_resume_reads_each_sentinel_once(monkeypatch):
     """The checks and the load of one choice share the manifest they read."""
     url = _url()
     Checkpointer(url).save_checkpoint(0, _data(0))
-    store = storage.object_store(url)
+    store = object_store(url)
     reads: list[str] = []
-    read = storage.ObjectStore.read
+    read = ObjectStore.read
 
     def counted(self, key):
         reads.append(key)
         return read(self, key)
 
-    monkeypatch.setattr(storage.ObjectStore, "read", counted)
+    monkeypatch.setattr(ObjectStore, "read", counted)
     number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=0)
     assert number == 0 and data["trainer"] == {"step": 0}
     assert reads == ["sentinel_checkpoint_complete.0"]
@@ -323,7 +333,7 @@ def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_aft
     checkpointer.save_checkpoint(1, _data(1))
     target = checkpointer.save_checkpoint(1, _data(10))
     assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
-    name = storage.name_of(target)
+    name = name_of(target)
     assert _keys(url) == sorted(
         [f"{name}/model.bpk", f"{name}/trainer.bpk", "sentinel_checkpoint_complete.1"]
     )
@@ -371,7 +381,7 @@ def test_a_sharded_resave_keeps_the_old_copy_until_its_sentinel(faulty, tmp_path
     assert torch.equal(loaded["shard"].tensors["w"], torch.full((4,), 1.0))
     target = resave(3.0)
     assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
-    name = storage.name_of(target)
+    name = name_of(target)
     assert _keys(url) == [
         f"{name}/shard.bpk",
         f"{name}/trainer.bpk",
@@ -405,7 +415,7 @@ def test_an_upload_whose_multipart_completion_was_lost_is_retried(faulty):
 def test_retries_are_bounded_and_the_error_names_the_url(faulty):
     checkpointer = Checkpointer("faulty://b/bounded")
     faulty.faults["put"] = (1, 10**6, ConnectionError)
-    with pytest.raises(storage.StorageError, match=r"faulty://b/bounded/ckpt\.0/.*5 attempts"):
+    with pytest.raises(StorageError, match=r"faulty://b/bounded/ckpt\.0/.*5 attempts"):
         checkpointer.save_checkpoint(0, _data(0))
     assert faulty.calls["put"] == store_objects.ATTEMPTS
 
@@ -437,7 +447,7 @@ def test_a_superseded_writer_stops_before_its_next_write_and_deletes_nothing(tmp
 
 
 def test_the_lease_keeps_only_the_newest_generation(tmp_path):
-    store = storage.open_store(tmp_path)
+    store = open_store(tmp_path)
     leases = [Lease.acquire(store) for _ in range(3)]
     assert [lease.generation for lease in leases] == [1, 2, 3]
     assert sorted(os.listdir(tmp_path)) == [".lightning_bpk.owner.3"]

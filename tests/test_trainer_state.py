@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_bpk import trainer_state
 from lightning_bpk.checkpointer import Checkpointer
+from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning import trainer_state as _trainer_state
+from lightning_bpk.lightning.trainer_state import DROPPED_KEY, RNG_KEY
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
-from lightning_bpk.trainer_state import DROPPED_KEY, RNG_KEY
 
 
 def _draws() -> tuple:

@@ -36,11 +36,11 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from lightning_bpk import burnpack, checkpointer
-from lightning_bpk._sharded_names import ShardedCheckpointError
 from lightning_bpk.cli._checkpoints import cmd_ls, cmd_verify
 from lightning_bpk.cli._diff import cmd_diff
 from lightning_bpk.cli._output import EXIT_BAD_FILE, EXIT_FOUND, EXIT_OK, printable
 from lightning_bpk.cli._records import cmd_convert, cmd_inspect
+from lightning_bpk.dcp import ShardedCheckpointError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.lightning.trainer_state import REQUIRED_KEYS
 from lightning_bpk.records.base import RecordError

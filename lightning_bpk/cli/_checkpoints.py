@@ -13,16 +13,16 @@ import argparse
 import contextlib
 from typing import Any
 
-from lightning_bpk import burnpack, storage
-from lightning_bpk._checkpoint import report_checkpoints
-from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk import burnpack
+from lightning_bpk.checkpointer._view import report_checkpoints
 from lightning_bpk.cli._locations import is_safetensors, mtime
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, progress, size_text, table
 from lightning_bpk.cli._sharded import index_problems, verify_sharded
+from lightning_bpk.dcp import is_sharded
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import RECORD_SUFFIX, RUN_SUBDIRECTORY
 from lightning_bpk.records import files
-from lightning_bpk.store import Store
+from lightning_bpk.store import Store, location, name_of, open_parent, open_store
 
 
 def _checkpoints(
@@ -33,13 +33,13 @@ def _checkpoints(
     checkpoint without one of the ``--require`` keys does not verify. A run directory's
     ``checkpoints/`` (where BurnpackCheckpoint saves by default) stands for it when it holds
     none itself. An unreachable URL or a missing bucket fails here, naming it."""
-    store = storage.open_store(target)
+    store = open_store(target)
     with contextlib.suppress(NotADirectoryError):  # a file: nothing is listed under it
         store.check()
     listing = store.list("")
     rows = _rows(store, listing, args, verify)
     if not rows and listing.get(RUN_SUBDIRECTORY, 0) is None:
-        store = storage.open_store(store.url_of(RUN_SUBDIRECTORY))
+        store = open_store(store.url_of(RUN_SUBDIRECTORY))
         listing = store.list("")
         rows = _rows(store, listing, args, verify)
     return store, listing, rows
@@ -73,7 +73,7 @@ def _rows(
 def _is_directory(target: str) -> bool:
     """Whether ``target``, which lists nothing, is an empty directory (not a file, or nothing):
     its parent's listing says."""
-    parent, name = storage.open_parent(target)
+    parent, name = open_parent(target)
     return parent.list("").get(name, -1) is None  # a directory lists as None
 
 
@@ -107,7 +107,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for r in rows
     ]
     text = table(rows_text) if rows else f"{store.url}: no checkpoints"
-    if store.url != str(storage.location(args.dir)):  # a run directory's checkpoints/
+    if store.url != str(location(args.dir)):  # a run directory's checkpoints/
         text = f"{store.url}:\n{text}"
     text += "".join(f"\n{r['number']}: {p}" for r in rows for p in r["problems"])
     emit(args, {"directory": store.url, "checkpoints": rows}, text)
@@ -124,7 +124,7 @@ def _verify_file(path: str) -> dict[str, Any]:
         with files.read_pack(path) as pack:
             result["tensors"] = len(pack)
             result["checksums"] = len(pack.checksums)
-            report = progress(f"verify {storage.name_of(path)}")
+            report = progress(f"verify {name_of(path)}")
             bad = []
             for k, name in enumerate(pack.names):
                 try:
@@ -192,7 +192,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if interop_sets.is_set(target) or is_safetensors(target):
         results = [interop_sets.verify_source(target)]
     elif is_sharded(target):  # a checkpoint's data (local or a URL), any DCP directory of ours
-        results = [verify_sharded(storage.location(target))]
+        results = [verify_sharded(location(target))]
     else:
         target, results = _verify_directory(target, args)
     ok = all(r["ok"] for r in results)

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack, storage
-from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk import burnpack
 from lightning_bpk.cli._locations import local_copies
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, json_value, progress, table
+from lightning_bpk.dcp import is_sharded
 from lightning_bpk.interop import Content
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE, RECORD_SUFFIX
+from lightning_bpk.store import is_local
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,7 +215,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def _diff(a: Path, b: Path, args: argparse.Namespace) -> int:
     def shown(path: Path, local: Path, argument: str) -> str:
         """A path inside a local copy, named by the argument's URL."""
-        if storage.is_local(argument):
+        if is_local(argument):
             return str(path)
         relative = path.relative_to(local).as_posix()
         return argument.rstrip("/") + ("" if relative == "." else f"/{relative}")

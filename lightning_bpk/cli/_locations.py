@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lightning_bpk import storage
+from lightning_bpk.store import location, name_of, object_store, parent_of
 
 
 @contextlib.contextmanager
@@ -28,21 +28,21 @@ def local_copies(*targets: str, only: str | None = None) -> Iterator[list[Path]]
 
 
 def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
-    location = storage.location(target)
-    if isinstance(location, Path):
-        return location
+    found = location(target)
+    if isinstance(found, Path):
+        return found
     scratch.mkdir()
-    name = storage.name_of(location)
-    parent = storage.object_store(storage.parent_of(location))
+    name = name_of(found)
+    parent = object_store(parent_of(found))
     if parent.size(name) is not None:
         parent.download(name, scratch / name)
         return scratch / name
-    store = storage.object_store(location)
+    store = object_store(found)
     objects = [key for key, size in store.list("").items() if size is not None]
     if only in objects:
         objects = [only]
     if not objects:
-        raise OSError(f"{location}: no such object, nor objects under it")
+        raise OSError(f"{found}: no such object, nor objects under it")
     (scratch / name).mkdir()
     for key in objects:
         store.download(key, scratch / name / key)
@@ -51,7 +51,7 @@ def _local_copy(target: str, scratch: Path, only: str | None) -> Path:
 
 def is_safetensors(target: str) -> bool:
     """Whether ``target`` (a path or a URL) names a ``.safetensors`` file."""
-    return storage.name_of(storage.location(target)).lower().endswith(".safetensors")
+    return name_of(location(target)).lower().endswith(".safetensors")
 
 
 def tree_size(path: Path) -> int:

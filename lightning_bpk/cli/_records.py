@@ -15,8 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_bpk import burnpack, storage
-from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk import burnpack
 from lightning_bpk.cli._locations import is_safetensors, local_copies, tree_size
 from lightning_bpk.cli._output import (
     EXIT_OK,
@@ -28,11 +27,13 @@ from lightning_bpk.cli._output import (
     table,
 )
 from lightning_bpk.cli._sharded import describe_sharded, save_model, sharded_text
+from lightning_bpk.dcp import is_sharded
 from lightning_bpk.interop import convert
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RecordError
+from lightning_bpk.store import is_local, local_path, location, name_of, open_parent
 
 
 def _describe(pack: burnpack.Pack) -> dict[str, Any]:
@@ -136,7 +137,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     a temporary file first, then uploaded)."""
     if args.max_shard_size is not None or interop_sets.is_set(args.src):
         return _convert_set(args)
-    store, key = storage.open_parent(args.dst)
+    store, key = open_parent(args.dst)
     with contextlib.ExitStack() as stack:
         dst = stack.enter_context(store.scratch(key))  # published when the block ends
         if is_sharded(args.src):
@@ -144,10 +145,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             written = save_model(args.src, dst)
         else:
             (src,) = stack.enter_context(local_copies(args.src, only=MODEL_FILE))
-            report = progress(f"convert {storage.name_of(storage.location(args.src))}")
+            report = progress(f"convert {name_of(location(args.src))}")
             written = convert(src, dst, progress=report)
         size = Path(written).stat().st_size
-    target = storage.location(args.dst)
+    target = location(args.dst)
     info = {"src": args.src, "dst": str(target), "size": size}
     emit(args, info, f"wrote {target} ({size_text(size)})")
     return EXIT_OK
@@ -156,7 +157,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _convert_set(args: argparse.Namespace) -> int:
     """``convert`` from a checkpoint set (local or a URL), or to one (``--max-shard-size``:
     ``dst`` is a new local directory for the shards and their index)."""
-    if not storage.is_local(args.dst):
+    if not is_local(args.dst):
         raise OSError(f"{args.dst}: a set is converted to a local file or directory")
     try:
         shard_size = (
@@ -166,10 +167,10 @@ def _convert_set(args: argparse.Namespace) -> int:
         raise RecordError("io", f"--max-shard-size: {e}") from e
     written = interop_sets.convert_source(
         args.src,
-        storage.local_path(args.dst),
+        local_path(args.dst),
         max_shard_size=shard_size,
         suffix="." + args.shard_format,
-        progress=progress(f"convert {storage.name_of(storage.location(args.src))}"),
+        progress=progress(f"convert {name_of(location(args.src))}"),
     )
     size = tree_size(written.parent if shard_size is not None else written)
     emit(

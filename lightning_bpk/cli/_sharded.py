@@ -3,7 +3,7 @@
 Importing :mod:`lightning_bpk.dcp` (torch.distributed.checkpoint) takes seconds, so this module
 imports it inside each function: only a command given a sharded directory pays for it, and
 ``lightning-bpk --help`` starts fast. A command
-first tells a sharded directory apart with :func:`lightning_bpk._sharded_names.is_sharded`.
+first tells a sharded directory apart with :func:`lightning_bpk.dcp.is_sharded`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
 from lightning_bpk.cli._output import dtype_text, table
+from lightning_bpk.dcp import ShardedCheckpointError, is_sharded
 
 
 def describe_sharded(target: str | os.PathLike[str]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ DCP collects every rank's exception after planning and after writing and raises
 ``CheckpointException`` on every rank, so a failure anywhere fails the save everywhere; nothing
 is committed and the directory's previous checkpoint (if any) still loads.
 
-Reading checks the whole index first (:mod:`lightning_bpk._sharded_index`), then each rank file
+Reading checks the whole index first (:mod:`lightning_bpk.dcp._index`), then each rank file
 a rank needs: its head against the index's digest (on local disk the file is mapped, on an
 object store one ranged read fetches just the head), then only the byte ranges of the chunks
 that rank needs, each checked against its xxh3 checksum. The same damage gives the same
@@ -72,22 +72,27 @@ Example (one process, no process group)::
 
 from __future__ import annotations
 
-from lightning_bpk._sharded_names import ShardedCheckpointError, is_sharded
-from lightning_bpk._sharded_names import index_name as index_name
+import importlib
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-# Importable from here too, outside the documented surface (an explicit re-export each): the
-# metadata key of the index, and the record kinds the checkpointer's manifest records.
-from lightning_bpk.dcp._index import INDEX_KEY as INDEX_KEY
-from lightning_bpk.dcp._index import Index, read_index
-from lightning_bpk.dcp._reader import (
-    BurnpackStorageReader,
-    load_full_state_dict,
-    load_nested,
-    module_record,
-)
-from lightning_bpk.dcp._writer import INDEX_KIND as INDEX_KIND
-from lightning_bpk.dcp._writer import SHARD_KIND as SHARD_KIND
-from lightning_bpk.dcp._writer import BurnpackStorageWriter
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.layout import SHARDED_PREFIX, sharded_index_name
+from lightning_bpk.store import open_store
+
+if TYPE_CHECKING:
+    from lightning_bpk.dcp._packs import INDEX_KEY as INDEX_KEY
+    from lightning_bpk.dcp._packs import Index, read_index
+    from lightning_bpk.dcp._reader import (
+        BurnpackStorageReader,
+        load_full_state_dict,
+        load_nested,
+        module_record,
+    )
+    from lightning_bpk.dcp._writer import INDEX_KIND as INDEX_KIND
+    from lightning_bpk.dcp._writer import SHARD_KIND as SHARD_KIND
+    from lightning_bpk.dcp._writer import BurnpackStorageWriter
 
 __all__ = [
     "BurnpackStorageReader",
@@ -100,3 +105,50 @@ __all__ = [
     "module_record",
     "read_index",
 ]
+
+
+class ShardedCheckpointError(LightningBpkError, RuntimeError):
+    """A sharded checkpoint could not be written or read; the message names the file."""
+
+
+def is_sharded(
+    directory: str | os.PathLike[str],
+    prefix: str = SHARDED_PREFIX,
+    storage_options: Mapping[str, Any] | None = None,
+) -> bool:
+    """True when ``directory`` (a local path or an object-store URL) holds a committed sharded
+    checkpoint: its index exists. Cheap: it needs neither torch.distributed nor the rest of
+    this package."""
+    return open_store(directory, storage_options).size(sharded_index_name(prefix)) is not None
+
+
+# Importing torch.distributed.checkpoint costs seconds, and the command line and interop only
+# need is_sharded and the error above to tell a sharded directory apart: the writer and reader
+# are imported on first use. INDEX_KEY, INDEX_KIND and SHARD_KIND (the index's metadata key, the
+# record kinds the checkpointer's manifest records) are importable from here too, outside the
+# documented surface.
+_LAZY = {
+    "INDEX_KEY": "_packs",
+    "Index": "_packs",
+    "read_index": "_packs",
+    "BurnpackStorageReader": "_reader",
+    "load_full_state_dict": "_reader",
+    "load_nested": "_reader",
+    "module_record": "_reader",
+    "INDEX_KIND": "_writer",
+    "SHARD_KIND": "_writer",
+    "BurnpackStorageWriter": "_writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

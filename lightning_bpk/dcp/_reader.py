@@ -18,14 +18,9 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from lightning_bpk import burnpack
-from lightning_bpk._sharded_names import (
-    DEFAULT_PREFIX,
-    PARAM_IDS_KEY,
-    ShardedCheckpointError,
-    is_sharded,
-)
-from lightning_bpk.dcp._index import Index, _object, _opened, _Packs, read_index, servable
-from lightning_bpk.layout import MODEL_KEY
+from lightning_bpk.dcp import ShardedCheckpointError, is_sharded
+from lightning_bpk.dcp._packs import Index, _object, _opened, _Packs, read_index, servable
+from lightning_bpk.layout import MODEL_KEY, PARAM_IDS_KEY, SHARDED_PREFIX
 from lightning_bpk.records import ModuleRecord
 from lightning_bpk.store import location
 
@@ -44,7 +39,7 @@ class BurnpackStorageReader(StorageReader):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str = SHARDED_PREFIX,
         verify: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -137,7 +132,7 @@ class BurnpackStorageReader(StorageReader):
 def load_full_state_dict(
     directory: str | os.PathLike[str],
     *,
-    prefix: str = DEFAULT_PREFIX,
+    prefix: str = SHARDED_PREFIX,
     verify: bool = True,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -185,7 +180,7 @@ def _put(root: dict, path: tuple, value: Any) -> None:
 def load_nested(
     directory: str | os.PathLike[str],
     *,
-    prefix: str = DEFAULT_PREFIX,
+    prefix: str = SHARDED_PREFIX,
     verify: bool = True,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:

@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_bpk import _sharded_index, burnpack
-from lightning_bpk._sharded_names import DEFAULT_PREFIX, ShardedCheckpointError, index_name
-from lightning_bpk.dcp._index import INDEX_KEY, SAVE_ID_KEY, servable
+from lightning_bpk import burnpack
+from lightning_bpk.dcp import ShardedCheckpointError, _index
+from lightning_bpk.dcp._packs import INDEX_KEY, SAVE_ID_KEY, servable
+from lightning_bpk.layout import SHARDED_PREFIX, sharded_index_name
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
 from lightning_bpk.records.files import Described, describe
 from lightning_bpk.store import Store, location, open_store
@@ -112,7 +113,7 @@ class BurnpackStorageWriter(StorageWriter):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str = SHARDED_PREFIX,
         storage_options: Mapping[str, Any] | None = None,
         commit: bool = True,
     ) -> None:
@@ -150,7 +151,7 @@ class BurnpackStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        store, index = self._store(), index_name(self.prefix)
+        store, index = self._store(), sharded_index_name(self.prefix)
         if self.commit and not store.replaces_in_place and store.size(index) is not None:
             raise ShardedCheckpointError(
                 f"{store.url_of(index)}: a committed checkpoint is there already; on object "
@@ -176,7 +177,7 @@ class BurnpackStorageWriter(StorageWriter):
                 file, entries, {RECORD_KIND_KEY: SHARD_KIND, SAVE_ID_KEY: save_id}
             )
             for item in plan.items:
-                location = _sharded_index.Location(
+                location = _index.Location(
                     file, _chunk_name(item.index), head.size, head.head_xxh3, head.head_size
                 )
                 results.append(WriteResult(item.index, entries[location.name].nbytes, location))
@@ -213,10 +214,10 @@ class BurnpackStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locations = {r.index: r.storage_data for rank in results for r in rank}
-        document, files = _sharded_index.encode(metadata, locations, self.save_id)
+        document, files = _index.encode(metadata, locations, self.save_id)
         index = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document})
         head_size = burnpack.loads(index).data_start
-        name = index_name(self.prefix)
+        name = sharded_index_name(self.prefix)
         self.files = {
             **files,
             name: {

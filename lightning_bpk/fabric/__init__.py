@@ -11,7 +11,7 @@
   file, and adapter checkpoints that hold only what trains.
 
 Without the manager, ``Fabric(plugins=[BurnpackCheckpointIO()])``
-(:mod:`lightning_bpk.checkpoint_io`) makes ``fabric.save``/``fabric.load`` write and read
+(:mod:`lightning_bpk.lightning.checkpoint_io`) makes ``fabric.save``/``fabric.load`` write and read
 burnpack files instead of pickles, for one device and DDP.
 """
 

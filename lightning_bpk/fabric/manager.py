@@ -35,7 +35,7 @@ follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the ranks a
 step boundary, save, wait for the write, requeue a SLURM job, then exit with status 0).
 Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every ``keep_every``-th
 save. ``async_save`` writes on a background thread
-(:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): the loop waits for a copy into
+(:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): the loop waits for a copy into
 reused buffers only. The manager owns its directory (:meth:`Checkpointer.take_over`): a run
 started later in the same directory takes it over, and this one stops at its next save.
 
@@ -57,9 +57,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_bpk import _gin, storage
-from lightning_bpk._checkpoint import summarise
-from lightning_bpk._sharded_names import INDEX_DATA_KEY
+from lightning_bpk import _gin
 from lightning_bpk.checkpointer import (
     Checkpointer,
     bound_override_number,
@@ -69,16 +67,18 @@ from lightning_bpk.checkpointer import (
     list_checkpoints,
     verify_checkpoint,
 )
+from lightning_bpk.checkpointer._view import summarise
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.fabric import _sharded, _state
 from lightning_bpk.fabric._preemption import FabricPreemption
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, TRAINER_KEY
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, SHARDED_INDEX_KEY, TRAINER_KEY
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS
 from lightning_bpk.lightning.ranks import Ranks
 from lightning_bpk.lightning.triggers import SaveTriggers
 from lightning_bpk.records import ModuleRecord, StateRecord
+from lightning_bpk.store import location
 
 __all__ = ["CheckpointManager", "Restored"]
 
@@ -177,7 +177,7 @@ class CheckpointManager:
         self._checked_newer = False
         self._ranks = _ranks(fabric)
         step = every_n_train_steps if isinstance(every_n_train_steps, int) else 1
-        self.directory = storage.location(fabric.broadcast(str(storage.location(directory))))
+        self.directory = location(fabric.broadcast(str(location(directory))))
         self.checkpointer = self._open(
             checkpoint_file_prefix,
             sentinel_file_identifier,
@@ -207,7 +207,7 @@ class CheckpointManager:
         if self.fabric.is_global_zero:
             try:
                 checkpointer = make()
-                checkpointer.take_over()  # this run owns the directory (lightning_bpk.lease)
+                checkpointer.take_over()  # this run owns the directory (lightning_bpk.store.lease)
             except Exception as e:  # every rank must reach the broadcast, and learn of it
                 error = e
         failed = self.fabric.broadcast(
@@ -494,7 +494,7 @@ def _choose_on_rank0(
             *names,
             (TRAINER_KEY,),
             at_most=2**63,
-            unloaded=(INDEX_DATA_KEY,),
+            unloaded=(SHARDED_INDEX_KEY,),
         )
         where = "" if choice.location is None else str(choice.location)
         sharded = choice.number >= 0 and choice.data is None

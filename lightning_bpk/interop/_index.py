@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_bpk import storage
 from lightning_bpk.interop.formats import NO_PICKLE_ADVICE, file_kind
 from lightning_bpk.layout import member_name_problem
 from lightning_bpk.records.base import RecordError
+from lightning_bpk.store import join, location, name_of, object_store, parent_of
 
 __all__ = [
     "BPK_INDEX",
@@ -62,7 +62,7 @@ class CheckpointSet:
 def _exists(loc: Location) -> bool:
     if isinstance(loc, Path):
         return loc.is_file()
-    return storage.object_store(storage.parent_of(loc)).size(storage.name_of(loc)) is not None
+    return object_store(parent_of(loc)).size(name_of(loc)) is not None
 
 
 def _read_small(loc: Location, limit: int) -> bytes:
@@ -73,11 +73,11 @@ def _read_small(loc: Location, limit: int) -> bytes:
         except OSError as e:
             raise RecordError("io", f"{loc}: cannot read: {e.strerror or e}") from e
     else:
-        store = storage.object_store(storage.parent_of(loc))
-        size = store.size(storage.name_of(loc))
+        store = object_store(parent_of(loc))
+        size = store.size(name_of(loc))
         if size is None:
             raise RecordError("io", f"{loc}: no such object")
-        data = store.read(storage.name_of(loc), 0, min(size, limit + 1))
+        data = store.read(name_of(loc), 0, min(size, limit + 1))
     if len(data) > limit:
         raise RecordError("validation", f"{loc}: larger than {limit} bytes, not an index")
     return data
@@ -86,8 +86,8 @@ def _read_small(loc: Location, limit: int) -> bytes:
 def set_kind(path: str | os.PathLike[str]) -> str | None:
     """``"set"`` when ``path`` names a checkpoint set (an index file, or a directory holding
     one), ``"file"`` for a directory standing for its one model file, else ``None``."""
-    loc = storage.location(path)
-    name = storage.name_of(loc)
+    loc = location(path)
+    name = name_of(loc)
     if name.endswith(INDEX_SUFFIX):
         return "set"
     if isinstance(loc, Path) and not loc.is_dir():
@@ -95,7 +95,7 @@ def set_kind(path: str | os.PathLike[str]) -> str | None:
     if not isinstance(loc, Path) and file_kind_or_none(name) is not None:
         return None
     for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-        if _exists(storage.join(loc, index)):
+        if _exists(join(loc, index)):
             return "set"
     return "file" if _single_file(loc) is not None else None
 
@@ -110,7 +110,7 @@ def file_kind_or_none(name: str) -> str | None:
 
 def _single_file(loc: Location) -> Location | None:
     for name in ("model.safetensors", "model.bpk"):
-        candidate = storage.join(loc, name)
+        candidate = join(loc, name)
         if _exists(candidate):
             return candidate
     return None
@@ -126,11 +126,11 @@ def _refuse_pickle(index: Location) -> RecordError:
 def find_set(path: str | os.PathLike[str]) -> CheckpointSet | Location:
     """The checked :class:`CheckpointSet` that ``path`` names, or, for a directory without an
     index, the location of its one model file (``RecordError`` if it has none)."""
-    loc = storage.location(path)
-    if not storage.name_of(loc).endswith(INDEX_SUFFIX):
+    loc = location(path)
+    if not name_of(loc).endswith(INDEX_SUFFIX):
         for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-            if _exists(storage.join(loc, index)):
-                loc = storage.join(loc, index)
+            if _exists(join(loc, index)):
+                loc = join(loc, index)
                 break
         else:
             single = _single_file(loc)
@@ -140,9 +140,7 @@ def find_set(path: str | os.PathLike[str]) -> CheckpointSet | Location:
                     f"{loc}: no {SAFETENSORS_INDEX}, {BPK_INDEX}, model.safetensors or model.bpk",
                 )
             return single
-    if storage.name_of(loc).startswith("pytorch_model") or storage.name_of(loc).endswith(
-        ".bin" + INDEX_SUFFIX
-    ):
+    if name_of(loc).startswith("pytorch_model") or name_of(loc).endswith(".bin" + INDEX_SUFFIX):
         raise _refuse_pickle(loc)
     return _parse_index(loc, _read_small(loc, _MAX_INDEX_BYTES))
 
@@ -177,7 +175,7 @@ def _parse_index(index: Location, raw: bytes) -> CheckpointSet:
         problems.append(f"{index}: shards of different formats ({sorted(kinds)})")
     if problems:
         raise RecordError("validation", problems)
-    base = storage.parent_of(index)
+    base = parent_of(index)
     return CheckpointSet(
         index,
         base,

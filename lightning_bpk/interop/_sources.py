@@ -33,7 +33,7 @@ from pathlib import Path
 import safetensors
 import torch
 
-from lightning_bpk import _fs, burnpack, storage
+from lightning_bpk import _fs, burnpack
 from lightning_bpk.burnpack.base import MAX_RANK, _stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
@@ -45,6 +45,7 @@ from lightning_bpk.interop._index import (
 from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_kind, read_content
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+from lightning_bpk.store import StorageError, join, location, name_of, object_store, parent_of
 
 __all__ = [
     "Source",
@@ -95,9 +96,9 @@ class Source:
 @contextmanager
 def open_source(path: str | os.PathLike[str]) -> Iterator[Source]:
     """The :class:`Source` of a file, a set (index or directory), local or at a URL."""
-    loc = storage.location(path)
-    is_set = storage.name_of(loc).endswith(INDEX_SUFFIX) or (
-        loc.is_dir() if isinstance(loc, Path) else file_kind_or_none(storage.name_of(loc)) is None
+    loc = location(path)
+    is_set = name_of(loc).endswith(INDEX_SUFFIX) or (
+        loc.is_dir() if isinstance(loc, Path) else file_kind_or_none(name_of(loc)) is None
     )
     if not is_set:
         with _open_file(loc) as source:
@@ -148,9 +149,9 @@ def _burnpack_pack(loc: Path) -> burnpack.Pack:
 def _open_remote(url: str) -> Iterator[Source]:
     """A file at a URL: a safetensors header read in one ranged request and each tensor in
     its own; a ``.bpk`` file fetched whole (its checksums are checked on the bytes)."""
-    kind = file_kind(Path(storage.name_of(url)))
-    store = storage.object_store(storage.parent_of(url))
-    key = storage.name_of(url)
+    kind = file_kind(Path(name_of(url)))
+    store = object_store(parent_of(url))
+    key = name_of(url)
     if kind == "bpk":
         try:
             pack = burnpack.loads(store.read(key))
@@ -368,7 +369,7 @@ class _Shards:
         self.lock = threading.Lock()
 
     def location(self, shard: str) -> Location:
-        return storage.join(self.found.base, *shard.split("/"))
+        return join(self.found.base, *shard.split("/"))
 
     def __getitem__(self, shard: str) -> Source:
         with self.lock:
@@ -451,13 +452,13 @@ def ranged_reader(file: Location) -> tuple[Callable[[memoryview, int], None], Ca
                 raise RecordError("io", f"{file}: ends inside a tensor's bytes")
 
         return read_local, lambda: os.close(fd)
-    store = storage.object_store(storage.parent_of(file))
-    key = storage.name_of(file)
+    store = object_store(parent_of(file))
+    key = name_of(file)
 
     def read_remote(view: memoryview, offset: int) -> None:
         try:
             store.read_into(key, view, offset)
-        except storage.StorageError as e:
+        except StorageError as e:
             raise RecordError("io", str(e)) from e
 
     return read_remote, lambda: None

@@ -42,7 +42,7 @@ import safetensors
 import torch
 
 from lightning_bpk import _device, _fs, burnpack
-from lightning_bpk._sharded_names import is_sharded
+from lightning_bpk.dcp import is_sharded
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import _device, _fs, burnpack, storage
+from lightning_bpk import _device, _fs, burnpack
 from lightning_bpk.interop._index import (
     BPK_INDEX,
     SAFETENSORS_INDEX,
@@ -53,6 +53,7 @@ from lightning_bpk.interop.formats import (
 )
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+from lightning_bpk.store import is_local, local_path
 
 __all__ = [
     "convert_source",
@@ -84,8 +85,8 @@ def read_any(path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
     reads a file (a set's tensors in index order, their data read once), on ``device`` (as
     ``read_content``'s: checked first, the tensors verified on the host and then copied)."""
     target = _device.target_device(device)
-    if set_kind(path) is None and storage.is_local(path):
-        return read_content(storage.local_path(path), device=target)
+    if set_kind(path) is None and is_local(path):
+        return read_content(local_path(path), device=target)
     with open_source(path) as source:
         tensors = {name: source.read(name).clone() for name in source.specs}
         metadata = {RECORD_KIND_KEY: ModuleRecord.kind, **source.metadata}

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from lightning_bpk import burnpack, storage
+from lightning_bpk import burnpack
 from lightning_bpk.interop._dims import follow
 from lightning_bpk.interop._index import Location
 from lightning_bpk.interop._plan import (
@@ -69,6 +69,7 @@ from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.interop.rules import Items, RemapError
 from lightning_bpk.records._params import load_tensor, set_param_id
 from lightning_bpk.records.base import RecordError
+from lightning_bpk.store import StorageError
 
 __all__ = [
     "ShardedLoad",
@@ -247,7 +248,7 @@ def load_into_shards(
             run_tasks(load.group, planned.groups, workers)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
-        except storage.StorageError as e:
+        except StorageError as e:
             raise RecordError("io", str(e)) from e
         finally:
             files.close()

@@ -1,8 +1,8 @@
 """The Lightning integration: everything that knows about a ``Trainer``.
 
 Built on the layers below it (:mod:`lightning_bpk.checkpointer`, :mod:`lightning_bpk.records`,
-:mod:`lightning_bpk.storage`, ...), which never import from here. ``BurnpackCheckpoint``
-(imported from :mod:`lightning_bpk.callback`) is split by concern, each module testable
+:mod:`lightning_bpk.store`, ...), which never import from here. ``BurnpackCheckpoint``
+(imported from :mod:`lightning_bpk.lightning.callback`) is split by concern, each module testable
 without a Trainer:
 
 - ``callback``: the callback's settings and its Lightning hooks (setup, resume, when to save);
@@ -24,10 +24,9 @@ replays a changed batch size or world size) over :mod:`~lightning_bpk.lightning.
 loader's position, without a Trainer),
 :mod:`~lightning_bpk.lightning.async_save` (the background writer),
 :mod:`~lightning_bpk.lightning.slurm` (SLURM's requeue), and ``_compat``, every touch of
-Lightning's private API fenced in one module. The public paths ``lightning_bpk.callback``,
-``lightning_bpk.checkpoint_io``, ``lightning_bpk.trainer_state``, ``lightning_bpk.sharded``,
-``lightning_bpk.slurm``, ``lightning_bpk.data_position`` and ``lightning_bpk.async_save`` re-export
-them.
+Lightning's private API fenced in one module. Each is imported by its own path
+(``lightning_bpk.lightning.callback``, ...); ``lightning_bpk`` re-exports the callback and the
+IO plugin.
 
 What works without a ``Trainer`` object (``trainer_state``, ``checkpoint_io``, ``loaders``,
 ``async_save``, ``ranks``, ``preemption``, ``slurm.requeue``, ``sharded``'s save and load) also

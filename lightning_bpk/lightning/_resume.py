@@ -15,32 +15,32 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_bpk import storage
 from lightning_bpk.checkpointer import Checkpointer, list_checkpoints, verify_checkpoint
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
 from lightning_bpk.lightning import trainer_state
+from lightning_bpk.store import location, name_of, open_store, parent_of
 
 log = logging.getLogger("lightning_bpk")
 
 
 def _identity(path: Any) -> str:
     """A checkpoint directory's identity for comparisons: the resolved local path, or the URL."""
-    location = storage.location(path)
-    return str(location.resolve() if isinstance(location, Path) else location)
+    found = location(path)
+    return str(found.resolve() if isinstance(found, Path) else found)
 
 
 def member_of_checkpoint(path: Any, storage_options: Mapping[str, Any] | None) -> str | None:
     """The error for a ``ckpt_path`` that names a file inside a checkpoint directory
     (``ckpt.3/model.bpk``: one file is not a checkpoint), naming the directory to pass instead;
     ``None`` for any other path (Lightning's reader then reports it)."""
-    target = storage.location(path)
-    directory = storage.parent_of(target)
-    number = storage.name_of(directory).partition("~")[0].rpartition(".")[2]
+    target = location(path)
+    directory = parent_of(target)
+    number = name_of(directory).partition("~")[0].rpartition(".")[2]
     if not number.isdigit():
         return None
     try:
-        names = storage.open_store(storage.parent_of(directory), storage_options).list("")
+        names = open_store(parent_of(directory), storage_options).list("")
     except (OSError, LightningBpkError):
         return None  # not readable: Lightning's own reader reports the path
     sentinels = [parse_sentinel_name(name) for name in names]

@@ -433,7 +433,8 @@ class AsyncCheckpointSaver:
         ``state`` is a DCP state dict (nested dicts and lists of ``DTensor`` shards, tensors and
         plain values): each rank's shards are copied into its staging buffers (reused by every
         later save) and the same save as a synchronous one runs on each rank's writer thread
-        (:func:`lightning_bpk.sharded` ``._save``): every rank writes its file, then global rank
+        (:func:`lightning_bpk.lightning.sharded` ``._save``): every rank writes its file, then
+        global rank
         0 commits them with ``data`` (its records: schedulers, trainer state; other ranks pass
         None) and writes the sentinel last, once every rank's file is durable. The writer
         threads' collectives run over a gloo process group of their own, created at the first

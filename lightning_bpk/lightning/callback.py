@@ -8,8 +8,8 @@ One line of setup::
 **Saving.** At the end of every training epoch N (Lightning's 0-based ``current_epoch``, after
 validation, when ``N % checkpoint_frequency == 0``) the dict Lightning itself builds
 (``dump_checkpoint``, so loops, callback states and hooks are exactly Lightning's) is split by
-:mod:`lightning_bpk.trainer_state` into ``model.bpk``, ``optim.bpk``..., ``scheduler.bpk``...
-and ``trainer.bpk`` (with the RNG states), and saved as checkpoint N by a
+:mod:`lightning_bpk.lightning.trainer_state` into ``model.bpk``, ``optim.bpk``...,
+``scheduler.bpk``... and ``trainer.bpk`` (with the RNG states), and saved as checkpoint N by a
 :class:`~lightning_bpk.checkpointer.Checkpointer` in ``dirpath`` (default
 ``{default_root_dir}/checkpoints``)::
 
@@ -41,7 +41,8 @@ checkpoint directory of ours works there too, without the IO plugin); ``resume=F
 fresh.
 
 **Exactly where it stopped.** Every save records, per rank, the RNG states (Python, NumPy,
-torch, CUDA) and the training data's position (:mod:`lightning_bpk.data_position`): for a plain
+torch, CUDA) and the training data's position (:mod:`lightning_bpk.lightning.data_position`): for a
+plain
 DataLoader the RNG and generator states its sampler shuffled from and the number of batches the
 model consumed; for a ``StatefulDataLoader`` its own state. Each rank restores its own when the
 checkpoint is loaded, before ``configure_optimizers`` (which may set the data up early through
@@ -75,7 +76,7 @@ exit status stays 0; a later ``fit`` in the same process brings the default hand
 **SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
 SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
 requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
-complete, and the requeued job resumes from it (:mod:`lightning_bpk.slurm`).
+complete, and the requeued job resumes from it (:mod:`lightning_bpk.lightning.slurm`).
 
 **A finished run stays finished.** The save at the end of training (``max_epochs`` or
 ``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
@@ -101,7 +102,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 
-from lightning_bpk import _gin, storage
+from lightning_bpk import _gin
 from lightning_bpk.checkpointer import check_settings
 from lightning_bpk.errors import CheckpointResumeError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
@@ -119,6 +120,7 @@ from lightning_bpk.lightning.triggers import (
     finished,
     still_finished,
 )
+from lightning_bpk.store import join, location
 
 __all__ = [
     "FINISHED_KEY",
@@ -181,7 +183,8 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread
-            (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): training waits only for
+            (:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): training waits
+            only for
             a copy into reused staging buffers (and for building the records, ~3 ms of Python
             for a small model). The buffers of the model and optimizer state are allocated and
             faulted in on that thread right after the first optimizer step (when the optimizer
@@ -197,9 +200,10 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
             ``scontrol requeue`` once the preemption checkpoint is complete
-            (:mod:`lightning_bpk.slurm`); ``False``: save and stop only.
+            (:mod:`lightning_bpk.lightning.slurm`); ``False``: save and stop only.
         distributed_save: with replicated state (DDP), every rank writes a share of the model
-            and optimizer tensors (torch DCP through :mod:`lightning_bpk.sharded`), so a save's
+            and optimizer tensors (torch DCP through :mod:`lightning_bpk.lightning.sharded`), so a
+            save's
             wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
             rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
 
@@ -246,7 +250,7 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             keep_every,
         )
         # never Path(url): Path("s3://b/run") is the local folder "s3:/b/run"
-        self.dirpath = None if dirpath is None else storage.location(dirpath)
+        self.dirpath = None if dirpath is None else location(dirpath)
         self.storage_options = storage_options
         self.checkpoint_file_prefix = checkpoint_file_prefix
         self.sentinel_file_identifier = sentinel_file_identifier
@@ -300,10 +304,8 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dirpath = self.dirpath or storage.join(
-            storage.location(trainer.default_root_dir), RUN_SUBDIRECTORY
-        )
-        dirpath = storage.location(trainer.strategy.broadcast(str(dirpath)))
+        dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
+        dirpath = location(trainer.strategy.broadcast(str(dirpath)))
         # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
         choice: tuple[int, str | None] = (-1, None)
         failure: Exception | None = None
@@ -330,7 +332,7 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         self._last_requested = False
         if trainer.is_global_zero:
             self.checkpointer = self._make_checkpointer(dirpath)
-            # this run owns the directory until another one takes over (lightning_bpk.lease)
+            # this run owns the directory until another one takes over (lightning_bpk.store.lease)
             self.checkpointer.take_over()
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:

@@ -15,12 +15,14 @@ Every path Lightning hands over (``trainer.save_checkpoint``, ``ModelCheckpoint`
 ``epoch=3-step=16.ckpt`` and ``last.ckpt``, ``OnExceptionCheckpoint``) becomes **one file** at
 exactly that path, so ModelCheckpoint's naming, top-k deletion and ``ckpt_path="last"`` work
 unchanged. It holds Lightning's whole dict as a StateRecord (see
-:mod:`lightning_bpk.trainer_state`): optimizer state keeps its int keys, tuples stay tuples,
+:mod:`lightning_bpk.lightning.trainer_state`): optimizer state keeps its int keys, tuples stay
+tuples,
 0-d tensors stay tensors, and the RNG states are added. The write is atomic (scratch file beside
 the target, fsync, rename), so a crash or a full disk leaves the previous file intact.
 
 ``load_checkpoint`` also accepts a checkpoint directory written by
-:class:`~lightning_bpk.callback.BurnpackCheckpoint` (``checkpoints/ckpt.7``), so one plugin
+:class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint` (``checkpoints/ckpt.7``), so one
+plugin
 loads both. Loading reads the same bytes on every rank and gives each the same dict; it writes
 nothing. Lightning calls ``save``/``remove`` on global rank 0 only; neither uses collectives.
 
@@ -44,8 +46,8 @@ calls it when ``fit`` starts, before it builds the optimizers and the data itera
 numbers drawn in between (say, in ``configure_optimizers``) come out of the restored stream, as
 they would not in a run that never stopped. ``validate``/``test``/``predict`` with a
 ``ckpt_path`` restore them as well. Under DDP every rank gets rank 0's states. A Trainer's
-checkpoint keeps them in the dict (under :data:`~lightning_bpk.trainer_state.RNG_KEY`, which
-the Trainer ignores and the callback reads); any other dict (Fabric's) has them taken out.
+checkpoint keeps them in the dict (under :data:`~lightning_bpk.lightning.trainer_state.RNG_KEY`,
+which the Trainer ignores and the callback reads); any other dict (Fabric's) has them taken out.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 
-from lightning_bpk import storage
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.store import open_parent
 
 __all__ = [
     "BurnpackCheckpointIO",
@@ -100,8 +102,8 @@ class BurnpackCheckpointIO(CheckpointIO):
     file is written locally and uploaded as one object, and read back with ranged reads.
 
     ``async_save=True`` writes on a background thread
-    (:class:`~lightning_bpk.async_save.AsyncCheckpointSaver`): ``save_checkpoint`` returns after
-    copying the tensors into reused staging buffers. ``load_checkpoint`` and
+    (:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): ``save_checkpoint``
+    returns after copying the tensors into reused staging buffers. ``load_checkpoint`` and
     ``remove_checkpoint`` first wait for the write in flight (ModelCheckpoint removes the old
     file right after saving the new one), and a failed write raises at the next call or at
     ``teardown``.
@@ -166,7 +168,7 @@ class BurnpackCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
         self._wait()  # never delete an old checkpoint before the new one is durable
-        store, name = storage.open_parent(path)
+        store, name = open_parent(path)
         store.remove_prefix(name)
 
     def teardown(self) -> None:

@@ -1,7 +1,7 @@
 """Where the callback's checkpoints come from and go to: the resume choice, and each save.
 
 :class:`CheckpointDispatch` is the part of
-:class:`~lightning_bpk.callback.BurnpackCheckpoint` that talks to the
+:class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint` that talks to the
 :class:`~lightning_bpk.checkpointer.Checkpointer`: rank 0 chooses the checkpoint to resume from
 (``_choose_resume``, the checkpointer's one resume choice: it keeps what it read,
 ``_preloaded``), Lightning's ``resume_start`` loads it (``_intercept_resume``), and ``_save``
@@ -20,9 +20,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk import storage
-from lightning_bpk._checkpoint import summarise
-from lightning_bpk._sharded_names import INDEX_DATA_KEY
 from lightning_bpk.checkpointer import (
     Checkpointer,
     Retention,
@@ -32,13 +29,16 @@ from lightning_bpk.checkpointer import (
     list_checkpoints,
     verify_checkpoint,
 )
+from lightning_bpk.checkpointer._view import summarise
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
+from lightning_bpk.layout import SHARDED_INDEX_KEY
 from lightning_bpk.lightning import _compat, _resume, sharded, trainer_state
 from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.ranks import Ranks
 from lightning_bpk.lightning.triggers import FINISHED_KEY, SaveTriggers, finished
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
+from lightning_bpk.store import DirectoryGoneError, open_store
 
 __all__ = ["CheckpointDispatch", "CheckpointSaveError"]
 
@@ -47,18 +47,19 @@ log = logging.getLogger("lightning_bpk")
 
 def _untouched(error: BaseException) -> str:
     """What a failed save's message promises about the checkpoints before it: untouched, unless
-    the directory itself was deleted (a :class:`~lightning_bpk.storage.DirectoryGoneError`
+    the directory itself was deleted (a :class:`~lightning_bpk.errors.DirectoryGoneError`
     anywhere in the chain), where they are gone with it and its message says so."""
     cause: BaseException | None = error
     while cause is not None:
-        if isinstance(cause, storage.DirectoryGoneError):
+        if isinstance(cause, DirectoryGoneError):
             return ""
         cause = cause.__cause__ or cause.__context__
     return "; earlier checkpoints are untouched"
 
 
 class CheckpointDispatch:
-    """Resume choice and save dispatch of :class:`~lightning_bpk.callback.BurnpackCheckpoint`
+    """Resume choice and save dispatch of
+    :class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint`
     (which sets these attributes in ``__init__`` and ``setup``)."""
 
     storage_options: dict[str, Any] | None
@@ -99,7 +100,7 @@ class CheckpointDispatch:
         what was read is kept for ``resume_start``, on every backend: each sentinel and file
         read once), or gin's ``override_number``, which must name a complete checkpoint.
         Read-only (rank 0)."""
-        store = storage.open_store(dirpath, self.storage_options)
+        store = open_store(dirpath, self.storage_options)
         store.check()  # unreachable, bad credentials, no bucket: say which
         required = trainer_state.REQUIRED_KEYS
         number = bound_override_number()
@@ -114,7 +115,7 @@ class CheckpointDispatch:
                 self.checkpoint_file_prefix,
                 required,
                 at_most=2**63,
-                unloaded=(INDEX_DATA_KEY,),
+                unloaded=(SHARDED_INDEX_KEY,),
             )
             self._preloaded, self._resume_location = choice.data, choice.location
             return choice.number, None

@@ -1,7 +1,8 @@
 """Sharded checkpoints for Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel).
 
 When the model's state dict holds ``DTensor`` shards,
-:class:`~lightning_bpk.callback.BurnpackCheckpoint` saves through here: every rank writes its
+:class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint` saves through here: every rank writes
+its
 own shards of the model and optimizer state with :class:`~lightning_bpk.dcp.BurnpackStorageWriter`
 (one burnpack file per rank, all at once), and rank 0 then publishes them with the schedulers
 and trainer state through the :class:`~lightning_bpk.checkpointer.Checkpointer`, whose sentinel
@@ -29,7 +30,7 @@ sentinel, written last, is the one commit; every rank learns the outcome. If any
 every rank raises, rank 0 removes what was written, and every earlier checkpoint stays as it
 was. With ``async_save=True`` the training thread only copies each rank's shards into reused
 staging buffers and the same collective runs on every rank's writer thread, over a process
-group of its own (:meth:`~lightning_bpk.async_save.AsyncCheckpointSaver.save_sharded`).
+group of its own (:meth:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver.save_sharded`).
 """
 
 from __future__ import annotations
@@ -54,26 +55,31 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import _sharded_index, storage
-from lightning_bpk._checkpoint import open_data_directory
-from lightning_bpk._sharded_names import DEFAULT_PREFIX, PARAM_IDS_KEY
 from lightning_bpk.checkpointer import Checkpointer, Retention, Staged
+from lightning_bpk.checkpointer._view import open_data_directory
+from lightning_bpk.checkpointer.manifest import FileEntry
 from lightning_bpk.dcp import (
     INDEX_KIND,
     SHARD_KIND,
     BurnpackStorageReader,
     BurnpackStorageWriter,
     ShardedCheckpointError,
-    index_name,
+    _index,
     is_sharded,
     load_nested,
     module_record,
 )
-from lightning_bpk.layout import MODEL_KEY, RECORD_SUFFIX
+from lightning_bpk.layout import (
+    MODEL_KEY,
+    PARAM_IDS_KEY,
+    RECORD_SUFFIX,
+    SHARDED_PREFIX,
+    sharded_index_name,
+)
 from lightning_bpk.lightning import trainer_state
-from lightning_bpk.manifest import FileEntry
 from lightning_bpk.records import RecordError, param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
+from lightning_bpk.store import location, open_store
 
 __all__ = [
     "ShardedCheckpointError",
@@ -225,9 +231,7 @@ def _write_shards(
         ) from failure
     # commit=False: the index is an ordinary file of the staging prefix; the checkpointer's
     # sentinel, written by the commit after every rank's file is confirmed, is the one commit.
-    writer = BurnpackStorageWriter(
-        storage.location(target), storage_options=storage_options, commit=False
-    )
+    writer = BurnpackStorageWriter(location(target), storage_options=storage_options, commit=False)
     try:
         dcp.save(dict(state), storage_writer=writer, process_group=group)
     except CheckpointException as e:  # raised on every rank alike
@@ -240,7 +244,7 @@ def _write_shards(
         return None
     files = {
         name[: -len(RECORD_SUFFIX)]: FileEntry(
-            INDEX_KIND if name == index_name() else SHARD_KIND,
+            INDEX_KIND if name == sharded_index_name() else SHARD_KIND,
             info["size"],
             info["head_size"],
             info["head_xxh3"],
@@ -321,13 +325,13 @@ def _save(
 
 def _rest(path: Path | str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Lightning's dict without model and optimizer state, from the records beside the shards."""
-    _sharded_index.refuse_links(storage.open_store(path, storage_options), "")  # before reading
+    _index.refuse_links(open_store(path, storage_options), "")  # before reading
     view = open_data_directory(path, storage_options)
     if view is None:
         raise RecordError(
             "io", f"{path}: not a checkpoint directory (expected '<prefix>.<number>')"
         )
-    data = view.load([k for k in view.data_keys() if not k.startswith(DEFAULT_PREFIX)])
+    data = view.load([k for k in view.data_keys() if not k.startswith(SHARDED_PREFIX)])
     if data is None or trainer_state.TRAINER_KEY not in data:
         raise ShardedCheckpointError(f"{path}: checkpoint {view.iteration} is not complete")
     checkpoint = dict(data[trainer_state.TRAINER_KEY])
@@ -365,9 +369,9 @@ def lightning_dict(
     """The whole checkpoint as Lightning's dict, in this process alone: the full model
     ``state_dict`` and, per optimizer, ``optimizer.state_dict()``'s positional form (parameters
     numbered in the order the saved groups list their ids)."""
-    location = storage.location(path)
-    checkpoint = _rest(location, storage_options)
-    nested = load_nested(location, storage_options=storage_options)
+    found = location(path)
+    checkpoint = _rest(found, storage_options)
+    nested = load_nested(found, storage_options=storage_options)
     checkpoint["state_dict"] = OrderedDict(nested[MODEL_KEY])
     checkpoint["optimizer_states"] = [
         _positional(ours) for ours in trainer_state._numbered(nested, trainer_state.OPTIMIZER_KEY)
@@ -401,20 +405,18 @@ def load(
     Without a process group it loads in this process alone, into a plain ``nn.Module``.
     ``path`` may be a URL (each rank fetches only the byte ranges of its shards).
     """
-    location = storage.location(path)
-    checkpoint = _rest(location, storage_options)
+    found = location(path)
+    checkpoint = _rest(found, storage_options)
     model_state = get_model_state_dict(module)
     optimizer_states = [get_optimizer_state_dict(module, o) for o in optimizers]
     state = _dcp_state(module, model_state, optimizers, optimizer_states)
     if not optimizers:
         state = {MODEL_KEY: state[MODEL_KEY], PARAM_IDS_KEY: state[PARAM_IDS_KEY]}
     try:
-        reader = BurnpackStorageReader(location, storage_options=storage_options)
+        reader = BurnpackStorageReader(found, storage_options=storage_options)
         dcp.load(state, storage_reader=reader)
     except CheckpointException as e:
-        raise ShardedCheckpointError(
-            f"loading the shards of {location} failed: {_failures(e)}"
-        ) from e
+        raise ShardedCheckpointError(f"loading the shards of {found} failed: {_failures(e)}") from e
     set_model_state_dict(module, state[MODEL_KEY])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):

@@ -1,4 +1,4 @@
-"""SLURM auto-requeue for :class:`~lightning_bpk.callback.BurnpackCheckpoint`.
+"""SLURM auto-requeue for :class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint`.
 
 Lightning's own SLURM handler saves and runs ``scontrol requeue`` *inside* the signal handler
 (which can deadlock DDP). The callback instead saves at the next batch end on every rank; once

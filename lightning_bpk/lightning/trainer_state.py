@@ -1,8 +1,8 @@
 """Lightning's checkpoint dict <-> burnpack records, plus the RNG states Lightning does not save.
 
-Shared by :class:`~lightning_bpk.callback.BurnpackCheckpoint` (a checkpoint directory of records
-through the :class:`~lightning_bpk.checkpointer.Checkpointer`) and
-:class:`~lightning_bpk.checkpoint_io.BurnpackCheckpointIO` (one file per Lightning path).
+Shared by :class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint` (a checkpoint directory of
+records through the :class:`~lightning_bpk.checkpointer.Checkpointer`) and
+:class:`~lightning_bpk.lightning.checkpoint_io.BurnpackCheckpointIO` (one file per Lightning path).
 
 **A checkpoint directory** (what the callback writes)::
 
@@ -47,13 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_bpk import state, storage
-from lightning_bpk._checkpoint import open_data_directory
-from lightning_bpk._sharded_names import INDEX_DATA_KEY
+from lightning_bpk import state
+from lightning_bpk.checkpointer._view import open_data_directory
 from lightning_bpk.layout import (
     MODEL_KEY,
     OPTIMIZER_KEY,
     SCHEDULER_KEY,
+    SHARDED_INDEX_KEY,
     TRAINER_KEY,
 )
 from lightning_bpk.records import (
@@ -66,6 +66,7 @@ from lightning_bpk.records import (
     files,
 )
 from lightning_bpk.records.base import _class_name
+from lightning_bpk.store import location
 
 __all__ = [
     "CLASSES_KEY",
@@ -95,7 +96,7 @@ __all__ = [
 
 # What resume cannot do without (the optimizers and schedulers may be none); a sharded
 # checkpoint's index stands for the model (its shards hold the model; Checkpointer's has_key).
-REQUIRED_KEYS = (f"{MODEL_KEY}|{INDEX_DATA_KEY}", TRAINER_KEY)
+REQUIRED_KEYS = (f"{MODEL_KEY}|{SHARDED_INDEX_KEY}", TRAINER_KEY)
 # Top-level keys this package adds to Lightning's dict (Lightning ignores unknown keys).
 RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
@@ -398,7 +399,7 @@ def load(
     Read-only; the same bytes give every rank the same dict. Raises ``FileNotFoundError`` for a
     missing path and :class:`RecordError` (naming the file) for anything unreadable.
     """
-    target = storage.location(path)
+    target = location(path)
     view = open_data_directory(target, storage_options)
     if view is not None:
         data = view.load()

@@ -1,7 +1,8 @@
 """When a save falls due (epochs, steps, time, ``"auto"``), and when a run is finished.
 
 **Saves.** :class:`SaveTriggers` holds the step and time triggers of
-:class:`~lightning_bpk.callback.BurnpackCheckpoint` and what they measure: ``every_n_train_steps``
+:class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint` and what they measure:
+``every_n_train_steps``
 (a number, or ``"auto"``: an optimizer step's time and a save's cost are measured, and the
 interval keeps the saves under ``max_overhead`` of training time) and ``train_time_interval``.
 Rank 0's clock decides the time and ``"auto"`` triggers; the callback makes every rank follow.

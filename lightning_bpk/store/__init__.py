@@ -21,7 +21,7 @@ site: ``publish`` is a rename plus a directory fsync locally and "the files are 
 remotely (``staging`` returns the final prefix); ``sink`` writes past the page cache locally
 (``O_DIRECT``, see :mod:`lightning_bpk._fs`) and through it remotely, where the scratch file is
 read back at once for the upload; ``exclusive`` is an ``flock`` locally and a
-no-op remotely, where the lease (:mod:`lightning_bpk.lease`) fences; ``map`` maps the file
+no-op remotely, where the lease (:mod:`lightning_bpk.store.lease`) fences; ``map`` maps the file
 copy-on-write locally and fills an anonymous mapping by ranged reads remotely.
 
 :func:`open_store` picks the backend from the protocol fsspec's ``url_to_fs`` would pick (none

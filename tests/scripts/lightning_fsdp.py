@@ -83,18 +83,18 @@ def inject_failure(model: L.LightningModule, number: int, rank: int, put: bool) 
     """Make ``rank``'s shard file write fail with ENOSPC during the save of checkpoint
     ``number``, or with ``put`` its upload to the object store (as when the store's retries
     give up)."""
-    from lightning_bpk import storage
     from lightning_bpk.dcp import BurnpackStorageWriter
+    from lightning_bpk.store import ObjectStore, StorageError
     from lightning_bpk.store import objects as store_objects
 
-    owner, name = (storage.ObjectStore, "upload") if put else (BurnpackStorageWriter, "write_file")
+    owner, name = (ObjectStore, "upload") if put else (BurnpackStorageWriter, "write_file")
     original = getattr(owner, name)
 
     def failing(self, target, *args):
         where = self.url_of(args[0]) if put else self.path
         if _checkpoint_number(where) == number and model.trainer.global_rank == rank:
             if put:
-                raise storage.StorageError(
+                raise StorageError(
                     f"upload to {self.url_of(args[0])}: ConnectionError: injected "
                     f"({store_objects.ATTEMPTS} attempts)"
                 )

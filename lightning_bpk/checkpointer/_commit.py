@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_bpk import _fs
-from lightning_bpk._checkpoint import CheckpointView, CheckpointWarning, sentinels
+from lightning_bpk.checkpointer._view import CheckpointView, CheckpointWarning, sentinels
+from lightning_bpk.checkpointer.manifest import FileEntry, Manifest, encode
 from lightning_bpk.errors import StorageError
 from lightning_bpk.layout import (
     NUMBER_PATTERN,
@@ -50,11 +51,10 @@ from lightning_bpk.layout import (
     sentinel_name,
     sentinel_stem,
 )
-from lightning_bpk.lease import Lease
-from lightning_bpk.manifest import FileEntry, Manifest, encode
 from lightning_bpk.records.base import Record, RecordError, StateRecord
 from lightning_bpk.records.files import describe, save_record
 from lightning_bpk.store import Store
+from lightning_bpk.store.lease import Lease
 
 
 @dataclass(frozen=True)

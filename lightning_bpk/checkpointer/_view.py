@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from lightning_bpk import _device, burnpack
+from lightning_bpk.checkpointer.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
 from lightning_bpk.errors import StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -41,7 +42,6 @@ from lightning_bpk.layout import (
     sentinel_name,
     sentinel_stem,
 )
-from lightning_bpk.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
 from lightning_bpk.records.base import RecordError, StateRecord, _record_from_pack
 from lightning_bpk.records.files import open_pack
 from lightning_bpk.store import Store, location, open_parent, open_store

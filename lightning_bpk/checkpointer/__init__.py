@@ -3,7 +3,7 @@
 ``base_directory`` may also be a URL (``s3://bucket/run``, ``gs://...``, ``memory://...``): the
 checkpointer is written once, over a :class:`~lightning_bpk.store.Store` (a local directory or
 an object store), and the same layout and manifest are committed the same way on both.
-:meth:`Checkpointer.take_over` makes a run the directory's owner (:mod:`lightning_bpk.lease`):
+:meth:`Checkpointer.take_over` makes a run the directory's owner (:mod:`lightning_bpk.store.lease`):
 a superseded writer stops before its next write.
 
 The names, arguments and retention arithmetic are Google Dopamine's
@@ -24,13 +24,15 @@ what a sentinel promises. A checkpoint directory looks like this (defaults ``pre
                                                crashed one; removed by the next save)
 
 Saving iteration N (when ``N % checkpoint_frequency == 0``) is the one commit of
-:mod:`lightning_bpk._commit`, whose docstring lists its steps: the records are staged, published
+:mod:`lightning_bpk.checkpointer._commit`, whose docstring lists its steps: the records are staged,
+published
 under a data name never used before and confirmed, and the sentinel is written last. A failed
 save raises and leaves every earlier checkpoint, including an earlier save of the same N, as it
 was; a crash at any moment (even SIGKILL or power loss) leaves the newest complete N complete,
 because a sentinel only ever names data that is already durable and whole.
 
-**The sentinel is a manifest** (:mod:`lightning_bpk.manifest`), not Dopamine's ``b'done'``: it
+**The sentinel is a manifest** (:mod:`lightning_bpk.checkpointer.manifest`), not Dopamine's
+``b'done'``: it
 names the data directory and the size and head digest of each file, so a checkpoint is verified
 without a second copy of its bytes. Data directories of older versions (always ``ckpt.N``) keep
 loading, and a sentinel holding exactly ``b'done'`` (written by Dopamine) still counts as
@@ -83,8 +85,10 @@ from typing import Any
 import gin
 import torch
 
-from lightning_bpk import _commit, _gin
-from lightning_bpk._checkpoint import (
+from lightning_bpk import _gin
+from lightning_bpk.checkpointer import _commit
+from lightning_bpk.checkpointer._commit import Retention, Staged
+from lightning_bpk.checkpointer._view import (
     CheckpointEntry,
     CheckpointView,
     CheckpointWarning,
@@ -93,7 +97,7 @@ from lightning_bpk._checkpoint import (
     latest,
     list_checkpoints,
 )
-from lightning_bpk._commit import Retention, Staged
+from lightning_bpk.checkpointer.manifest import FileEntry, quote
 from lightning_bpk.errors import CheckpointLockedError, StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -103,9 +107,8 @@ from lightning_bpk.layout import (
     safe_name,
     sentinel_name,
 )
-from lightning_bpk.lease import Lease
-from lightning_bpk.manifest import FileEntry, quote
 from lightning_bpk.store import Store, location, open_store
+from lightning_bpk.store.lease import Lease
 
 __all__ = [
     "CheckpointEntry",
@@ -283,7 +286,7 @@ class Checkpointer:
         self.checkpoint_duration = checkpoint_duration
         self.keep_every = keep_every
         # Set by take_over(): then every commit and garbage collection first checks that no
-        # newer run took over the directory (lightning_bpk.lease).
+        # newer run took over the directory (lightning_bpk.store.lease).
         self.lease: Lease | None = None
         self.store: Store = open_store(self.base_directory, storage_options)
         try:
@@ -340,7 +343,7 @@ class Checkpointer:
 
     def take_over(self) -> Lease:
         """Own the directory from now on: a newer lease than any before (a run that held one
-        stops at its next write; see :mod:`lightning_bpk.lease`). Waits for a save in flight
+        stops at its next write; see :mod:`lightning_bpk.store.lease`). Waits for a save in flight
         in a local directory, so the take-over falls between two saves."""
         with self.store.exclusive(wait=True):
             self.lease = Lease.acquire(self.store)

@@ -98,7 +98,7 @@ class Lease:
     def check(self, listing: Mapping[str, Any] | None = None) -> None:
         """Raise :class:`CheckpointSupersededError` if a newer run took over (one listing, or
         ``listing``: the directory's, made by the caller just now), or a
-        :class:`~lightning_bpk.storage.DirectoryGoneError` if the directory itself is gone."""
+        :class:`~lightning_bpk.errors.DirectoryGoneError` if the directory itself is gone."""
         if listing is None:
             listing = self.store.list("")
         generations = _generations(listing)
