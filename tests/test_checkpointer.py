@@ -900,7 +900,7 @@ _REIMPORT = """
 import importlib, runpy, gin
 import lightning_bpk.checkpointer as first
 second = importlib.reload(first)  # re-executes the module: same gin selectors again
-runpy.run_module("lightning_bpk.checkpointer", run_name="__main__")  # and once more, as a script
+runpy.run_path(first.__file__, run_name="__main__")  # and once more, as a script
 gin.parse_config("Checkpointer.checkpoint_duration = 3")  # the short name is still unambiguous
 print(second.Checkpointer("{base}").checkpoint_duration)
 """
