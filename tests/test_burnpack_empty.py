@@ -12,6 +12,7 @@ wrote before the fix.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.burnpack import _parallel
+from lightning_bpk.burnpack import _parallel, reader
 
 from conftest import FIXTURES
 
@@ -201,3 +202,20 @@ def test_batches_open_a_run_for_a_first_item_of_zero_bytes():
         [b"", b"a"],
     ]
     assert _parallel.batches([], size, 4) == []
+
+
+def test_a_file_emptied_between_fstat_and_mmap_is_a_header_error_naming_it(tmp_path, monkeypatch):
+    """mmap refuses a zero-length file with a ValueError: a file another program truncates to 0
+    bytes right after the size check must still give a burnpack error naming it."""
+    path = burnpack.write(tmp_path / "gone.bpk", LAYOUTS["first"])
+    real_fstat = os.fstat
+
+    def fstat_then_truncate(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        os.truncate(path, 0)
+        return result
+
+    with monkeypatch.context() as patched, pytest.raises(burnpack.HeaderError) as err:
+        patched.setattr(reader.os, "fstat", fstat_then_truncate)  # os.fstat for this read only
+        burnpack.read(path)
+    assert str(err.value).startswith(f"{path}: ") and "became empty" in str(err.value)
