@@ -1,7 +1,7 @@
 """What several ``tests/test_burnpack_*.py`` files share, defined once: small builders of
-entries and bytes, Burn's fixture file, the dtype tables, the default QFloat scheme, a mixed
-set of tensor sizes, and the fuzz oracle :func:`parse_fully` (which ``tests/fuzz/fuzz_burnpack.py``
-imports too).
+entries and bytes, the comparison of a tensor read back, Burn's fixture file, the dtype
+tables, the default QFloat scheme, a mixed set of tensor sizes, and the fuzz oracle
+:func:`parse_fully` (which ``tests/fuzz/fuzz_burnpack.py`` imports too).
 
 Test modules import these names directly (``from _burnpack_helpers import f32``): ``tests/`` is
 on the import path, as for ``conftest``.
@@ -48,6 +48,16 @@ def _entries_in_data_order(pack: burnpack.Pack) -> dict[str, TensorEntry]:
         )
         for n in order
     }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bytes (NaNs and -0.0 included): what a reader must give
+    back for a tensor that was written."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and burnpack.tensor_bytes(a).tobytes() == burnpack.tensor_bytes(b).tobytes()
+    )
 
 
 # Burn's numeric dtypes and the torch dtype each reads as (docs/format.md).

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _burnpack_helpers import _same
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import _parallel, reader
@@ -51,11 +52,6 @@ LAYOUTS: dict[str, Layout] = {
         ("b", _B),
     ],
 }
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, same shape, same values (what a reader must give back)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def _from_raw(pack: burnpack.Pack, name: str, verify: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ import math
 import struct
 
 import torch
-from _burnpack_helpers import _ALL_DTYPES, _entries_in_data_order
+from _burnpack_helpers import _ALL_DTYPES, _entries_in_data_order, _same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -49,14 +49,6 @@ def _tensor(draw) -> torch.Tensor:
         torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
         if numel
         else torch.empty(shape, dtype=dtype)
-    )
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and burnpack.tensor_bytes(a).tobytes() == burnpack.tensor_bytes(b).tobytes()
     )
 
 
