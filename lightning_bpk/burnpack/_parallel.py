@@ -136,17 +136,23 @@ def batches(items: list[T], size: Callable[[T], int], limit: int) -> list[list[T
     """``items`` in order, cut into runs of at most ``limit`` bytes (an item over the limit
     alone): units of work worth handing to another thread.
 
+    The first item always opens a run, whatever its size: an empty tensor (0 bytes) first in
+    data order is an item like any other, and joins the run of the items after it.
+
     >>> batches([1, 2, 3, 9, 1], lambda n: n, 5)
     [[1, 2], [3], [9], [1]]
+    >>> batches([0, 0, 3, 0], lambda n: n, 5), batches([], lambda n: n, 5)
+    ([[0, 0, 3, 0]], [])
     """
     out: list[list[T]] = []
-    total = limit
+    total = 0
     for item in items:
-        if total + size(item) > limit:
+        n = size(item)
+        if not out or total + n > limit:
             out.append([])
             total = 0
         out[-1].append(item)
-        total += size(item)
+        total += n
     return out
 
 

@@ -547,6 +547,13 @@ def _map(fd: int, p: Path) -> Pack:
         mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     except OSError as e:
         raise BurnpackIOError(f"cannot read {p}: {e.strerror or e}") from e
+    except ValueError:
+        # mmap sizes the file itself and refuses an empty one: another program truncated it to
+        # 0 bytes after the fstat above (a file truncated to any other size is mapped as it is
+        # now, and the parse reports it short).
+        raise HeaderError(
+            f"{p}: Invalid header: insufficient bytes (the file became empty while it was opened)"
+        ) from None
     return Pack(mapping, source=str(p), _mmap=mapping)
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 
 with atheris.instrument_imports():
     import torch
-    from test_burnpack import parse_fully
+    from _burnpack_helpers import parse_fully
 
     from lightning_bpk import burnpack
 
