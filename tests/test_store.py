@@ -4,6 +4,7 @@ directory and ``memory://``), so every caller above it can be written once."""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 
 import pytest
@@ -47,6 +48,41 @@ def test_put_read_size_list(store):
     assert store.url_of("d/b").endswith("/run/d/b")
     with pytest.raises(FileNotFoundError):
         store.read("missing")
+
+
+def test_a_listing_leaves_out_entries_removed_while_it_runs(store):
+    """A retention in another process removes files while this one lists the directory (a
+    resume choosing its checkpoint, an evaluation process reading a live run): each listing
+    holds only names with their sizes, never an error for a name that vanished under it."""
+    store.check(create=True)
+    names = [f"sentinel_{i}" for i in range(64)]
+    stop = threading.Event()
+    churned = [0]
+
+    def churn() -> None:
+        while not stop.is_set():
+            for name in names:
+                store.put(name, b"x" * 7)
+            for name in names:
+                store.remove(name)
+            churned[0] += 1
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        listings = 0
+        while listings < 400 or churned[0] < 3:
+            listing = store.list("")
+            for name, size in listing.items():
+                if name in names:
+                    assert size == 7, (name, size)  # a name appears whole (by rename or PUT)
+                else:  # the local put's scratch file, beside the name it becomes
+                    assert name.partition(".")[0] in names and isinstance(size, int), name
+            listings += 1
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    assert not writer.is_alive()
 
 
 def test_create_only_refuses_other_bytes_and_accepts_its_own(store):

@@ -95,17 +95,24 @@ class LocalStore:
     # -- reading --
 
     def list(self, prefix: str = "") -> dict[str, int | None]:
-        """``{name: size}`` of the entries directly under ``prefix`` (directories: None)."""
+        """``{name: size}`` of the entries directly under ``prefix`` (directories: None).
+
+        An entry removed by another process between the directory read and its ``lstat`` (a
+        retention beside this listing) is left out, as if the listing had come a moment later:
+        an object store's listing has no such gap, and a caller told of a name that is gone
+        would fail on it anyway."""
         try:
             entries = list(os.scandir(self._path(prefix)))
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        return {
-            e.name: (
-                None if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
-            )
-            for e in entries
-        }
+        found: dict[str, int | None] = {}
+        for e in entries:
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+                found[e.name] = None if is_dir else e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+        return found
 
     def size(self, key: str) -> int | None:
         try:
