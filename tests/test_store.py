@@ -3,6 +3,7 @@ directory and ``memory://``), so every caller above it can be written once."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import uuid
@@ -287,3 +288,68 @@ def test_a_failing_object_store_raises_storage_error_naming_the_url(monkeypatch)
     monkeypatch.setattr(store.fs, "pipe_file", broken)
     with pytest.raises(StorageError, match=r"memory://bucket-.*/run/k"):
         store.put("k", b"x")
+
+
+def _fail(monkeypatch: pytest.MonkeyPatch, module: object, name: str, code: int) -> None:
+    """Every later call of ``module.name`` raises OSError ``code`` (an injected fault)."""
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(code, f"{os.strerror(code)} (injected)")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def _publish(store: LocalStore) -> None:
+    staging = store.staging("ckpt.1")
+    store.put(f"{staging}/model.bpk", b"m")
+    store.publish(staging, "ckpt.1")
+
+
+def _sink(store: LocalStore) -> None:
+    with store.sink("big.bpk", 4096) as sink:
+        sink.write(b"x" * 4096)
+
+
+def _exclusive(store: LocalStore) -> None:
+    with store.exclusive():
+        pass
+
+
+# Each store call, and a stdlib call it makes that fails: (what it does, which call fails).
+_LOCAL_FAULTS = {
+    "check": (lambda s: s.check(create=True), (os, "mkdir")),
+    "list": (lambda s: s.list(""), (os, "scandir")),
+    "read": (lambda s: s.read("a"), (os, "preadv")),
+    "read_into": (lambda s: s.read_into("a", bytearray(1)), (os, "preadv")),
+    "put": (lambda s: s.put("b", b"new"), (os, "fsync")),
+    "create": (lambda s: s.create("b", b"new"), (os, "link")),
+    "sink": (_sink, (os, "fsync")),
+    "staging": (lambda s: s.staging("ckpt.2"), (os, "mkdir")),
+    "publish": (_publish, (os, "rename")),
+    "remove": (lambda s: s.remove(["a"]), (os, "unlink")),
+    "remove_prefix": (lambda s: s.remove_prefix("d"), (os, "rmdir")),
+    "exclusive": (_exclusive, (os, "pwrite")),
+}
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOSPC])
+@pytest.mark.parametrize("call", sorted(_LOCAL_FAULTS))
+def test_a_failing_local_disk_raises_storage_error_naming_the_directory(
+    tmp_path, monkeypatch, call, code
+):
+    """EIO from a dying disk (an ext4 shutdown), EROFS, EDQUOT and ENOSPC at any call of the
+    local backend reach the caller as the package's StorageError naming the call and the
+    directory, errno kept and the cause chained: never a raw OSError."""
+    store = open_store(tmp_path / "run")
+    store.check(create=True)
+    store.put("a", b"hello")
+    store.put("d/b", b"xyz")
+    action, (module, name) = _LOCAL_FAULTS[call]
+    if call == "check":
+        store = open_store(tmp_path / "new")
+    _fail(monkeypatch, module, name, code)
+    with pytest.raises(StorageError) as error:
+        action(store)
+    assert error.value.errno == code
+    assert str(store.root) in str(error.value) and "(injected)" in str(error.value)
+    assert isinstance(error.value.__cause__, OSError)
