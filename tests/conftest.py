@@ -8,6 +8,7 @@ pytest has already imported this file as the module ``conftest`` before it colle
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -61,8 +62,9 @@ def start_process(
     stderr: int | None = subprocess.PIPE,
 ) -> subprocess.Popen:
     """Start ``command`` in a session of its own (so :func:`finish_process` can kill its whole
-    process group), its output captured as text."""
-    return subprocess.Popen(
+    process group), its output captured as text. If the test ends, passed or failed, with the
+    process still running, :func:`_no_process_outlives_its_test` kills its group."""
+    process = subprocess.Popen(
         [str(part) for part in command],
         cwd=cwd,
         env=None if env is None else dict(env),
@@ -71,6 +73,25 @@ def start_process(
         text=True,
         start_new_session=True,
     )
+    _STARTED.append(process)
+    return process
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test() -> Iterator[None]:
+    """Kill the process group of every process :func:`start_process` started during the test
+    and still running at its end: a test that fails between starting a process and finishing
+    it (an assertion, an exception) must not leave a training run going after pytest exits."""
+    yield
+    while _STARTED:
+        process = _STARTED.pop()
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)  # killed: it ends at once; its pipes close with it
 
 
 def finish_process(

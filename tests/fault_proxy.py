@@ -14,7 +14,9 @@ unless a :class:`Fault` matches it:
   client gets a complete, well-formed, short answer;
 - ``"corrupt"``: the answer is relayed whole, with the body's byte at ``keep`` flipped (bytes
   garbled in transit: a client that checks the body's checksum notices);
-- ``"reset"``: the connection is reset (TCP RST) without forwarding the request.
+- ``"reset"``: the connection is reset (TCP RST) without forwarding the request;
+- ``"before"``: ``run()`` is called, then the request is relayed as usual (something another
+  client does at exactly that moment: a bucket deleted just before a save's upload, say).
 
 Faults apply to the ``nth`` matching request on, ``times`` times, and are then spent, so every
 test is bounded: the client's retries reach the upstream server as usual.
@@ -33,13 +35,14 @@ import re
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 
 __all__ = ["ACTIONS", "Fault", "FaultProxy"]
 
-ACTIONS = ("drop", "truncate", "short", "corrupt", "reset")
+ACTIONS = ("drop", "truncate", "short", "corrupt", "reset", "before")
 # Seconds the proxy waits for the upstream server's answer, and for the client's next request
 # on a kept-alive connection (both far beyond what moto needs on a loaded machine).
 UPSTREAM_TIMEOUT = 120.0
@@ -61,6 +64,7 @@ class Fault:
     nth: int = 1
     times: int = 1
     keep: int = 0
+    run: Callable[[], object] | None = None  # the "before" action's call
     seen: int = 0  # matching requests so far
     hits: int = 0  # faults applied so far
     log: list[str] = field(default_factory=list)  # "METHOD path" of each request hit
@@ -113,11 +117,14 @@ class FaultProxy:
         nth: int = 1,
         times: int = 1,
         keep: int = 0,
+        run: Callable[[], object] | None = None,
     ) -> Fault:
         """Program a fault (see :class:`Fault`); returns it, to read its ``hits`` later."""
         if action not in ACTIONS:
             raise ValueError(f"unknown fault {action!r}; one of {ACTIONS}")
-        fault = Fault(action, method, path, header, nth, times, keep)
+        if (action == "before") != (run is not None):
+            raise ValueError('"before", and only it, takes run=')
+        fault = Fault(action, method, path, header, nth, times, keep, run)
         with self._lock:
             self._faults.append(fault)
         return fault
@@ -173,6 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
         if action == "reset":
             self._reset()
             return
+        if action == "before" and fault is not None and fault.run is not None:
+            fault.run()
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         headers["Content-Length"] = str(len(body))
         upstream = http.client.HTTPConnection(*self.owner.upstream, timeout=UPSTREAM_TIMEOUT)

@@ -258,3 +258,18 @@ def test_inspect_and_diff_escape_control_characters(tmp_path, capsys):
     assert info["tensors"][0]["name"] == hostile and info["metadata"] == {
         "k\x1b]0;t\x07": "v\x1b[31m"
     }
+
+
+def test_ls_shows_a_symlinked_sentinels_own_time_and_verify_refuses_it(run_dir, capsys):
+    """A sentinel replaced by a symlink (to /dev/zero): ``ls`` never follows it for its time
+    column (it showed the target's), and ``verify`` refuses the link."""
+    sentinel = run_dir / "sentinel_checkpoint_complete.1"
+    sentinel.unlink()
+    sentinel.symlink_to("/dev/zero")
+    os.utime(sentinel, (86400 * 365, 86400 * 365), follow_symlinks=False)  # 1971
+    code, out, _ = main(capsys, "ls", run_dir, "--json")
+    assert code == 1  # damage found
+    rows = {r["number"]: r for r in json.loads(out)["checkpoints"]}
+    assert rows[1]["time"][:4] in ("1970", "1971"), rows[1]  # the link's own, in any zone
+    assert rows[1]["verified"] is False and "symlink" in " ".join(rows[1]["problems"])
+    assert main(capsys, "verify", run_dir)[0] == 1

@@ -397,6 +397,39 @@ def test_a_bucket_deleted_mid_run_says_so(bucket):
     assert "every checkpoint" in str(error.value)
 
 
+@pytest.mark.parametrize("part", [None, 5 * 1024 * 1024], ids=["one-put", "multipart"])
+def test_a_bucket_deleted_during_a_synchronous_save_says_so_at_once(
+    bucket, proxy, part, monkeypatch
+):
+    """The bucket is deleted just as the save uploads its model: the save raises
+    DirectoryGoneError naming the missing bucket after that one answer, instead of taking S3's
+    NoSuchBucket for a lost multipart completion and awaiting the object (60 s, retried: the
+    training thread blocked ~288 s, then blamed the network)."""
+    url = f"s3://{bucket}/run"
+    checkpointer = Checkpointer(url, storage_options=_through(proxy))
+    checkpointer.take_over()
+    checkpointer.save_checkpoint(0, _model(0))
+    big = {"model": {"w": torch.zeros(3 * 1024 * 1024)}}  # 12 MiB: multipart at 5 MiB parts
+    if part is not None:
+        monkeypatch.setattr(store_objects, "UPLOAD_PART", part)
+    deleted = proxy.add(
+        "before",
+        "PUT" if part is None else "POST",
+        rf"/{bucket}/run/ckpt\.1[^/]*/model\.bpk" + ("" if part is None else r"\?uploads"),
+        run=lambda: fsspec.filesystem("s3").rm(bucket, recursive=True),
+    )
+    before = len(proxy.requests)
+    with pytest.raises(DirectoryGoneError, match="bucket does not exist") as error:
+        checkpointer.save_checkpoint(1, big)
+    assert deleted.hits == 1
+    assert "every checkpoint" in str(error.value)
+    after = proxy.requests[before:]
+    model = [r for r in after if re.search(r"/model\.bpk", r)]
+    # no second attempt at the upload, no polling for the object to appear
+    assert not [r for r in model if r.startswith("HEAD")], after
+    assert len([r for r in model if r.startswith("PUT")]) <= (1 if part is None else 2), after
+
+
 def test_a_manifest_claiming_50_gib_is_refused_before_anything_is_allocated(bucket):
     """A hostile (or damaged) manifest claims 50 GiB for model.bpk: loading compares the claim
     with the object's size first and raises a RecordError naming the object (the old code

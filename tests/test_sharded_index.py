@@ -351,3 +351,18 @@ def test_an_index_object_is_sized_before_it_is_fetched(monkeypatch):
     monkeypatch.setattr(burnpack, "MAX_METADATA_SIZE", 16)  # the index is larger than this now
     with pytest.raises(ShardedCheckpointError, match=rf"{INDEX}: [0-9]+ bytes, too big for an"):
         read_index(url)
+
+
+def test_an_index_naming_many_absent_files_gives_a_short_message(tmp_path):
+    """A hostile index listing 20,000 files that are not there: the refusal names the first few
+    and counts the rest (it was one message of every name: 15 MB for 200,000), while the
+    verify API still lists each."""
+    doc = write_checkpoint(tmp_path)
+    ((_, info),) = doc["files"].items()
+    absent = {f"sharded.rank-{i}.{'0' * 8}.bpk": dict(info) for i in range(20_000)}
+    doc["files"].update(absent)
+    _write_index(tmp_path, json.dumps(doc))
+    message = _refusal(lambda: load_full_state_dict(tmp_path))
+    assert "listed in the index but missing" in message and "... and 19995 more" in message
+    assert len(message) < 2_000
+    assert len(read_index(tmp_path).check_files()) == 20_000

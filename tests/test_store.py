@@ -3,7 +3,9 @@ directory and ``memory://``), so every caller above it can be written once."""
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 import uuid
 
 import pytest
@@ -47,6 +49,41 @@ def test_put_read_size_list(store):
     assert store.url_of("d/b").endswith("/run/d/b")
     with pytest.raises(FileNotFoundError):
         store.read("missing")
+
+
+def test_a_listing_leaves_out_entries_removed_while_it_runs(store):
+    """A retention in another process removes files while this one lists the directory (a
+    resume choosing its checkpoint, an evaluation process reading a live run): each listing
+    holds only names with their sizes, never an error for a name that vanished under it."""
+    store.check(create=True)
+    names = [f"sentinel_{i}" for i in range(64)]
+    stop = threading.Event()
+    churned = [0]
+
+    def churn() -> None:
+        while not stop.is_set():
+            for name in names:
+                store.put(name, b"x" * 7)
+            for name in names:
+                store.remove(name)
+            churned[0] += 1
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        listings = 0
+        while listings < 400 or churned[0] < 3:
+            listing = store.list("")
+            for name, size in listing.items():
+                if name in names:
+                    assert size == 7, (name, size)  # a name appears whole (by rename or PUT)
+                else:  # the local put's scratch file, beside the name it becomes
+                    assert name.partition(".")[0] in names and isinstance(size, int), name
+            listings += 1
+    finally:
+        stop.set()
+        writer.join(timeout=60)
+    assert not writer.is_alive()
 
 
 def test_create_only_refuses_other_bytes_and_accepts_its_own(store):
@@ -251,3 +288,68 @@ def test_a_failing_object_store_raises_storage_error_naming_the_url(monkeypatch)
     monkeypatch.setattr(store.fs, "pipe_file", broken)
     with pytest.raises(StorageError, match=r"memory://bucket-.*/run/k"):
         store.put("k", b"x")
+
+
+def _fail(monkeypatch: pytest.MonkeyPatch, module: object, name: str, code: int) -> None:
+    """Every later call of ``module.name`` raises OSError ``code`` (an injected fault)."""
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(code, f"{os.strerror(code)} (injected)")
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def _publish(store: LocalStore) -> None:
+    staging = store.staging("ckpt.1")
+    store.put(f"{staging}/model.bpk", b"m")
+    store.publish(staging, "ckpt.1")
+
+
+def _sink(store: LocalStore) -> None:
+    with store.sink("big.bpk", 4096) as sink:
+        sink.write(b"x" * 4096)
+
+
+def _exclusive(store: LocalStore) -> None:
+    with store.exclusive():
+        pass
+
+
+# Each store call, and a stdlib call it makes that fails: (what it does, which call fails).
+_LOCAL_FAULTS = {
+    "check": (lambda s: s.check(create=True), (os, "mkdir")),
+    "list": (lambda s: s.list(""), (os, "scandir")),
+    "read": (lambda s: s.read("a"), (os, "preadv")),
+    "read_into": (lambda s: s.read_into("a", bytearray(1)), (os, "preadv")),
+    "put": (lambda s: s.put("b", b"new"), (os, "fsync")),
+    "create": (lambda s: s.create("b", b"new"), (os, "link")),
+    "sink": (_sink, (os, "fsync")),
+    "staging": (lambda s: s.staging("ckpt.2"), (os, "mkdir")),
+    "publish": (_publish, (os, "rename")),
+    "remove": (lambda s: s.remove(["a"]), (os, "unlink")),
+    "remove_prefix": (lambda s: s.remove_prefix("d"), (os, "rmdir")),
+    "exclusive": (_exclusive, (os, "pwrite")),
+}
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.EROFS, errno.EDQUOT, errno.ENOSPC])
+@pytest.mark.parametrize("call", sorted(_LOCAL_FAULTS))
+def test_a_failing_local_disk_raises_storage_error_naming_the_directory(
+    tmp_path, monkeypatch, call, code
+):
+    """EIO from a dying disk (an ext4 shutdown), EROFS, EDQUOT and ENOSPC at any call of the
+    local backend reach the caller as the package's StorageError naming the call and the
+    directory, errno kept and the cause chained: never a raw OSError."""
+    store = open_store(tmp_path / "run")
+    store.check(create=True)
+    store.put("a", b"hello")
+    store.put("d/b", b"xyz")
+    action, (module, name) = _LOCAL_FAULTS[call]
+    if call == "check":
+        store = open_store(tmp_path / "new")
+    _fail(monkeypatch, module, name, code)
+    with pytest.raises(StorageError) as error:
+        action(store)
+    assert error.value.errno == code
+    assert str(store.root) in str(error.value) and "(injected)" in str(error.value)
+    assert isinstance(error.value.__cause__, OSError)

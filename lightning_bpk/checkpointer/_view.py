@@ -29,7 +29,7 @@ import torch
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
-from lightning_bpk.errors import StorageError
+from lightning_bpk.errors import StorageError, summarise
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
@@ -48,19 +48,10 @@ from lightning_bpk.store import Store, location, open_parent, open_store
 from lightning_bpk.store.local import RefusedFileError
 
 T = TypeVar("T")
-# A problem list longer than this is summarised in warnings ("... and N more").
-_SHOWN_PROBLEMS = 5
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (damaged, incomplete, unverifiable) or could not be removed."""
-
-
-def summarise(problems: list[str]) -> str:
-    """The first few problems joined with "; ", and how many more there are."""
-    shown = "; ".join(problems[:_SHOWN_PROBLEMS])
-    more = len(problems) - _SHOWN_PROBLEMS
-    return shown + (f"; ... and {more} more" if more > 0 else "")
 
 
 def has_key(keys: Collection[str], required: str) -> bool:

@@ -63,8 +63,9 @@ def tree_size(path: Path) -> int:
 
 
 def mtime(path: Path | str) -> str:
-    """A local file's modification time (ISO 8601, local zone); ``-`` for a URL."""
+    """A local file's own modification time (ISO 8601, local zone); ``-`` for a URL."""
     if isinstance(path, str):
         return "-"  # not asked of object stores: one request per checkpoint for a column
-    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).astimezone()
+    # lstat: the time of the name itself (a symlinked sentinel is refused, never followed)
+    stamp = datetime.datetime.fromtimestamp(path.lstat().st_mtime).astimezone()
     return stamp.isoformat(timespec="seconds")

@@ -20,6 +20,7 @@ from torch.futures import Future
 from lightning_bpk import burnpack
 from lightning_bpk.dcp import ShardedCheckpointError, is_sharded
 from lightning_bpk.dcp._packs import Index, _object, _opened, _Packs, read_index, servable
+from lightning_bpk.errors import summarise
 from lightning_bpk.layout import MODEL_KEY, PARAM_IDS_KEY, SHARDED_PREFIX
 from lightning_bpk.records import ModuleRecord
 from lightning_bpk.store import location
@@ -67,7 +68,7 @@ class BurnpackStorageReader(StorageReader):
         self.index = read_index(self.path, self.prefix, self.storage_options)
         problems = self.index.check_files()
         if problems:
-            raise ShardedCheckpointError("; ".join(problems))
+            raise ShardedCheckpointError(summarise(problems))
         return self.index.metadata()
 
     def set_up_storage_reader(
@@ -145,7 +146,7 @@ def load_full_state_dict(
     index = read_index(directory, prefix, storage_options)
     problems = index.check_files()
     if problems:
-        raise ShardedCheckpointError("; ".join(problems))
+        raise ShardedCheckpointError(summarise(problems))
     out: dict[str, Any] = {}
     with _opened(index, verify) as packs:
         for fqn, t in index.tensors.items():  # read_index checked that the chunks tile it

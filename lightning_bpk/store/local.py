@@ -20,15 +20,18 @@ import builtins
 import contextlib
 import errno
 import fcntl
+import functools
+import inspect
 import mmap
 import os
 import shutil
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from lightning_bpk import _fs
-from lightning_bpk.errors import CheckpointLockedError, LightningBpkError
+from lightning_bpk.errors import CheckpointLockedError, LightningBpkError, StorageError
 
 __all__ = ["LOCK_FILE_NAME", "LocalStore", "RefusedFileError"]
 
@@ -46,6 +49,54 @@ _HELD: set[int] = set()
 # fsync would not reach the writer's cache) is not in it: its files are fsynced as written.
 _OWN_STAGING: set[str] = set()
 _PID_WIDTH = 15  # what exclusive() writes into the lock file: the pid, space-padded
+# OSErrors that callers act on by their type (a name missing or taken, a refused file) pass
+# through _typed as they are; this package's own errors too (BurnpackIOError, a lock held).
+_MEANINGFUL = (
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    LightningBpkError,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _typed(method: F) -> F:
+    """Make every other ``OSError`` of a :class:`LocalStore` method (EIO from a failing disk,
+    EROFS, EDQUOT, ENOSPC, ...) a :class:`~lightning_bpk.errors.StorageError` naming the call,
+    the store and the cause, with its ``errno`` kept: a failing disk is this package's error,
+    as a failing object store is. A context-manager method's body is covered too (the caller's
+    writes into a sink or scratch file)."""
+
+    def convert(self: LocalStore, error: OSError) -> StorageError:
+        return StorageError(
+            error.errno, f"{method.__name__} in {self.root}: {error}", error.filename
+        )
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def typed_generator(self: LocalStore, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return (yield from method(self, *args, **kwargs))
+            except _MEANINGFUL:
+                raise
+            except OSError as e:
+                raise convert(self, e) from e
+
+        return cast(F, typed_generator)
+
+    @functools.wraps(method)
+    def typed(self: LocalStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except _MEANINGFUL:
+            raise
+        except OSError as e:
+            raise convert(self, e) from e
+
+    return cast(F, typed)
 
 
 def _make_parent(path: Path) -> None:
@@ -81,6 +132,7 @@ class LocalStore:
     def url_of(self, key: str) -> str:
         return str(self._path(key))
 
+    @_typed
     def check(self, *, create: bool = False) -> None:
         """Make the directory when ``create``; ``OSError`` when it cannot be, or when it is
         there but no directory (a missing one is fine without ``create``: a first save makes
@@ -94,19 +146,28 @@ class LocalStore:
 
     # -- reading --
 
+    @_typed
     def list(self, prefix: str = "") -> dict[str, int | None]:
-        """``{name: size}`` of the entries directly under ``prefix`` (directories: None)."""
+        """``{name: size}`` of the entries directly under ``prefix`` (directories: None).
+
+        An entry removed by another process between the directory read and its ``lstat`` (a
+        retention beside this listing) is left out, as if the listing had come a moment later:
+        an object store's listing has no such gap, and a caller told of a name that is gone
+        would fail on it anyway."""
         try:
             entries = list(os.scandir(self._path(prefix)))
         except (FileNotFoundError, NotADirectoryError):
             return {}
-        return {
-            e.name: (
-                None if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
-            )
-            for e in entries
-        }
+        found: dict[str, int | None] = {}
+        for e in entries:
+            try:
+                is_dir = e.is_dir(follow_symlinks=False)
+                found[e.name] = None if is_dir else e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+        return found
 
+    @_typed
     def size(self, key: str) -> int | None:
         try:
             st = os.stat(self._path(key))
@@ -128,6 +189,7 @@ class LocalStore:
             raise RefusedFileError(f"{path} is not a regular file", "is not a regular file")
         return fd
 
+    @_typed
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         fd = self._open(key)
         try:
@@ -140,6 +202,7 @@ class LocalStore:
         finally:
             os.close(fd)
 
+    @_typed
     def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
         fd = self._open(key)
         try:
@@ -156,6 +219,7 @@ class LocalStore:
                 self.url_of(key),
             )
 
+    @_typed
     def map(self, key: str, size: int) -> _Mapped:
         """The file mapped copy-on-write (``size`` is ignored: the file's own size counts), so
         tensors are zero-copy views that stay intact if the file is later replaced."""
@@ -168,6 +232,7 @@ class LocalStore:
         finally:
             os.close(fd)  # the mapping keeps the file's pages reachable on its own
 
+    @_typed
     def refused(self, prefix: str, names: Iterable[str] | None = None) -> builtins.list[str]:
         """A problem for ``prefix`` itself and for each entry below it that is a symlink: one
         walk that follows none, or (``names``: what a listing of ``prefix`` just found) one
@@ -188,6 +253,7 @@ class LocalStore:
 
     # -- writing --
 
+    @_typed
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
         path = self._path(key)
         _make_parent(path)
@@ -226,6 +292,7 @@ class LocalStore:
             return False
 
     @contextlib.contextmanager
+    @_typed
     def sink(self, key: str, size: int) -> Iterator[_fs.Sink]:
         """A scratch file beside ``key`` (``O_DIRECT`` where the filesystem supports it),
         fsynced and renamed over ``key`` (see :func:`lightning_bpk._fs.atomic_sink`); inside
@@ -240,6 +307,7 @@ class LocalStore:
             yield sink
 
     @contextlib.contextmanager
+    @_typed
     def scratch(self, key: str) -> Iterator[Path]:
         """A path with the target's own name (writers that choose a format by suffix see it)
         inside a scratch directory beside the target; fsynced and renamed into place. Inside a
@@ -269,6 +337,7 @@ class LocalStore:
         os.rmdir(folder)
         _fs.fsync_dir(target.parent)
 
+    @_typed
     def staging(self, prefix: str) -> str:
         """A new scratch-named folder beside ``prefix`` (``ckpt.7.<pid>-<k>.tmp``): the files
         written below it are fsynced once, by :meth:`publish`."""
@@ -285,6 +354,7 @@ class LocalStore:
         """Whether ``key`` lies below a staging folder this process made (see _OWN_STAGING)."""
         return bool(_OWN_STAGING) and any(str(p) in _OWN_STAGING for p in self._path(key).parents)
 
+    @_typed
     def publish(self, staging: Path | str, prefix: str) -> None:
         source = staging if isinstance(staging, Path) else self._path(staging)
         target = self._path(prefix)
@@ -311,6 +381,7 @@ class LocalStore:
             return
         _fs.fsync_dir(target.parent)
 
+    @_typed
     def remove(self, keys: Iterable[str]) -> None:
         touched = set()
         for key in keys:
@@ -321,11 +392,13 @@ class LocalStore:
         for folder in touched:
             _fs.fsync_dir(folder)
 
+    @_typed
     def remove_prefix(self, prefix: str) -> None:
         _remove(self._path(prefix))
         _OWN_STAGING.discard(str(self._path(prefix)))
 
     @contextlib.contextmanager
+    @_typed
     def exclusive(self, *, wait: bool = False) -> Iterator[None]:
         """``flock`` on :data:`LOCK_FILE_NAME` (non-blocking unless ``wait``); the holder's pid
         is written into it for the :class:`CheckpointLockedError` of the next one."""
@@ -377,7 +450,7 @@ def _removed_on_failure(path: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # best effort: what failed first is the news
             os.unlink(path)
         raise
 

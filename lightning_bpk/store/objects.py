@@ -31,7 +31,7 @@ import fsspec
 import fsspec.core
 
 from lightning_bpk import _fs
-from lightning_bpk.errors import StorageError
+from lightning_bpk.errors import DirectoryGoneError, StorageError
 
 __all__ = [
     "ATTEMPTS",
@@ -68,8 +68,10 @@ T = TypeVar("T")
 
 # --- retries ------------------------------------------------------------------------------------
 
-# Errors that a retry cannot fix: the answer is definite.
+# Errors that a retry cannot fix: the answer is definite (a StorageError is this module's own
+# verdict: already retried, or final, such as a bucket found gone).
 _PERMANENT = (
+    StorageError,
     FileNotFoundError,
     FileExistsError,
     PermissionError,
@@ -164,6 +166,28 @@ class ObjectStore:
 
     def _retry(self, what: str, key: str, call: Callable[[], T]) -> T:
         return retry(f"{what} {self.url_of(key)}", call)
+
+    def _write(self, what: str, key: str, call: Callable[[], T]) -> T:
+        """:meth:`_retry` for a write, which creates what it names: its ``FileNotFoundError``
+        (S3's NoSuchBucket) means the bucket is gone, said at once (:meth:`_raise_if_gone`)."""
+        try:
+            return self._retry(what, key, call)
+        except FileNotFoundError as e:
+            self._raise_if_gone(e)
+            raise
+
+    def _raise_if_gone(self, error: FileNotFoundError) -> None:
+        """Raise :class:`~lightning_bpk.errors.DirectoryGoneError` if the bucket no longer
+        exists (one listing), so a write into a deleted bucket fails within seconds instead of
+        being taken for a lost answer and awaited or retried."""
+        try:
+            self.check()
+        except StorageError as gone:
+            if isinstance(gone.__cause__, FileNotFoundError):
+                raise DirectoryGoneError(
+                    f"{gone}: it was deleted while this run used it, and every checkpoint in "
+                    f"it with it ({type(error).__name__}: {error})"
+                ) from error
 
     # -- reading --
 
@@ -289,6 +313,7 @@ class ObjectStore:
             try:
                 self.fs.put_file(os.fspath(local), path, **options)
             except FileNotFoundError as e:
+                self._raise_if_gone(e)
                 if self._landed(key, size):
                     return
                 raise ConnectionError(f"multipart upload lost at completion: {e}") from e
@@ -322,7 +347,7 @@ class ObjectStore:
         """
         path = self._path(key)
         if not create_only:
-            self._retry("write", key, lambda: self.fs.pipe_file(path, data))
+            self._write("write", key, lambda: self.fs.pipe_file(path, data))
             return True
         if not self.atomic_create:
             if self.size(key) is not None:
@@ -336,7 +361,7 @@ class ObjectStore:
                 return False
             return True
 
-        if self._retry("create", key, put):
+        if self._write("create", key, put):
             return True
         # "It exists" may be the answer to a retry of our own create whose first answer was
         # lost (by the driver's retries or by ours): then the object holds our bytes and the
