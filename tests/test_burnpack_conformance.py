@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _burnpack_helpers import _DEFAULT_SCHEME, f32, listdir, mk
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import Scalar, TensorEntry
+
+from _burnpack_helpers import _DEFAULT_SCHEME, f32, listdir, mk
 
 
 def deferred(calls: list[str], name: str, data: bytes, nbytes: int | None = None, dtype="F32"):

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _burnpack_helpers import _same
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import _parallel, reader
 
+from _burnpack_helpers import _same
 from conftest import FIXTURES
 
 Layout = list[tuple[str, torch.Tensor]]

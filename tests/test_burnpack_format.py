@@ -10,6 +10,10 @@ import struct
 import cbor2
 import pytest
 import torch
+
+from lightning_bpk import burnpack
+from lightning_bpk.burnpack import Scalar, TensorEntry
+
 from _burnpack_helpers import (
     _DEFAULT_SCHEME,
     MNIST,
@@ -19,9 +23,6 @@ from _burnpack_helpers import (
     listdir,
     mk,
 )
-
-from lightning_bpk import burnpack
-from lightning_bpk.burnpack import Scalar, TensorEntry
 
 MNIST_SIZE, MNIST_META, MNIST_TENSORS = 1_044_776, 1398, 18
 

@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from _burnpack_helpers import _mixed
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import _inplace, reader
+
+from _burnpack_helpers import _mixed
 
 # =============================== read_into: loading into existing tensors ======================
 

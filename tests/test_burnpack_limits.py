@@ -13,11 +13,12 @@ import struct
 import cbor2
 import pytest
 import torch
-from _burnpack_helpers import _DEFAULT_SCHEME, MNIST, f32, mk, parse_fully
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_bpk import burnpack
+
+from _burnpack_helpers import _DEFAULT_SCHEME, MNIST, f32, mk, parse_fully
 
 # =============================== hostile input =================================================
 

@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 import torch
-from _burnpack_helpers import _mixed
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import _parallel
 
+from _burnpack_helpers import _mixed
 from conftest import run_process
 
 # =============================== two threads, no GC pauses (burnpack._parallel) ================

@@ -8,12 +8,13 @@ import math
 import struct
 
 import torch
-from _burnpack_helpers import _ALL_DTYPES, _entries_in_data_order, _same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack import Scalar, TensorEntry
+
+from _burnpack_helpers import _ALL_DTYPES, _entries_in_data_order, _same
 
 # =============================== property-based round trips ====================================
 

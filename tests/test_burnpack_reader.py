@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _burnpack_helpers import f32
 
 from lightning_bpk import burnpack
+
+from _burnpack_helpers import f32
 
 # =============================== zero-copy, lazy reading =======================================
 

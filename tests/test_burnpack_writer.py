@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 import xxhash
-from _burnpack_helpers import _ALL_DTYPES, TORCH_DTYPES, listdir
 
 from lightning_bpk import _fs, burnpack
 
+from _burnpack_helpers import _ALL_DTYPES, TORCH_DTYPES, listdir
 from conftest import run_process
 
 # =============================== atomicity under injected faults ===============================

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 
 with atheris.instrument_imports():
     import torch
-    from _burnpack_helpers import parse_fully
 
     from lightning_bpk import burnpack
+
+    from _burnpack_helpers import parse_fully
 
 
 def seeds() -> list[bytes]:
