@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.demo-stamp
 
 # The Lightning-facing tests also run against the oldest Lightning pyproject.toml allows, in a
 # venv holding only that Lightning; everything else comes from .venv (a .pth file appends its
@@ -13,12 +14,18 @@ LIGHTNING_TESTS := tests/test_lightning_compat.py tests/test_callback.py tests/t
 
 .PHONY: test test-lightning-oldest demo bench docs lint format clean
 
-$(STAMP): pyproject.toml constraints.txt
+# `make demo` installs the package and what the example needs; `make test` adds the development
+# stack of requirements-dev.txt (test runner, linters, docs, the servers the tests start).
+$(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e . 'scikit-learn>=1.3'
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) requirements-dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
 	# litdata's StreamingDataLoader, for the Fabric loader tests. Without its dependencies: it
 	# declares torchvision, whose PyPI wheel is built against CUDA torch and, beside the CPU
-	# pin, breaks `import lightning`; what litdata's loader needs is already in .[dev].
+	# pin, breaks `import lightning`; what litdata's loader needs is already installed.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt 'litdata>=0.2.50'
 	touch $(STAMP)
 
@@ -47,7 +54,7 @@ test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
 	$(OLDEST)/bin/python -c 'import lightning; assert lightning.__version__ == "$(LIGHTNING_MIN)", lightning.__version__'
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(LIGHTNING_TESTS)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
 bench: $(STAMP)

@@ -26,7 +26,7 @@ COMMAND = [
     "--base_dir",
     str(RUN_DIR),
     "--gin_file",
-    str(ROOT / "gin" / "digits.gin"),
+    str(ROOT / "lightning_bpk" / "gin" / "digits.gin"),
     "--gin_binding",
     "train.max_epochs = 6",
 ]

@@ -46,7 +46,7 @@ def training_command(base_dir: Path) -> list[str]:
         "--base_dir",
         str(base_dir),
         "--gin_file",
-        str(ROOT / "gin" / "digits.gin"),
+        str(ROOT / "lightning_bpk" / "gin" / "digits.gin"),
         "--gin_binding",
         f"train.max_epochs = {EPOCHS}",
     ]

@@ -3,9 +3,10 @@
 The data (1797 8x8 images, 10 classes) ships inside scikit-learn: no download. Configuration is
 gin, as in Dopamine: ``--gin_file`` (repeatable) then ``--gin_binding`` (repeatable) overrides::
 
-    python examples/train_digits.py --base_dir runs/digits --gin_file gin/digits.gin
-    python examples/train_digits.py --base_dir runs/digits --gin_file gin/digits.gin \\
-        --gin_file gin/keep_every_5.gin --gin_binding 'train.max_epochs = 30'
+    python examples/train_digits.py --base_dir runs/digits --gin_file lightning_bpk/gin/digits.gin
+    python examples/train_digits.py --base_dir runs/digits \\
+        --gin_file lightning_bpk/gin/digits.gin --gin_file lightning_bpk/gin/keep_every_5.gin \\
+        --gin_binding 'train.max_epochs = 30'
 
 Run it again with the same ``--base_dir`` and it continues after the newest complete
 checkpoint (``{base_dir}/checkpoints/ckpt.N``) at epoch N+1. ``--stop_after_epoch N`` makes the

@@ -888,7 +888,8 @@ def test_gin_full_selector_and_invalid_binding(tmp_path: Path, clean_gin) -> Non
 
 
 def test_repo_gin_file_parses(tmp_path: Path, clean_gin) -> None:
-    gin.parse_config_file(str(Path(__file__).parents[1] / "gin" / "checkpointer.gin"))
+    gin_dir = Path(__file__).parents[1] / "lightning_bpk" / "gin"
+    gin.parse_config_file(str(gin_dir / "checkpointer.gin"))
     c = Checkpointer(tmp_path)
     settings = (c.checkpoint_frequency, c.checkpoint_duration, c.keep_every)
     assert settings == (1, 4, None) and c.sentinel_file_identifier == "checkpoint"

@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, run_process
 
 EXAMPLES = ROOT / "examples"
-GIN_FILES = sorted((ROOT / "gin").glob("*.gin"))
+GIN_FILES = sorted((ROOT / "lightning_bpk" / "gin").glob("*.gin"))
 TIMEOUT_S = 240  # each example takes 5-40 s; this only stops a hung one
 
 
