@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -32,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_bpk.checkpointer import (
     Checkpointer,
+    CheckpointWarning,
     choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
@@ -51,6 +53,7 @@ from lightning_bpk.store import (
     open_store,
 )
 from lightning_bpk.store import objects as store_objects
+from lightning_bpk.store.lease import CheckpointSupersededError
 
 from conftest import (
     SCRIPTS,
@@ -428,6 +431,63 @@ def test_a_bucket_deleted_during_a_synchronous_save_says_so_at_once(
     # no second attempt at the upload, no polling for the object to appear
     assert not [r for r in model if r.startswith("HEAD")], after
     assert len([r for r in model if r.startswith("PUT")]) <= (1 if part is None else 2), after
+
+
+def test_a_zombies_sentinel_landing_after_the_take_over_is_swept_by_the_owner(bucket, proxy):
+    """Run A checks its lease and PUTs sentinel 3 create-only; the PUT is held in the network
+    while run B takes the bucket over and saves (its garbage collection removes A's data of 3,
+    which has no sentinel yet). Then A's PUT lands: a sentinel without data. B's next save
+    removes it, warning with both leases; every sentinel left verifies, and A stops."""
+    url = f"s3://{bucket}/run"
+    a = Checkpointer(url, storage_options=_through(proxy))
+    a.take_over()
+    for n in range(3):
+        a.save_checkpoint(n, _model(n))
+    reached, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        reached.set()
+        assert release.wait(RUN_TIMEOUT)
+
+    held = proxy.add(
+        "before", "PUT", r"/run/sentinel_checkpoint_complete\.3$",
+        header=("If-None-Match", "*"), run=hold,
+    )  # fmt: skip
+    outcome: list[BaseException | None] = []
+
+    def save_a() -> None:
+        try:
+            a.save_checkpoint(3, _model(3))
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    zombie = threading.Thread(target=save_a, daemon=True)
+    zombie.start()
+    assert reached.wait(RUN_TIMEOUT)  # A's sentinel PUT is in the network now
+    b = Checkpointer(url)
+    b.take_over()
+    b.save_checkpoint(4, _model(4))  # collects A's data of 3: no sentinel names it yet
+    release.set()
+    zombie.join(RUN_TIMEOUT)
+    assert held.hits == 1 and not zombie.is_alive()
+    store = open_store(url)
+    assert "sentinel_checkpoint_complete.3" in store.list("")  # A's late write landed
+    late = r"removed checkpoint 3 .* \(lease 1, this run's is 2\)"
+    with pytest.warns(CheckpointWarning, match=late):
+        b.save_checkpoint(5, _model(5))
+    listing = store.list("")
+    assert "sentinel_checkpoint_complete.3" not in listing
+    assert not [name for name in listing if name.startswith("ckpt.3")]
+    left = sorted(int(name.rpartition(".")[2]) for name in listing if name.startswith("sentinel"))
+    assert left[-2:] == [4, 5] and 3 not in left
+    for n in left:  # every sentinel left names its data, which verifies
+        assert verify_checkpoint(url, n) == [], n
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        assert get_latest_checkpoint_number(url, verify=True) == 5
+    with pytest.raises(CheckpointSupersededError):
+        a.save_checkpoint(6, _model(6))
 
 
 def test_a_manifest_claiming_50_gib_is_refused_before_anything_is_allocated(bucket):

@@ -13,11 +13,15 @@ Saving iteration N, inside the store's exclusive section (``flock`` locally)::
     5. publish                     Store.publish: rename + fsync locally, nothing remotely
     6. confirm                     one listing: every file there with its size
     7. check the lease again
-    8. sentinel last               the manifest, create-only for a new N (a conditional PUT:
-                                   another writer's commit of N is never overwritten); one
-                                   atomic replace for a re-save (the old copy or the new)
+    8. sentinel last               the manifest (naming this run's lease), create-only for a
+                                   new N (a conditional PUT: another writer's commit of N is
+                                   never overwritten); one atomic replace for a re-save (the
+                                   old copy or the new)
     9. drop the superseded copy    the data the old sentinel of N named
-   10. collect garbage             the retention below, sentinels before their data
+   10. collect garbage             late writes of a superseded run (a sentinel that appeared
+                                   after the take-over naming an older lease: its PUT was held
+                                   in the network), then the retention below, sentinels before
+                                   their data
 
 The sentinel always names a complete copy: a crash at any moment (even SIGKILL or power loss)
 leaves the newest complete N complete, on every backend; what the crash left is unreferenced
@@ -221,7 +225,7 @@ def commit(
                 _check(lease)  # files gone because the directory is (DirectoryGoneError)?
                 raise
             _check(lease)
-            manifest = encode(n, Manifest(staged.name, files))
+            manifest = encode(n, Manifest(staged.name, files, _generation(lease)))
             state = "unknown"
             try:
                 # a re-save replaces (one atomic write: the old manifest or the new, never neither)
@@ -246,6 +250,8 @@ def commit(
                     "this one wrote it; not overwritten"
                 )
             state = "committed"
+            if lease is not None:
+                lease.known.add(sentinel)
         finally:
             if state == "writing":
                 discard(names, staged, lease)
@@ -293,6 +299,8 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
     try:
         listing = store.list("")
         _check(lease, listing)
+        if lease is not None and _sweep_late_writes(names, listing, lease):
+            listing = store.list("")
         found = sentinels(listing, names.identifier)
         data = data_names(listing, names.prefix)
         doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data))
@@ -317,6 +325,44 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
             CheckpointWarning,
             stacklevel=3,
         )
+
+
+def _generation(lease: Lease | None) -> int | None:
+    return None if lease is None else lease.generation
+
+
+def _sweep_late_writes(names: Names, listing: Mapping[str, Any], lease: Lease) -> bool:
+    """Remove every sentinel that appeared after ``lease`` took the directory over and names an
+    older lease (or none) as its writer, then its data: a superseded run's create-only PUT that
+    checked its lease, was held in the network, and landed after this run's garbage collection
+    had removed its data (a sentinel without data: the one invariant a zombie could break).
+    Whether anything was removed. A sentinel whose manifest cannot be read is left to the
+    verifying search, which skips it and says why."""
+    store = names.store
+    removed = False
+    for m, sentinel in sorted(sentinels(listing, names.identifier).items()):
+        if sentinel in lease.known:
+            continue
+        view = CheckpointView(store, m, names.identifier, None, listing)
+        try:
+            manifest = view.read_manifest()
+        except (ValueError, OSError):
+            continue
+        writer = None if manifest is None else manifest.lease
+        if writer is not None and writer >= lease.generation:
+            lease.known.add(sentinel)  # this run's own (another checkpointer of it)
+            continue
+        store.remove([sentinel])
+        if manifest is not None and manifest.data in listing:
+            store.remove_prefix(manifest.data)
+        warnings.warn(
+            f"removed checkpoint {m} from {store.url}: a run superseded by this one (lease "
+            f"{writer}, this run's is {lease.generation}) wrote its sentinel after the take-over",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+        removed = True
+    return removed
 
 
 def remove(names: Names, numbers: Iterable[int], lease: Lease | None) -> None:

@@ -1,7 +1,9 @@
 """The sentinel's content: a manifest of one checkpoint, its codec, and the entry of one file.
 
 A sentinel is written last and says "iteration N is complete": format tag and version, the
-iteration, the data directory's name (``ckpt.7``, or ``ckpt.7~<hex>`` for a re-save) and, per
+iteration, the data directory's name (``ckpt.7``, or ``ckpt.7~<hex>`` for a re-save), the
+generation of the lease its writer held (:mod:`lightning_bpk.store.lease`; absent without one,
+and in older manifests) and, per
 data key, its file's record kind, size and the xxh3-64 of its head (header and CBOR metadata up
 to the data section). The head holds the per-tensor xxh3 checksums every record file carries,
 so the few-KiB head digest pins every byte that matters without reading the tensors back (a
@@ -80,6 +82,7 @@ class Manifest:
 
     data: str  # data directory name, e.g. "ckpt.7"
     files: dict[str, FileEntry]  # data key -> entry, in save order
+    lease: int | None = None  # the writer's lease generation (None: it held none)
 
 
 def encode(iteration: int, manifest: Manifest) -> bytes:
@@ -94,6 +97,8 @@ def encode(iteration: int, manifest: Manifest) -> bytes:
             for key, entry in manifest.files.items()
         },
     }
+    if manifest.lease is not None:
+        doc["lease"] = manifest.lease
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
@@ -131,7 +136,10 @@ def parse(raw: bytes, iteration: int, prefix: str | None = None) -> Manifest | N
     safe_name(data.partition(VERSION_MARK)[0], "manifest data directory")
     if prefix is not None and parse_data_name(data, prefix) != iteration:
         raise ValueError(f"manifest names data {data!r}, not {f'{prefix}.{iteration}'!r}")
-    return Manifest(data, _entries(doc.get("files")))
+    lease = doc.get("lease")
+    if lease is not None and not (_is_count(lease) and lease > 0):
+        raise ValueError(f"manifest lease {quote(lease)} is not a generation number")
+    return Manifest(data, _entries(doc.get("files")), lease)
 
 
 def _entries(files: object) -> dict[str, FileEntry]:

@@ -18,6 +18,12 @@ two runs in one directory is visible at once.
 Older lease objects are removed by the new owner after it created its own; the newest is never
 removed (it is what the zombie compares against).
 
+A zombie's write can still land *after* the take-over: a create-only PUT that checked the lease,
+then sat in the network while the new owner took over and collected garbage. So a lease keeps
+the names the directory held right after it was taken (:attr:`Lease.known`, to which the owner
+adds what it writes); the checkpointer removes a sentinel that appears later, is not this
+lease's own and names an older lease (or none) as its writer: a late write of a superseded run.
+
     >>> import tempfile
     >>> from lightning_bpk.store import open_store
     >>> store = open_store(tempfile.mkdtemp())
@@ -41,7 +47,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_bpk.errors import DirectoryGoneError, LightningBpkError, StorageError
@@ -74,6 +80,8 @@ class Lease:
     store: Store
     generation: int
     owner: dict[str, Any]
+    # names the directory held just after the take-over, and those this run wrote since
+    known: set[str] = field(default_factory=set)
 
     @classmethod
     def acquire(cls, store: Store) -> Lease:
@@ -89,7 +97,9 @@ class Lease:
             body = json.dumps({**owner, "generation": generation}).encode()
             if store.put(lease_name(generation), body, create_only=True):
                 store.remove(lease_name(g) for g in existing)
-                return cls(store, generation, owner)
+                # listed after the lease exists: whatever a superseded run writes from now on
+                # is not in it
+                return cls(store, generation, owner, set(store.list("")))
         raise CheckpointSupersededError(
             f"{store.url}: could not take over the directory: other runs kept creating leases "
             f"({_ACQUIRE_ATTEMPTS} attempts)"
