@@ -531,7 +531,8 @@ _REIMPORT = """
 import importlib, runpy, gin
 import lightning_bpk.checkpointer as first
 second = importlib.reload(first)  # re-executes the module: same gin selectors again
-runpy.run_module("lightning_bpk.checkpointer", run_name="__main__")  # and once more, as a script
+# and once more, as a script: the package's own module (a package itself has no __main__)
+runpy.run_module("lightning_bpk.checkpointer.__init__", run_name="__main__")
 gin.parse_config("Checkpointer.checkpoint_duration = 3")  # the short name is still unambiguous
 print(second.Checkpointer("{base}").checkpoint_duration)
 """
