@@ -485,40 +485,33 @@ def test_a_write_failing_at_every_call_leaves_the_directory_as_it_was(
 # --- a re-save ----------------------------------------------------------------------------------
 
 
-def test_saving_the_same_iteration_twice_second_wins(tmp_path: Path) -> None:
-    c = Checkpointer(tmp_path)
-    c.save_checkpoint(5, {"a": 1, "b": 2})
-    c.save_checkpoint(5, {"a": 3})
-    assert c.load_checkpoint(5) == {"a": 3}
-    assert sorted(os.listdir(c.checkpoint_path(5))) == ["a.bpk"]
-    assert c.verify_checkpoint(5) == []
-    # nothing displaced is left behind; the re-save's data has a name never used before
-    assert b.where_of(tmp_path).snapshot().keys() == {
-        c.checkpoint_path(5).name,
-        f"{c.checkpoint_path(5).name}/a.bpk",
-        f"{b.SENTINEL}.5",
-    }
-    assert re.fullmatch(r"ckpt\.5~[0-9a-f]{16}", c.checkpoint_path(5).name)
-
-
-def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_after(tmp_path):
-    where = b.make_where("memory", tmp_path)
-    url = str(where.base)
-    checkpointer = Checkpointer(url, checkpoint_duration=2)
-    checkpointer.save_checkpoint(1, b.record_payload(1))
-    target = checkpointer.save_checkpoint(1, b.record_payload(10))
-    assert re.fullmatch(re.escape(url) + r"/ckpt\.1~[0-9a-f]{16}", target)
-    name = name_of(target)
-    assert where.names() == sorted(
-        [f"{name}/model.bpk", f"{name}/trainer.bpk", "sentinel_checkpoint_complete.1"]
-    )
-    assert [e.data for e in list_checkpoints(url)] == [target]
-    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
-    # a crash between the new sentinel and removing the old copy: the next GC removes it
+@pytest.mark.parametrize("backend", b.BACKENDS)
+def test_a_resave_puts_its_data_beside_the_old_copy_and_removes_the_old_copy_after(
+    tmp_path: Path, backend: str
+) -> None:
+    """Re-saving N writes its data under a name never used before (``ckpt.N~<hex>``) beside the
+    old copy, commits by N's sentinel, then removes the old copy: the second save wins, nothing
+    displaced is left behind, and an old copy a crash left is removed by the next save."""
+    where = b.make_where(backend, tmp_path)
+    c = Checkpointer(where.base, checkpoint_duration=2)
+    c.save_checkpoint(1, {**b.record_payload(1), "extra": [1]})
+    target = c.save_checkpoint(1, b.record_payload(10))
+    assert re.fullmatch(re.escape(str(where.base)) + r"/ckpt\.1~[0-9a-f]{16}", str(target))
+    name = name_of(str(target))
+    files = {name, f"{name}/model.bpk", f"{name}/trainer.bpk", f"{b.SENTINEL}.1"}
+    assert where.snapshot().keys() == files  # the old copy and every scratch name are gone
+    assert [e.data for e in list_checkpoints(where.base)] == [target]
+    loaded = c.load_checkpoint(1)
+    assert list(loaded) == ["model", "trainer"] and loaded["trainer"] == {"step": 10}
+    weight = b.record_payload(10)["model"].tensors["weight"]
+    assert torch.equal(loaded["model"].tensors["weight"], weight)  # the second save wins
+    assert c.verify_checkpoint(1) == []
+    # a crash between the new sentinel and removing the old copy: the next save removes it
+    where.fs.makedirs(where.key("ckpt.1"), exist_ok=True)
     where.write("ckpt.1/model.bpk", b"old bytes")
-    checkpointer.save_checkpoint(2, b.record_payload(2))
+    c.save_checkpoint(2, b.record_payload(2))
     assert not any(k.startswith("ckpt.1/") for k in where.names())
-    assert checkpointer.load_checkpoint(1)["trainer"] == {"step": 10}
+    assert c.load_checkpoint(1)["trainer"] == {"step": 10}
 
 
 def test_retention_resave_and_listing_in_the_store(tmp_path):
