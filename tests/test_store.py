@@ -360,12 +360,8 @@ def test_an_object_is_read_in_at_most_read_streams_ranged_requests(tmp_path, mon
 def test_transient_failures_are_retried_and_the_save_succeeds() -> None:
     url = "faulty://b/transient"
     checkpointer = Checkpointer(url)
-    for kind in ("put", "pipe", "ls", "info"):
-        FaultyFileSystem.faults[kind] = (
-            1,
-            2,
-            TimeoutError,
-        )  # the first two calls of each kind fail
+    for kind in ("put", "pipe", "ls", "info"):  # the first two calls of each kind fail
+        FaultyFileSystem.faults[kind] = (1, 2, TimeoutError)
     checkpointer.save_checkpoint(0, b.record_payload(0))
     FaultyFileSystem.faults.clear()
     assert get_latest_checkpoint_number(url, verify=True) == 0
