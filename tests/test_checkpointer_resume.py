@@ -71,7 +71,7 @@ def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object(tmp_path)
     assert number == 0 and data["trainer"] == {"step": 0}
 
 
-def test_resume_reads_each_sentinel_once(tmp_path, monkeypatch):
+def test_the_choice_reads_only_the_chosen_sentinel(tmp_path, monkeypatch):
     """The checks and the load of one choice share the manifest they read."""
     url = str(b.make_where("memory", tmp_path).base)
     Checkpointer(url).save_checkpoint(0, b.record_payload(0))
@@ -171,13 +171,15 @@ def where(request, tmp_path_factory) -> b.Where:
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["quick", "verify"])
-def test_get_latest_checkpoint_number(where: b.Where, verify: bool) -> None:
+def test_the_search_reads_each_sentinel_once_and_lists_little(where: b.Where, verify: bool) -> None:
     with counting(where) as counts:
         assert get_latest_checkpoint_number(where.base, verify=verify) == 1
     counts.check(RESUME_LISTINGS)
 
 
-def test_checkpoint_io_load_of_a_checkpoint_directory(where: b.Where) -> None:
+def test_checkpoint_io_loading_a_directory_reads_each_sentinel_once_and_lists_little(
+    where: b.Where,
+) -> None:
     path = f"{where.base}/{where.data_name(1)}"
     with counting(where) as counts:
         loaded = BurnpackCheckpointIO().load_checkpoint(path)
@@ -186,7 +188,9 @@ def test_checkpoint_io_load_of_a_checkpoint_directory(where: b.Where) -> None:
 
 
 @pytest.mark.parametrize("command", ["ls", "verify"])
-def test_cli_ls_and_verify(where: b.Where, command: str, capsys) -> None:
+def test_cli_ls_and_verify_read_each_sentinel_once_and_list_each_checkpoint_once(
+    where: b.Where, command: str, capsys
+) -> None:
     with counting(where) as counts:
         assert cli_main([command, str(where.base)]) == 0, capsys.readouterr()
     counts.check(CHECKPOINTS + 2)
@@ -202,7 +206,9 @@ class _CountUntilTraining(L.Callback):
         self.stop()
 
 
-def test_the_callback_resume(where: b.Where, tmp_path: Path) -> None:
+def test_the_callback_resume_reads_each_sentinel_once_and_lists_little(
+    where: b.Where, tmp_path: Path
+) -> None:
     with contextlib.ExitStack() as stack:
         counts = stack.enter_context(counting(where))
         callback = _fit(where.base, tmp_path / "root", 3, [_CountUntilTraining(stack.close)])
