@@ -1,6 +1,6 @@
-"""Shared fixtures of the backend-parametrized safety net (issue 22): one checkpoint directory on
-local disk or on an fsspec object store, reached and damaged through the public on-disk layout
-only.
+"""What the backend-parametrized tables share: one checkpoint directory on local disk or on an
+fsspec object store, reached and damaged through the public on-disk layout only, and the fsspec
+filesystems that count, crash or fail under the code that writes and reads it.
 
 A checkpoint ``N`` is its sentinel ``sentinel_<identifier>_complete.N`` (a JSON manifest whose
 ``data`` names the data directory or prefix: ``ckpt.N``, or ``ckpt.N~<hex>`` for a re-save)
@@ -23,8 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+
+from lightning_bpk.records import ModuleRecord
+from lightning_bpk.store import objects as store_objects
 
 SENTINEL = "sentinel_checkpoint_complete"
 BACKENDS = ("local", "memory")
@@ -39,6 +44,13 @@ def tensors_payload(n: int) -> dict[str, Any]:
         "model": {"w": torch.randn(300, generator=g), "b": torch.arange(5, dtype=torch.int16)},
         "trainer": {"iteration": n, "tag": f"it{n}"},
     }
+
+
+def record_payload(n: int) -> dict[str, Any]:
+    """Step ``n``'s data as a run saves it: a ``Linear(4, 3)``'s :class:`ModuleRecord` (seeded
+    by ``n``) and the trainer's step."""
+    torch.manual_seed(n)
+    return {"model": ModuleRecord.from_module(torch.nn.Linear(4, 3)), "trainer": {"step": n}}
 
 
 def assert_tensors_payload(loaded: dict[str, Any] | None, n: int, **extra: Any) -> None:
@@ -89,10 +101,16 @@ class Where:
     def data_file(self, n: int, file: str) -> str:
         return f"{self.data_name(n)}/{file}"
 
-    def snapshot(self) -> dict[str, bytes]:
-        """Name -> bytes of every file but the lock (flock target) and lease files."""
+    def snapshot(self) -> dict[str, bytes | None]:
+        """Name -> bytes of every file but the lock (flock target) and lease files, and name ->
+        ``None`` of every directory (an empty one left behind counts)."""
+        found = self.fs.find(self.root, withdirs=True, detail=True)
         return {
-            name: self.read(name) for name in self.names() if not name.startswith(".lightning_bpk")
+            path[len(self.root) + 1 :]: None
+            if info["type"] == "directory"
+            else self.read(path[len(self.root) + 1 :])
+            for path, info in sorted(found.items())
+            if path != self.root and not path[len(self.root) + 1 :].startswith(".lightning_bpk")
         }
 
 
@@ -112,6 +130,13 @@ def leftovers(where: Where) -> list[str]:
         and not _SENTINEL_NAME.fullmatch(name)
         and name.split("/")[0] not in data
     ]
+
+
+def where_of(base: Path | str) -> Where:
+    """The checkpoint directory ``base`` (a local path or a URL), which may exist already."""
+    fs, root = fsspec.core.url_to_fs(str(base))
+    backend = "local" if isinstance(fs, LocalFileSystem) else "object"
+    return Where(backend, base, fs, root.rstrip("/"))
 
 
 def make_where(backend: str, tmp_path: Path, protocol: str = "memory") -> Where:
@@ -156,7 +181,7 @@ def damage_delete_file(w: Where, n: int) -> str:
 
 def damage_stray_file(w: Where, n: int) -> str:
     w.write(w.data_file(n, "extra.bpk"), b"")
-    return "extra.bpk: unexpected"  # "file" locally, "object" on a store: either
+    return "extra.bpk: unexpected file"
 
 
 def damage_empty_sentinel(w: Where, n: int) -> str:
@@ -325,3 +350,67 @@ for _name in _MUTATORS:
     setattr(CrashingFileSystem, _name, _crashing(_name))
 
 fsspec.register_implementation("crashing", CrashingFileSystem, clobber=True)
+
+
+# --- a filesystem that fails at the k-th call of each kind --------------------------------------
+
+
+class FaultyFileSystem(MemoryFileSystem):
+    """``memory://`` under its own protocol, ``faulty://``, whose k-th call of a kind raises:
+    ``faults[kind] = (k, times, exception)`` fails calls k .. k+times-1 of that kind (counting
+    from 1); ``calls`` counts every call of each kind."""
+
+    protocol = "faulty"
+    store: dict = {}  # noqa: RUF012 - MemoryFileSystem keeps its files on the class
+    pseudo_dirs: list = [""]  # noqa: RUF012
+    faults: dict = {}  # noqa: RUF012
+    calls: dict = {}  # noqa: RUF012
+
+    def _count(self, kind: str) -> None:
+        n = self.calls[kind] = self.calls.get(kind, 0) + 1
+        k, times, error = self.faults.get(kind, (0, 0, None))
+        if k <= n < k + times:
+            raise error(f"injected failure of {kind} call {n}")
+
+    def put_file(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("put")
+        return super().put_file(*args, **kwargs)
+
+    def pipe_file(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("pipe")
+        result = super().pipe_file(*args, **kwargs)
+        self._count("pipe-landed")  # a write that took effect, but whose answer was lost
+        return result
+
+    def rm_file(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("rm")
+        return super().rm_file(*args, **kwargs)
+
+    def rm(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("rm")
+        return super().rm(*args, **kwargs)
+
+    def ls(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("ls")
+        return super().ls(*args, **kwargs)
+
+    def info(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("info")
+        return super().info(*args, **kwargs)
+
+
+fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
+
+
+@pytest.fixture
+def faulty(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """:class:`FaultyFileSystem`, empty and with no fault set, and the object store's retries
+    made fast (a test module uses it by name: ``pytest.mark.usefixtures("faulty")``)."""
+    monkeypatch.setattr(store_objects, "BASE_WAIT", 0.001)
+    monkeypatch.setattr(store_objects, "COMPLETION_WAIT", 0.05)
+    FaultyFileSystem.store.clear()
+    FaultyFileSystem.faults.clear()
+    FaultyFileSystem.calls.clear()
+    yield FaultyFileSystem
+    FaultyFileSystem.faults.clear()
+    FaultyFileSystem.store.clear()

@@ -3,6 +3,8 @@
 A handful of kills (the 200+ kill run is ``benchmarks/crash_soak.py``). After every kill: every
 sentinel has its data and verifies, the newest checkpoint loads bit-exactly, and the next save
 cleans the temporaries. See ``tests/scripts/crash_saver.py`` for the saver and the checks.
+A crash modelled before every storage operation of a save, on local disk and on an object
+store, is in ``tests/test_checkpointer_commit.py``.
 """
 
 from __future__ import annotations

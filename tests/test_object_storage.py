@@ -1,8 +1,9 @@
 """Checkpoints on a real S3-protocol server: moto's ThreadedMotoServer on 127.0.0.1, reached over
 HTTP through s3fs, as a cloud bucket would be (multipart uploads, conditional PUTs, listings).
 
-Fast protocol tests on ``memory://`` and a fault-injecting filesystem are in
-``tests/test_storage.py``.
+The same guarantees on ``memory://`` and on a fault-injecting filesystem, fast: the store's
+retries in ``tests/test_store.py``, the commit's in ``tests/test_checkpointer_commit.py``, the
+lease's in ``tests/test_store_lease.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """The :class:`~lightning_bpk.store.Store` seam: one contract, checked on both backends (a local
-directory and ``memory://``), so every caller above it can be written once."""
+directory and ``memory://``), so every caller above it can be written once; then what the seam
+does with URLs, how it reads an object in ranges, and how an object store's calls are retried
+(on ``faulty://``, a filesystem that fails at the k-th call of each kind: ``tests/_backends.py``).
+
+The same store against a real S3 server (moto over HTTP through s3fs) is in
+``tests/test_object_storage.py``; the lease (``store/lease.py``) in ``tests/test_store_lease.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,30 @@ import errno
 import os
 import threading
 import uuid
+from pathlib import Path
 
+import _backends as b
+import fsspec
 import pytest
+import torch
+from _backends import FaultyFileSystem, faulty  # noqa: F401 - a fixture, used by name
+from fsspec.implementations.memory import MemoryFileSystem
 
+from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.errors import CheckpointLockedError, StorageError
-from lightning_bpk.store import LocalStore, ObjectStore, Store, open_parent, open_store
+from lightning_bpk.store import (
+    LocalStore,
+    MissingDriverError,
+    ObjectStore,
+    Store,
+    join,
+    location,
+    object_store,
+    open_parent,
+    open_store,
+    parent_of,
+)
+from lightning_bpk.store import objects as store_objects
 from lightning_bpk.store.local import LOCK_FILE_NAME
 
 
@@ -353,3 +378,122 @@ def test_a_failing_local_disk_raises_storage_error_naming_the_directory(
     assert error.value.errno == code
     assert str(store.root) in str(error.value) and "(injected)" in str(error.value)
     assert isinstance(error.value.__cause__, OSError)
+
+
+# --- URLs -----------------------------------------------------------------------------------------
+
+
+def test_location_keeps_urls_and_makes_local_paths(tmp_path):
+    assert location("s3://b/run/") == "s3://b/run"
+    assert location(f"file://{tmp_path}") == tmp_path
+    assert location(str(tmp_path)) == tmp_path
+    assert join("s3://b/run", "ckpt.1") == "s3://b/run/ckpt.1"
+    assert parent_of("s3://b/run/ckpt.1") == "s3://b/run"
+
+
+def test_missing_driver_names_the_extra(monkeypatch):
+    def no_driver(url, **kwargs):
+        raise ImportError("Install gcsfs to access Google Storage")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_driver)
+    with pytest.raises(MissingDriverError, match=r"pip install 'lightning-bpk\[gcs\]'"):
+        open_store("gs://bucket/run")
+
+
+def test_unknown_protocol_is_an_error_naming_the_url():
+    with pytest.raises(StorageError, match="nosuch://b/run"):
+        open_store("nosuch://b/run")
+
+
+def test_a_memory_url_is_stored_in_memory_and_never_in_a_local_folder(tmp_path, monkeypatch):
+    """The old bug: Path("memory://b/run") made a local folder 'memory:' in the working dir."""
+    monkeypatch.chdir(tmp_path)
+    where = b.make_where("memory", tmp_path)
+    url = str(where.base)
+    checkpointer = Checkpointer(url)
+    assert checkpointer.save_checkpoint(0, b.record_payload(0)) == f"{url}/ckpt.0"
+    assert os.listdir(tmp_path) == []
+    assert where.names() == [
+        "ckpt.0/model.bpk",
+        "ckpt.0/trainer.bpk",
+        "sentinel_checkpoint_complete.0",
+    ]
+    assert get_latest_checkpoint_number(url, verify=True) == 0
+    loaded = checkpointer.load_checkpoint(0)
+    assert loaded["trainer"] == {"step": 0}
+    assert torch.equal(
+        loaded["model"].tensors["weight"], b.record_payload(0)["model"].tensors["weight"]
+    )
+
+
+def test_a_local_url_with_file_protocol_is_the_local_protocol(tmp_path):
+    checkpointer = Checkpointer(f"file://{tmp_path}/run")
+    assert checkpointer.base_directory == Path(tmp_path / "run")
+    checkpointer.save_checkpoint(0, {"x": 1})
+    assert (tmp_path / "run" / "sentinel_checkpoint_complete.0").is_file()
+
+
+# --- ranged reads from an object store ------------------------------------------------------------
+
+
+def test_an_object_is_read_in_at_most_read_streams_ranged_requests(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_objects, "READ_CHUNK", 1024)
+    store = object_store(str(b.make_where("memory", tmp_path).base))
+    data = os.urandom(100 * 1024 + 5)
+    store.put("blob", data)
+    requests = []
+    cat_ranges = MemoryFileSystem.cat_ranges
+
+    def counted(self, paths, starts, ends, **kwargs):
+        requests.extend(zip(starts, ends, strict=True))
+        return cat_ranges(self, paths, starts, ends, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", counted)
+    buffer = bytearray(len(data) - 5)
+    store.read_into("blob", buffer, offset=5)
+    assert bytes(buffer) == data[5:]
+    assert len(requests) == store_objects.READ_STREAMS  # 12.8 KiB each, not 100 of READ_CHUNK
+
+
+# --- retries, on a filesystem that fails at the k-th call of each kind ----------------------------
+
+
+@pytest.mark.usefixtures("faulty")
+def test_transient_failures_are_retried_and_the_save_succeeds() -> None:
+    url = "faulty://b/transient"
+    checkpointer = Checkpointer(url)
+    for kind in ("put", "pipe", "ls", "info"):  # the first two calls of each kind fail
+        FaultyFileSystem.faults[kind] = (1, 2, TimeoutError)
+    checkpointer.save_checkpoint(0, b.record_payload(0))
+    FaultyFileSystem.faults.clear()
+    assert get_latest_checkpoint_number(url, verify=True) == 0
+
+
+@pytest.mark.usefixtures("faulty")
+def test_an_upload_whose_multipart_completion_was_lost_is_retried() -> None:
+    """s3fs raises FileNotFoundError (NoSuchUpload) when completing a multipart upload failed
+    and aborting it found nothing (seen with a 1 GiB upload to a loaded server); when the object
+    does not appear within COMPLETION_WAIT, it is uploaded again."""
+    url = "faulty://b/lost-upload"
+    checkpointer = Checkpointer(url)
+    FaultyFileSystem.faults["put"] = (1, 1, FileNotFoundError)
+    checkpointer.save_checkpoint(0, b.record_payload(0))
+    assert get_latest_checkpoint_number(url, verify=True) == 0
+
+
+@pytest.mark.usefixtures("faulty")
+def test_retries_are_bounded_and_the_error_names_the_url() -> None:
+    checkpointer = Checkpointer("faulty://b/bounded")
+    FaultyFileSystem.faults["put"] = (1, 10**6, ConnectionError)
+    with pytest.raises(StorageError, match=r"faulty://b/bounded/ckpt\.0/.*5 attempts"):
+        checkpointer.save_checkpoint(0, b.record_payload(0))
+    assert FaultyFileSystem.calls["put"] == store_objects.ATTEMPTS
+
+
+@pytest.mark.usefixtures("faulty")
+def test_a_permanent_error_is_not_retried() -> None:
+    checkpointer = Checkpointer("faulty://b/denied")
+    FaultyFileSystem.faults["put"] = (1, 10**6, PermissionError)
+    with pytest.raises(PermissionError):
+        checkpointer.save_checkpoint(0, b.record_payload(0))
+    assert FaultyFileSystem.calls["put"] == 1

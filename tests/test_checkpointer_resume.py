@@ -1,5 +1,6 @@
-"""Issue 22 safety net: a resume reads each sentinel at most once and lists a bounded number of
-times, through every entry point, on an object store and on local disk.
+"""Choosing the checkpoint to resume from (``choose_resume``, ``lightning_bpk.checkpointer._view``)
+reads little: each sentinel at most once and a bounded number of listings, through every entry
+point, on an object store and on local disk.
 
 Counted on an object store with ``counting://`` (``memory://`` under its own protocol that
 records each outermost read and listing call; ``tests/_backends.py``) and on local disk with an
@@ -15,12 +16,6 @@ The bounds asserted, per entry-point call:
   callback) the lease;
 - the CLI's ``ls`` and ``verify`` of a directory of ``K`` checkpoints list at most ``K + 2``
   times (the directory, each checkpoint's data, one spare).
-
-On main before issue 22 (expected to fail there, to pass once one resume choice returns the
-number and the data it read): the callback's resume reads the chosen sentinel three times on
-both backends (and lists 8 times locally, 9 on an object store); ``BurnpackCheckpointIO`` lists
-an object-store directory 4 times; the CLI lists each data directory twice on an object store
-and four times locally.
 """
 
 from __future__ import annotations
@@ -37,10 +32,16 @@ import _backends as b
 import lightning as L
 import pytest
 
-from lightning_bpk.checkpointer import get_latest_checkpoint_number
+from lightning_bpk.checkpointer import (
+    Checkpointer,
+    CheckpointWarning,
+    choose_resume,
+    get_latest_checkpoint_number,
+)
 from lightning_bpk.cli import main as cli_main
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.lightning.checkpoint_io import BurnpackCheckpointIO
+from lightning_bpk.store import ObjectStore, object_store
 
 from lightning_tiny import TinyModel, make_trainer
 
@@ -48,6 +49,47 @@ pytestmark = pytest.mark.timeout(120)
 
 RESUME_LISTINGS = 3
 CHECKPOINTS = 2  # what the fixture's fit saved
+
+
+# --- the choice itself -------------------------------------------------------------------------
+
+
+def test_resume_loads_in_one_read_and_falls_back_past_a_damaged_object(tmp_path):
+    """What the callback's resume uses on object stores: verify while loading."""
+    where = b.make_where("memory", tmp_path)
+    url = str(where.base)
+    checkpointer = Checkpointer(url)
+    for n in (0, 1):
+        checkpointer.save_checkpoint(n, b.record_payload(n))
+    raw = bytearray(where.read("ckpt.1/model.bpk"))
+    raw[-1] ^= 0xFF  # a tensor byte: only its checksum tells
+    where.write("ckpt.1/model.bpk", bytes(raw))
+    store = object_store(url)
+    assert get_latest_checkpoint_number(url) == 1  # the quick checks pass
+    with pytest.warns(CheckpointWarning, match="checkpoint 1 .* skipped"):
+        number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=1)
+    assert number == 0 and data["trainer"] == {"step": 0}
+
+
+def test_the_choice_reads_only_the_chosen_sentinel(tmp_path, monkeypatch):
+    """The checks and the load of one choice share the manifest they read."""
+    url = str(b.make_where("memory", tmp_path).base)
+    Checkpointer(url).save_checkpoint(0, b.record_payload(0))
+    store = object_store(url)
+    reads: list[str] = []
+    read = ObjectStore.read
+
+    def counted(self, key):
+        reads.append(key)
+        return read(self, key)
+
+    monkeypatch.setattr(ObjectStore, "read", counted)
+    number, data, _ = choose_resume(store, "checkpoint", "ckpt", ("model",), at_most=0)
+    assert number == 0 and data["trainer"] == {"step": 0}
+    assert reads == ["sentinel_checkpoint_complete.0"]
+
+
+# --- what every entry point reads and lists ------------------------------------------------------
 
 
 class _Counts:
@@ -129,13 +171,15 @@ def where(request, tmp_path_factory) -> b.Where:
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["quick", "verify"])
-def test_get_latest_checkpoint_number(where: b.Where, verify: bool) -> None:
+def test_the_search_reads_each_sentinel_once_and_lists_little(where: b.Where, verify: bool) -> None:
     with counting(where) as counts:
         assert get_latest_checkpoint_number(where.base, verify=verify) == 1
     counts.check(RESUME_LISTINGS)
 
 
-def test_checkpoint_io_load_of_a_checkpoint_directory(where: b.Where) -> None:
+def test_checkpoint_io_loading_a_directory_reads_each_sentinel_once_and_lists_little(
+    where: b.Where,
+) -> None:
     path = f"{where.base}/{where.data_name(1)}"
     with counting(where) as counts:
         loaded = BurnpackCheckpointIO().load_checkpoint(path)
@@ -144,7 +188,9 @@ def test_checkpoint_io_load_of_a_checkpoint_directory(where: b.Where) -> None:
 
 
 @pytest.mark.parametrize("command", ["ls", "verify"])
-def test_cli_ls_and_verify(where: b.Where, command: str, capsys) -> None:
+def test_cli_ls_and_verify_read_each_sentinel_once_and_list_each_checkpoint_once(
+    where: b.Where, command: str, capsys
+) -> None:
     with counting(where) as counts:
         assert cli_main([command, str(where.base)]) == 0, capsys.readouterr()
     counts.check(CHECKPOINTS + 2)
@@ -160,7 +206,9 @@ class _CountUntilTraining(L.Callback):
         self.stop()
 
 
-def test_the_callback_resume(where: b.Where, tmp_path: Path) -> None:
+def test_the_callback_resume_reads_each_sentinel_once_and_lists_little(
+    where: b.Where, tmp_path: Path
+) -> None:
     with contextlib.ExitStack() as stack:
         counts = stack.enter_context(counting(where))
         callback = _fit(where.base, tmp_path / "root", 3, [_CountUntilTraining(stack.close)])
