@@ -13,7 +13,8 @@ The bounds asserted, per entry-point call:
 - a resume (``get_latest_checkpoint_number``, the callback's resume up to the first training
   step, ``BurnpackCheckpointIO.load_checkpoint`` of a checkpoint directory) lists at most
   :data:`RESUME_LISTINGS` times: the directory, the chosen checkpoint's data, and (the
-  callback) the lease;
+  callback) the lease, which lists :data:`TAKE_OVER_LISTINGS` more: the directory again once it
+  holds it (what was there then, so that a superseded run's later writes are told apart);
 - the CLI's ``ls`` and ``verify`` of a directory of ``K`` checkpoints list at most ``K + 2``
   times (the directory, each checkpoint's data, one spare).
 """
@@ -48,6 +49,7 @@ from lightning_tiny import TinyModel, make_trainer
 pytestmark = pytest.mark.timeout(120)
 
 RESUME_LISTINGS = 3
+TAKE_OVER_LISTINGS = 1
 CHECKPOINTS = 2  # what the fixture's fit saved
 
 
@@ -213,4 +215,4 @@ def test_the_callback_resume_reads_each_sentinel_once_and_lists_little(
         counts = stack.enter_context(counting(where))
         callback = _fit(where.base, tmp_path / "root", 3, [_CountUntilTraining(stack.close)])
     assert callback.restored_number == 1
-    counts.check(RESUME_LISTINGS)
+    counts.check(RESUME_LISTINGS + TAKE_OVER_LISTINGS)
