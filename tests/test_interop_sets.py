@@ -92,9 +92,9 @@ def test_a_set_loads_as_one_file_with_rules_across_shards(sets, suffix, by, monk
     opened: list[str] = []
     real = _sources._open_file
 
-    def counting(loc):
+    def counting(loc, options):
         opened.append(str(loc))
-        return real(loc)
+        return real(loc, options)
 
     monkeypatch.setattr(_sources, "_open_file", counting)
     net = Net()

@@ -11,7 +11,8 @@
   the format inference servers load.
 
 Safetensors files are written here (not by the ``safetensors`` package) so they stream tensor by
-tensor through :func:`lightning_bpk._fs.atomic_file`: durable, atomic, no second copy in memory.
+tensor into :meth:`Store.sink <lightning_bpk.store.Store.sink>`, as ``.bpk`` files are
+(:func:`lightning_bpk.records.files.save_pack`): durable, atomic, no second copy in memory.
 Tensors are ordered as the ``safetensors`` package orders them (widest dtype first, then name),
 so every tensor stays aligned to its element size; the official reader loads them.
 
@@ -41,11 +42,13 @@ from typing import Any
 import safetensors
 import torch
 
-from lightning_bpk import _device, _fs, burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import is_sharded
 from lightning_bpk.layout import MODEL_FILE
+from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+from lightning_bpk.store import location, name_of, open_parent, open_store
 
 __all__ = [
     "SAFETENSORS_INFO_KEY",
@@ -143,10 +146,9 @@ def _is_quantized(dtype: burnpack.DType) -> bool:
     return isinstance(dtype, dict) and "QFloat" in dtype
 
 
-def _write_bpk(
-    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``content`` as a burnpack file, atomically."""
+def _write_bpk(path: Path | str, content: Content, progress: Progress | None = None) -> Path | str:
+    """Write ``content`` as a burnpack file, durably and whole, through the package's one
+    ``.bpk`` writer (:func:`lightning_bpk.records.files.save_pack`)."""
     total = len(content.tensors)
     entries = []
     for k, (name, tensor) in enumerate(content.tensors.items()):
@@ -162,10 +164,12 @@ def _write_bpk(
             nbytes=data.numel() * data.element_size(),
         )
         entries.append((name, entry))
+    store, key = open_parent(path)
     try:
-        return burnpack.write(path, entries, metadata=content.metadata, scalars=content.scalars)
+        files.save_pack(store, key, entries, metadata=content.metadata, scalars=content.scalars)
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
+    return path
 
 
 def _reporting(
@@ -218,10 +222,10 @@ def _read_safetensors(path: str | os.PathLike[str]) -> Content:
 
 
 def _write_safetensors(
-    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``content`` as a safetensors file, atomically, streaming one tensor at a time."""
-    path = Path(path)
+    path: Path | str, content: Content, progress: Progress | None = None
+) -> Path | str:
+    """Write ``content`` as a safetensors file, durably and whole, streaming one tensor at a
+    time into the store's sink."""
     dtypes, problems = {}, []
     for name, tensor in content.tensors.items():
         try:
@@ -255,13 +259,16 @@ def _write_safetensors(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     blob += b" " * (-len(blob) % _ST_HEADER_ALIGN)
+    store, key = open_parent(path)
+    head = struct.pack("<Q", len(blob)) + blob
     try:
-        with _fs.atomic_file(path) as f:
-            _fs.write_all(f, struct.pack("<Q", len(blob)) + blob)
+        with store.sink(key, len(head) + offset) as sink:
+            sink.write(head)
             for k, name in enumerate(order):
-                _fs.write_all(f, burnpack.tensor_bytes(content.tensors[name]))
+                sink.write(burnpack.tensor_bytes(content.tensors[name]))
                 if progress is not None:
                     progress(k + 1, len(order), name)
+            sink.finish()
     except OSError as e:
         raise RecordError("io", f"cannot write {path}: {e.strerror or e}") from e
     return path
@@ -385,24 +392,26 @@ def _read_content(path: Path) -> Content:
 
 def write_content(
     path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``.bpk`` or ``.safetensors`` (by suffix); torch files are never written."""
-    path = Path(path)
-    kind = file_kind(path)
+) -> Path | str:
+    """Write ``.bpk`` or ``.safetensors`` (by suffix) at a path or URL, through its
+    :class:`~lightning_bpk.store.Store`; torch files are never written. Returns the location."""
+    loc = location(path)
+    kind = file_kind(Path(name_of(loc)))
     if kind not in _WRITERS:
+        suffix = Path(name_of(loc)).suffix
         raise RecordError(
-            "io", f"{path}: {path.suffix} is an import format only; write .bpk or .safetensors"
+            "io", f"{loc}: {suffix} is an import format only; write .bpk or .safetensors"
         )
-    return _WRITERS[kind](path, content, progress)
+    return _WRITERS[kind](loc, content, progress)
 
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
-) -> Path:
+) -> Path | str:
     """Convert between formats by suffix: ``.bpk``/``.safetensors``/``.pt``/``.ckpt`` to
     ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``, a sharded
-    one for its model assembled from every rank's shards (no process group). Returns the
-    written path."""
+    one for its model assembled from every rank's shards (no process group). ``dst`` may be a
+    URL (written through its store). Returns where it was written."""
     src = Path(src)
     content = _read_set(src)
     if content is not None:
@@ -415,13 +424,20 @@ def convert(
 
 
 def load_module_record(
-    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ModuleRecord:
-    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader) or
-    checkpoint set, its tensors on ``device`` (see :func:`read_content`)."""
-    path = Path(path)
-    if path.suffix.lower() == ".bpk" and not path.is_dir():
-        return ModuleRecord.load(path, device=device)
+    """A :class:`ModuleRecord` from any supported file or checkpoint set, its tensors on
+    ``device`` (see :func:`read_content`). A ``.bpk`` file, local or at a URL
+    (``storage_options`` go to fsspec), is read by ``ModuleRecord.load``: the package's one
+    record-file reader, so a damaged tensor is a
+    :class:`~lightning_bpk.records.RecordChecksumError` here as there."""
+    loc = location(path)
+    is_file = open_store(loc, storage_options).size("") is not None  # not a folder named *.bpk
+    if Path(name_of(loc)).suffix.lower() == ".bpk" and is_file:
+        return ModuleRecord.load(loc, device=device, storage_options=storage_options)
     content = read_content(path, device=device)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
     if kind != ModuleRecord.kind:
@@ -439,8 +455,8 @@ def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Pa
     """Save a :class:`ModuleRecord` as ``.bpk`` or ``.safetensors`` (by suffix)."""
     path = Path(path)
     if file_kind(path) == "bpk":
-        return record.save(path)
-    return write_content(path, record_content(record))
+        return Path(record.save(path))
+    return Path(write_content(path, record_content(record)))
 
 
 def record_content(record: ModuleRecord) -> Content:
@@ -458,7 +474,7 @@ def export_checkpoint(
     dst: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
-) -> Path:
+) -> Path | str:
     """Write a checkpoint's model as safetensors for serving.
 
     ``checkpoint`` is a checkpointer checkpoint directory (``{base}/{prefix}.{N}/``, whose
