@@ -45,7 +45,7 @@ from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_ki
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import join, location, name_of, open_store
+from lightning_bpk.store import join, local_path, location, name_of, open_store
 
 __all__ = [
     "Source",
@@ -134,11 +134,12 @@ def _open_file(loc: Location, options: Options) -> Iterator[Source]:
 
 
 def _torch_file(loc: Location) -> Path:
-    """A ``torch.save`` file's local path: ``torch.load`` reads files (and unpickles: the CLI
-    copies an object to a local file first, where the user asked for that)."""
-    if not isinstance(loc, Path):
-        raise RecordError("io", f"{loc}: a torch.save file is read from local disk only")
-    return loc
+    """A ``torch.save`` file's local path: ``torch.load`` reads a file (the command line copies
+    an object to one first); at a URL, a ``RecordError`` saying so."""
+    try:
+        return local_path(loc)
+    except ValueError:
+        raise RecordError("io", f"{loc}: a torch.save file is read from local disk only") from None
 
 
 def _burnpack_pack(loc: Location, options: Options) -> burnpack.Pack:

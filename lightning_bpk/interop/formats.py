@@ -116,9 +116,11 @@ def file_kind(path: Path) -> str:
 
 
 def _read_bpk(path: str | os.PathLike[str]) -> Content:
-    """A burnpack's content (tensors are zero-copy, checksum-verified views of the file)."""
+    """A burnpack's content (tensors are zero-copy, checksum-verified views of the file), read
+    by the package's one record-file reader
+    (:func:`lightning_bpk.records.files.open_record`)."""
     try:
-        with burnpack.read(path) as pack:
+        with files.open_record(path) as pack:
             quantized = [n for n, i in pack.entries.items() if _is_quantized(i.dtype)]
             if quantized:
                 raise RecordError(
