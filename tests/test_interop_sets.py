@@ -4,6 +4,7 @@ lazily with each shard opened once, rules across shards, and every hostile index
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -224,6 +225,25 @@ def test_write_set_never_touches_an_existing_directory(tmp_path, sets):
     with pytest.raises(RecordError):
         write_set(broken, tmp_path / "new", max_shard_size=4)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecordError, match="exists"):
+        write_set(Content(dict(EXPERTS)), tmp_path / "empty", max_shard_size=SHARD_BYTES)
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"]
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bpk"])
+def test_a_set_is_written_and_read_back_at_a_url(suffix):
+    """write_set publishes through the destination's store: at a URL the shards go to their
+    keys and the index last, and read_any reads the set back there."""
+    url = f"memory://write-set-{uuid.uuid4().hex[:8]}/set"
+    index = write_set(Content(dict(EXPERTS)), url, max_shard_size=SHARD_BYTES, suffix=suffix)
+    assert str(index).startswith(url + "/model.") and is_set(url)
+    back = read_any(url)
+    assert list(back.tensors) == list(EXPERTS)
+    assert all(torch.equal(back.tensors[n], t) for n, t in EXPERTS.items())
+    with pytest.raises(RecordError, match="exists"):
+        write_set(Content(dict(EXPERTS)), url, max_shard_size=SHARD_BYTES)
 
 
 def test_a_shape_mismatch_with_the_module_names_the_shards(sets):

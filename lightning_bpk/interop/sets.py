@@ -168,8 +168,12 @@ def write_set(
         index_name = SAFETENSORS_INDEX if suffix == ".safetensors" else BPK_INDEX
         store.put(f"{staging}/{index_name}", json.dumps(index, indent=2).encode())
         store.publish(staging, name)
-    except BaseException:
+    except BaseException as e:
         store.remove_prefix(staging)
+        if isinstance(e, FileExistsError):  # an empty directory of that name, or a racing one
+            raise RecordError(
+                "io", f"{target}: exists; a set is written into a new directory"
+            ) from e
         raise
     return join(target, index_name)
 
