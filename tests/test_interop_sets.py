@@ -23,7 +23,7 @@ from lightning_bpk.interop import (
     load_into_shards,
     load_remapped,
 )
-from lightning_bpk.interop.formats import Content
+from lightning_bpk.interop.formats import Content, read_content, write_content
 from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.records import RecordError
 
@@ -269,3 +269,22 @@ def test_the_record_loader_and_convert_read_sets_too(sets, tmp_path):
     out = convert(sets[".bpk"], tmp_path / "one.safetensors")
     loaded = safetensors.torch.load_file(out)
     assert all(torch.equal(loaded[n], t) for n, t in EXPERTS.items())
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bpk"])
+def test_a_file_at_a_url_reads_as_the_same_file_on_disk(tmp_path, suffix):
+    """read_content and read_any read a file through its store: a URL gives back what the
+    same file on local disk gives (param ids, data order, metadata), not a reduced copy."""
+    content = Content(
+        {"b": torch.arange(4, dtype=torch.int16), "a": torch.ones(2, 3)},
+        param_ids={"a": 7},
+        metadata={"note": "x"},
+    )
+    url = f"memory://read-url-{uuid.uuid4().hex[:8]}/m{suffix}"
+    write_content(url, content)
+    write_content(tmp_path / f"m{suffix}", content)
+    local = read_content(tmp_path / f"m{suffix}")
+    for remote in (read_content(url), read_any(url)):
+        assert list(remote.tensors) == list(local.tensors)
+        assert all(torch.equal(remote.tensors[n], t) for n, t in local.tensors.items())
+        assert (remote.param_ids, remote.metadata) == (local.param_ids, local.metadata)

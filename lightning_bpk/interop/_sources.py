@@ -18,11 +18,8 @@ checks of :func:`_safetensors_header` at a URL).
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -32,7 +29,7 @@ from pathlib import Path
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.burnpack.base import MAX_RANK, _stored_dtype
+from lightning_bpk.burnpack.base import _stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
     CheckpointSet,
@@ -41,11 +38,12 @@ from lightning_bpk.interop._index import (
     find_set,
     names_file,
 )
-from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_kind, read_content
+from lightning_bpk.interop._mapped import Specs, open_safetensors, store_errors
+from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, file_kind, read_content
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import join, local_path, location, name_of, open_store
+from lightning_bpk.store import join, location, name_of, open_store
 
 __all__ = [
     "Source",
@@ -53,10 +51,6 @@ __all__ = [
     "open_source",
     "ranged_reader",
 ]
-
-_MAX_ST_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
-
-Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), in data order
 
 
 @dataclass(frozen=True)
@@ -122,7 +116,7 @@ def _open_file(loc: Location, options: Options) -> Iterator[Source]:
         with _open_safetensors(loc, options) as source:
             yield source
     else:  # torch.save files cannot be read lazily: read once, then hand out the tensors
-        content = read_content(_torch_file(loc))
+        content = read_content(loc, storage_options=options)  # refuses a URL: torch.load
         tensors = content.tensors
         yield Source(
             {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
@@ -133,87 +127,11 @@ def _open_file(loc: Location, options: Options) -> Iterator[Source]:
         )
 
 
-def _torch_file(loc: Location) -> Path:
-    """A ``torch.save`` file's local path: ``torch.load`` reads a file (the command line copies
-    an object to one first); at a URL, a ``RecordError`` saying so."""
-    try:
-        return local_path(loc)
-    except ValueError:
-        raise RecordError("io", f"{loc}: a torch.save file is read from local disk only") from None
-
-
 def _burnpack_pack(loc: Location, options: Options) -> burnpack.Pack:
     """The ``.bpk`` file through the package's one record-file reader: the same errors as
     ``load_record`` (a damaged file is a :class:`~lightning_bpk.records.RecordChecksumError`)."""
-    with _store_errors(loc):
+    with store_errors(loc):
         return files.open_record(loc, options)
-
-
-@contextmanager
-def _store_errors(loc: Location) -> Iterator[None]:
-    """A store that keeps failing, or a file that cannot be mapped, as a ``RecordError`` of
-    kind ``"io"`` naming ``loc``, its cause chained."""
-    try:
-        yield
-    except RecordError:
-        raise
-    except (OSError, ValueError) as e:
-        raise RecordError("io", f"{loc}: cannot read: {e}") from e
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    return torch.bool if name == ST_BOOL else burnpack._torch_dtype(name)
-
-
-def _safetensors_header(
-    read_at: Callable[[int, int], bytes], size: int, where: Location
-) -> tuple[tuple[Specs, dict[str, tuple[int, int]], dict[str, str]], int]:
-    """Parse and check a safetensors header: ``((specs, offsets, metadata), data start)``.
-    Checked before use: the header length, JSON, every dtype, shape and offset pair, each
-    tensor's byte count against its shape, every range inside the data and no two overlapping."""
-    if size < 8:
-        raise RecordError("validation", f"{where}: {size} bytes, not a safetensors file")
-    (length,) = struct.unpack("<Q", read_at(0, 8))
-    if length > min(_MAX_ST_HEADER, size - 8):
-        raise RecordError("validation", f"{where}: header length {length} exceeds the file")
-    try:
-        header = json.loads(read_at(8, 8 + length))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError("validation", f"{where}: not a safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise RecordError("validation", f"{where}: the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise RecordError("validation", f"{where}: '__metadata__' is not a map of strings")
-    data = size - 8 - length
-    specs: Specs = {}
-    offsets: dict[str, tuple[int, int]] = {}
-    for name, entry in header.items():
-        try:
-            dtype = _st_dtype(entry["dtype"])
-            shape = tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-            ok = (
-                len(shape) <= MAX_RANK
-                and all(type(n) is int and n >= 0 for n in shape)
-                and type(begin) is int
-                and type(end) is int
-                and 0 <= begin <= end <= data
-            )
-            numel = 1
-            for n in shape:
-                numel *= n
-            ok = ok and end - begin == numel * dtype.itemsize
-        except (KeyError, TypeError, ValueError, burnpack.BurnpackError) as e:
-            raise RecordError("validation", f"{where}: tensor {name!r}: bad entry: {e}") from e
-        if not ok:
-            raise RecordError("validation", f"{where}: tensor {name!r}: bad shape or offsets")
-        specs[name], offsets[name] = (shape, dtype), (begin, end)
-    ranges = sorted(offsets.values())
-    if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
-        raise RecordError("validation", f"{where}: tensors' byte ranges overlap")
-    order = sorted(offsets, key=lambda n: offsets[n])
-    return ({n: specs[n] for n in order}, offsets, metadata), 8 + length
 
 
 @contextmanager
@@ -280,55 +198,23 @@ def _st_info(
 
 @contextmanager
 def _open_safetensors(loc: Location, options: Options) -> Iterator[Source]:
-    """The file through its store's mapping (:meth:`~lightning_bpk.store.Store.map`): on local
-    disk the file itself, copy-on-write, so tensors are zero-copy views and loading copies each
-    byte once, into the module; at a URL an anonymous mapping whose header and then each
-    tensor's range are fetched as they are read. The header is checked
-    (:func:`_safetensors_header`) before any size or offset in it is used."""
-    with _store_errors(loc):
-        store = open_store(loc, options, follow_links=True)
-        size = store.size("")
-        if size is None:
-            raise RecordError("io", f"{loc}: no such file or object")
-        if size < 8:
-            raise RecordError("validation", f"{loc}: {size} bytes, not a safetensors file")
-        mapped = store.map("", size)
-    buffer = memoryview(mapped.buffer)
-
-    def read_at(begin: int, end: int) -> bytes:
-        with _store_errors(loc):
-            mapped.fetch(begin, end)
-        return bytes(buffer[begin:end])
-
-    try:
-        (specs, offsets, raw), start = _safetensors_header(read_at, size, loc)
-        specs, param_ids, aliases, metadata = _st_info(raw, specs, loc)
-
-        def read(name: str) -> torch.Tensor:
-            shape, dtype = specs[name]
-            begin, end = offsets[name]
-            if begin == end:
-                return torch.empty(shape, dtype=dtype)
-            with _store_errors(loc):
-                mapped.fetch(start + begin, start + end)
-            view = buffer[start + begin : start + end]
-            return torch.frombuffer(view, dtype=dtype).reshape(shape)
-
+    """The file mapped through its store (:func:`~lightning_bpk.interop._mapped.open_safetensors`):
+    on local disk tensors are zero-copy views, so loading copies each byte once, into the
+    module; at a URL each tensor's range is fetched as it is read."""
+    with open_safetensors(loc, options) as file:
+        specs, param_ids, aliases, metadata = _st_info(file.metadata, file.specs, loc)
+        start = file.start
         yield Source(
             specs,
             param_ids,
             aliases,
             metadata,
-            read,
+            file.tensor,
             spans={
-                n: Span(loc, start + offsets[n][0], start + offsets[n][1], specs[n][1])
+                n: Span(loc, start + file.offsets[n][0], start + file.offsets[n][1], specs[n][1])
                 for n in specs
             },
         )
-    finally:
-        with contextlib.suppress(BufferError):  # views still alive keep the mapping
-            buffer.release()
-            mapped.buffer.close()
 
 
 # --- sets ----------------------------------------------------------------------------------------
@@ -429,7 +315,7 @@ def ranged_reader(
     store = open_store(file, options, follow_links=True)
 
     def read(pieces: Sequence[tuple[memoryview, int]]) -> None:
-        with _store_errors(file):
+        with store_errors(file):
             store.read_ranges("", pieces)
 
     return read

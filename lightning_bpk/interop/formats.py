@@ -39,16 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors
 import torch
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import is_sharded
+from lightning_bpk.interop._mapped import ST_BOOL, open_safetensors
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import location, name_of, open_parent, open_store
+from lightning_bpk.store import join, local_path, location, name_of, open_parent, open_store
 
 __all__ = [
     "SAFETENSORS_INFO_KEY",
@@ -74,7 +74,6 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-on
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
-ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
 
@@ -115,12 +114,12 @@ def file_kind(path: Path) -> str:
 # --- burnpack ------------------------------------------------------------------------------------
 
 
-def _read_bpk(path: str | os.PathLike[str]) -> Content:
+def _read_bpk(path: Path | str, options: Options) -> Content:
     """A burnpack's content (tensors are zero-copy, checksum-verified views of the file), read
     by the package's one record-file reader
     (:func:`lightning_bpk.records.files.open_record`)."""
     try:
-        with files.open_record(path) as pack:
+        with files.open_record(path, options) as pack:
             quantized = [n for n, i in pack.entries.items() if _is_quantized(i.dtype)]
             if quantized:
                 raise RecordError(
@@ -190,16 +189,20 @@ def _reporting(
 # --- safetensors ---------------------------------------------------------------------------------
 
 
-def _read_safetensors(path: str | os.PathLike[str]) -> Content:
-    """A safetensors file's content; param ids, order, Burn dtypes and scalars come back from
-    :data:`SAFETENSORS_INFO_KEY` when the file was written from a burnpack."""
-    path = Path(path)
+def _read_safetensors(path: Path | str, options: Options) -> Content:
+    """A safetensors file's content, mapped through its store (zero-copy views of the file on
+    local disk, fetched ranges at a URL), its header checked before use; param ids, order,
+    Burn dtypes and scalars come back from :data:`SAFETENSORS_INFO_KEY` when the file was
+    written from a burnpack."""
     try:
-        with safetensors.safe_open(path, framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    except (OSError, safetensors.SafetensorError) as e:
-        raise RecordError("io", f"{path}: not a readable safetensors file: {e}") from e
+        with open_safetensors(path, options) as file:
+            metadata = dict(file.metadata)
+            tensors = {name: file.tensor(name) for name in sorted(file.specs)}
+    except RecordError as e:
+        if e.kind == "io":
+            raise
+        problems = "; ".join(e.problems)
+        raise RecordError("io", f"{path}: not a readable safetensors file: {problems}") from e
     raw_info = metadata.pop(SAFETENSORS_INFO_KEY, None)
     if raw_info is None:  # a foreign file: a module's weights, names sorted
         metadata.setdefault(RECORD_KIND_KEY, ModuleRecord.kind)
@@ -304,14 +307,18 @@ def _refusal_reason(error: pickle.UnpicklingError) -> str:
     return "an object that is neither a tensor nor plain data"
 
 
-def _read_torch(path: str | os.PathLike[str]) -> Content:
+def _read_torch(loc: Path | str, options: Options) -> Content:
     """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
     ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused.
 
     A file whose pickle needs more than tensors and plain data is refused for good: unpickling
     it could run code, and this package never does (no ``weights_only=False`` fallback).
+    ``torch.load`` reads a file: one at a URL is refused (the command line copies it first).
     """
-    path = Path(path)
+    try:
+        path = local_path(loc)
+    except ValueError:
+        raise RecordError("io", f"{loc}: a torch.save file is read from local disk only") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -345,51 +352,61 @@ _READERS = {"bpk": _read_bpk, "safetensors": _read_safetensors, "torch": _read_t
 _WRITERS = {"bpk": _write_bpk, "safetensors": _write_safetensors}
 
 
-SetReader = Callable[[Path], "Content | None"]
+Options = Mapping[str, Any] | None
+"""``storage_options`` for fsspec (credentials, endpoint) of a URL; ignored for a local path."""
+SetReader = Callable[[Path | str, Options], "Content | None"]
 _set_readers: list[SetReader] = []
 
 
 def register_set_reader(reader: SetReader) -> None:
     """Let :func:`read_content` (and so :func:`convert`, :func:`load_module_record`) read a
-    checkpoint set: ``reader(path)`` returns its content, or ``None`` when ``path`` is not one.
-    :mod:`lightning_bpk.interop.sets`, which sits above this module, registers itself."""
+    checkpoint set: ``reader(path, storage_options)`` returns its content, or ``None`` when
+    ``path`` is not one. :mod:`lightning_bpk.interop.sets`, which sits above this module,
+    registers itself."""
     if reader not in _set_readers:
         _set_readers.append(reader)
 
 
-def _read_set(path: Path) -> Content | None:
+def _read_set(path: Path | str, options: Options) -> Content | None:
     for reader in _set_readers:
-        content = reader(path)
+        content = reader(path, options)
         if content is not None:
             return content
     return None
 
 
-def read_content(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Content:
+def read_content(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Options = None,
+) -> Content:
     """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), a checkpoint set
     (an index or its directory: see :mod:`lightning_bpk.interop.sets`), or the model of a
-    sharded checkpoint directory, assembled from every rank's shards.
+    sharded checkpoint directory, assembled from every rank's shards; on local disk or at a
+    URL (``storage_options`` go to fsspec), through its store (a ``torch.save`` file: local
+    disk only).
 
     ``device``: where the tensors go, ``cpu`` or a CUDA device (checked before anything is
     read; a ``ValueError`` names any other). They are read and verified on the host, then
     copied to a CUDA device through reused pinned bounce buffers."""
     target = _device.target_device(device)
-    content = _read_content(Path(path))
+    content = _read_content(location(path), storage_options)
     if target.type != "cpu":
         content.tensors = _device.to_device(content.tensors, target)
     return content
 
 
-def _read_content(path: Path) -> Content:
+def _read_content(loc: Path | str, options: Options) -> Content:
     """:func:`read_content` on the host."""
-    content = _read_set(path)
+    content = _read_set(loc, options)
     if content is not None:
         return content
-    if path.is_dir() and is_sharded(path):
+    if is_sharded(loc, storage_options=options):
         from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
-        return record_content(module_record(path))
-    return _READERS[file_kind(path)](path)
+        return record_content(module_record(loc, storage_options=options))
+    return _READERS[file_kind(Path(name_of(loc)))](loc, options)
 
 
 def write_content(
@@ -414,15 +431,15 @@ def convert(
     ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``, a sharded
     one for its model assembled from every rank's shards (no process group). ``dst`` may be a
     URL (written through its store). Returns where it was written."""
-    src = Path(src)
-    content = _read_set(src)
+    loc = location(src)
+    content = _read_set(loc, None)
     if content is not None:
         return write_content(dst, content, progress)
-    if src.is_dir() and not is_sharded(src):
-        src = src / CHECKPOINT_MODEL_FILE
-        if not src.is_file():
-            raise RecordError("io", f"{src}: no such model file in the checkpoint directory")
-    return write_content(dst, read_content(src), progress)
+    if open_store(loc).size("") is None and open_store(loc).list("") and not is_sharded(loc):
+        loc = join(loc, CHECKPOINT_MODEL_FILE)  # a checkpoint directory: its model
+        if open_store(loc).size("") is None:
+            raise RecordError("io", f"{loc}: no such model file in the checkpoint directory")
+    return write_content(dst, read_content(loc), progress)
 
 
 def load_module_record(
@@ -440,7 +457,7 @@ def load_module_record(
     is_file = open_store(loc, storage_options).size("") is not None  # not a folder named *.bpk
     if Path(name_of(loc)).suffix.lower() == ".bpk" and is_file:
         return ModuleRecord.load(loc, device=device, storage_options=storage_options)
-    content = read_content(path, device=device)
+    content = read_content(path, device=device, storage_options=storage_options)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
     if kind != ModuleRecord.kind:
         raise RecordError("validation", f"{path} holds a {kind!r} record, not 'module'")

@@ -43,9 +43,9 @@ from lightning_bpk.interop._index import (
     find_set,
     set_kind,
 )
+from lightning_bpk.interop._mapped import ST_BOOL
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.formats import (
-    ST_BOOL,
     Content,
     Progress,
     read_content,
@@ -54,7 +54,7 @@ from lightning_bpk.interop.formats import (
 )
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import is_local, join, local_path, location, open_parent
+from lightning_bpk.store import join, location, open_parent
 
 __all__ = [
     "convert_source",
@@ -96,8 +96,8 @@ def read_any(
     ``read_content``'s: checked first, the tensors verified on the host and then copied);
     ``storage_options`` go to fsspec for a URL."""
     target = _device.target_device(device)
-    if set_kind(path, storage_options) is None and is_local(path):
-        return read_content(local_path(path), device=target)
+    if set_kind(path, storage_options) is None:  # a file, or a sharded checkpoint's data
+        return read_content(path, device=target, storage_options=storage_options)
     with open_source(path, storage_options) as source:
         tensors = {name: source.read(name).clone() for name in source.specs}
         metadata = {RECORD_KIND_KEY: ModuleRecord.kind, **source.metadata}
@@ -106,8 +106,10 @@ def read_any(
         return Content(tensors, param_ids=dict(source.param_ids), metadata=metadata)
 
 
-def _set_content(path: Path) -> Content | None:
-    return read_any(path) if set_kind(path) == "set" else None
+def _set_content(path: Path | str, options: Options) -> Content | None:
+    if set_kind(path, options) != "set":
+        return None
+    return read_any(path, storage_options=options)
 
 
 register_set_reader(_set_content)  # read_content, convert and load_module_record read sets
