@@ -3,6 +3,7 @@ lazily with each shard opened once, rules across shards, and every hostile index
 
 from __future__ import annotations
 
+import io
 import json
 import uuid
 from pathlib import Path
@@ -288,3 +289,15 @@ def test_a_file_at_a_url_reads_as_the_same_file_on_disk(tmp_path, suffix):
         assert list(remote.tensors) == list(local.tensors)
         assert all(torch.equal(remote.tensors[n], t) for n, t in local.tensors.items())
         assert (remote.param_ids, remote.metadata) == (local.param_ids, local.metadata)
+
+
+def test_a_torch_save_file_at_a_url_is_read_through_its_store(tmp_path):
+    """torch.load reads a file object the store opens: a .pt at a URL imports as on disk,
+    still with weights_only=True."""
+    state = {"w": torch.arange(3.0), "b": torch.ones(2, dtype=torch.int64)}
+    url = f"memory://torch-url-{uuid.uuid4().hex[:8]}/m.pt"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    fsspec.filesystem("memory").pipe(url, buffer.getvalue())
+    content = read_content(url)
+    assert all(torch.equal(content.tensors[n], t) for n, t in state.items())

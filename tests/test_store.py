@@ -283,3 +283,15 @@ def test_follow_links_lets_reads_through_a_symlink_only_when_asked(tmp_path):
     remote = open_store(f"memory://bucket-{uuid.uuid4().hex[:8]}/run", follow_links=True)
     remote.put("k", b"v")
     assert remote.read("k") == b"v"
+
+
+def test_open_file_reads_a_key_as_a_seekable_file(store):
+    """For readers that take a file object (torch.load): the same bytes on both backends."""
+    store.check(create=True)
+    store.put("d/f.bin", bytes(range(50)))
+    with store.open_file("d/f.bin") as file:
+        assert file.read(3) == bytes([0, 1, 2])
+        file.seek(40)
+        assert file.read() == bytes(range(40, 50))
+    with pytest.raises(FileNotFoundError):
+        store.open_file("missing")

@@ -48,7 +48,7 @@ from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import join, local_path, location, name_of, open_parent, open_store
+from lightning_bpk.store import join, location, name_of, open_parent, open_store
 
 __all__ = [
     "SAFETENSORS_INFO_KEY",
@@ -307,37 +307,40 @@ def _refusal_reason(error: pickle.UnpicklingError) -> str:
     return "an object that is neither a tensor nor plain data"
 
 
+def _torch_load(loc: Path | str, options: Options) -> Any:
+    """``torch.load(weights_only=True)`` of the file at ``loc``, opened through its store."""
+    with open_store(loc, options, follow_links=True).open_file("") as file:
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def _read_torch(loc: Path | str, options: Options) -> Content:
     """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
     ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused.
 
     A file whose pickle needs more than tensors and plain data is refused for good: unpickling
     it could run code, and this package never does (no ``weights_only=False`` fallback).
-    ``torch.load`` reads a file: one at a URL is refused (the command line copies it first).
+    The file is read through its store (:meth:`~lightning_bpk.store.Store.open_file`: a local
+    file, or an object read in ranges), one tensor's storage at a time.
     """
     try:
-        path = local_path(loc)
-    except ValueError:
-        raise RecordError("io", f"{loc}: a torch.save file is read from local disk only") from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _torch_load(loc, options)
     except pickle.UnpicklingError as e:
         # `from None`: torch's own message advises weights_only=False, which is not an option
         raise RecordError(
             "io",
-            f"{path}: refused to unpickle: torch.load(weights_only=True) stopped at "
+            f"{loc}: refused to unpickle: torch.load(weights_only=True) stopped at "
             f"{_refusal_reason(e)!r}. {NO_PICKLE_ADVICE}",
         ) from None
     except Exception as e:  # torch raises RuntimeError, EOFError, OSError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RecordError("io", f"{path}: torch.load(weights_only=True) failed: {first}") from e
+        raise RecordError("io", f"{loc}: torch.load(weights_only=True) failed: {first}") from e
     state = obj.get("state_dict") if isinstance(obj, Mapping) else None
     if not isinstance(state, Mapping):
         state = obj
     if not isinstance(state, Mapping):
-        raise RecordError("validation", f"{path}: holds a {type(obj).__name__}, not a state_dict")
+        raise RecordError("validation", f"{loc}: holds a {type(obj).__name__}, not a state_dict")
     problems = [
-        f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor"
+        f"{loc}: entry {k!r} is a {type(v).__name__}, not a tensor"
         for k, v in state.items()
         if not isinstance(k, str) or not isinstance(v, torch.Tensor)
     ]

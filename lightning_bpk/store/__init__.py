@@ -8,8 +8,8 @@ sharded (DCP) writer are written once against it; only the two backends know whe
                          Checkpointer · Lease · DCP writer/reader · records.files
                                               │
                                         Store (Protocol)
-   list · size · read · read_into · read_ranges · put(create_only) · sink · scratch · staging
-                 publish · remove · remove_prefix · exclusive · map · refused · check
+   list · size · read · read_into · read_ranges · open_file · put(create_only) · sink · scratch
+         staging · publish · remove · remove_prefix · exclusive · map · refused · check
                     ┌─────────────────────────┴─────────────────────────┐
              LocalStore (local.py)                            ObjectStore (objects.py)
       fsync + rename, link-or-fail create,         fsspec: bounded retries with jitter, multipart
@@ -42,7 +42,7 @@ import os
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import fsspec
 import fsspec.core
@@ -124,6 +124,11 @@ class Store(Protocol):
 
     def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
         """Fill ``buffer`` with the bytes of ``key`` from ``offset`` on (short: an error)."""
+        ...
+
+    def open_file(self, key: str) -> BinaryIO:
+        """``key`` as a read-only, seekable binary file, for readers that take a file object
+        (``torch.load``): local disk opens the file, an object store reads it in ranges."""
         ...
 
     def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:

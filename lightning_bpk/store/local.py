@@ -26,6 +26,7 @@ import shutil
 import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from lightning_bpk import _fs
 from lightning_bpk.errors import CheckpointLockedError, LightningBpkError
@@ -150,6 +151,10 @@ class LocalStore:
             self._preadv(fd, key, memoryview(buffer).cast("B"), offset, exact=True)
         finally:
             os.close(fd)
+
+    def open_file(self, key: str) -> BinaryIO:
+        """File ``key`` open for reading (seekable), for readers that take a file object."""
+        return os.fdopen(self._open(key), "rb")
 
     def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:
         """Fill each ``(buffer, offset)`` of ``pieces`` with the bytes of ``key`` from

@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 import fsspec.core
@@ -261,6 +261,12 @@ class ObjectStore:
                 raise error
 
         self._retry("read", key, fetch)
+
+    def open_file(self, key: str) -> BinaryIO:
+        """Object ``key`` as a read-only, seekable file whose reads are ranged requests (the
+        driver's buffered file: opening is retried here, its reads by the driver)."""
+        opened: BinaryIO = self._retry("open", key, lambda: self.fs.open(self._path(key), "rb"))
+        return opened
 
     def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:
         """Fill each ``(buffer, offset)`` of ``pieces`` with the object's bytes from ``offset``
