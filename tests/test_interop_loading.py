@@ -3,12 +3,15 @@ converted on a thread pool; groups found from the rules; problems found before a
 
 from __future__ import annotations
 
+import uuid
+
+import fsspec
 import pytest
 import torch
 from test_interop_conversions import MIXTRAL, fused_model, legacy_state
 from torch import nn
 
-from lightning_bpk import burnpack
+from lightning_bpk import burnpack, cli
 from lightning_bpk.interop import (
     BurnToPyTorchAdapter,
     Chunk,
@@ -25,7 +28,7 @@ from lightning_bpk.interop import (
 from lightning_bpk.interop._plan import groups_of
 from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.rules import tracing
-from lightning_bpk.records import RecordError
+from lightning_bpk.records import RecordChecksumError, RecordError, load_record
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
 
@@ -222,3 +225,78 @@ def test_safetensors_dtypes_and_empty_tensors(tmp_path):
     for name, tensor in _state(source).items():
         got = _state(target)[name]
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+# --- one damage, one exception type, through every public reader, on both backends -------------
+
+
+def _damaged_record(backend: str, tmp_path) -> tuple[str, str]:
+    """A module record whose tensor ``w`` has one flipped byte, on local disk or at a
+    ``memory://`` URL (damaged through fsspec, as another program would); ``(location, w)``."""
+    base = str(tmp_path) if backend == "local" else f"memory://damage-{uuid.uuid4().hex[:8]}"
+    where = f"{base}/model.bpk"
+    ModuleRecord({"w": torch.arange(64.0), "b": torch.ones(3)}).save(where)
+    fs, key = fsspec.core.url_to_fs(where)
+    data = bytearray(fs.cat_file(key))
+    with burnpack.loads(bytes(data)) as pack:
+        data[pack.data_start + pack.entries["w"].data_offsets[0] + 5] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    return where, "w"
+
+
+def _through_load_record(where: str) -> None:
+    load_record(where)
+
+
+def _through_record_load(where: str) -> None:
+    ModuleRecord.load(where)
+
+
+def _through_load_remapped(where: str) -> None:
+    net = nn.Module()
+    net.register_buffer("w", torch.zeros(64))
+    net.register_buffer("b", torch.zeros(3))
+    load_remapped(where, net)
+
+
+def _through_load_module_record(where: str) -> None:
+    load_module_record(where)
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+@pytest.mark.parametrize(
+    "reader",
+    [
+        _through_load_record,
+        _through_record_load,
+        _through_load_remapped,
+        _through_load_module_record,
+    ],
+)
+def test_a_damaged_tensor_raises_a_checksum_error_through_every_reader(tmp_path, backend, reader):
+    """The same flipped byte is a RecordChecksumError (a burnpack.ChecksumError and a
+    RecordError of kind "checksum") naming the tensor, whichever public reader finds it, on
+    local disk and on an object store: no reader flattens it into an I/O error."""
+    where, tensor = _damaged_record(backend, tmp_path)
+    with pytest.raises(RecordChecksumError, match=f"'{tensor}'") as info:
+        reader(where)
+    assert isinstance(info.value, burnpack.ChecksumError) and info.value.kind == "checksum"
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_verify_names_the_damaged_tensor_and_exits_non_zero(tmp_path, backend, capsys):
+    where, tensor = _damaged_record(backend, tmp_path)
+    assert cli.main(["verify", where]) == cli.EXIT_FOUND
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and f"tensor '{tensor}' fails its checksum" in out
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_a_missing_file_is_an_io_error_through_every_reader(tmp_path, backend):
+    """Nothing there: a RecordError of kind "io" naming the file, its cause chained."""
+    base = str(tmp_path) if backend == "local" else f"memory://missing-{uuid.uuid4().hex[:8]}"
+    where = f"{base}/absent.bpk"
+    for reader in (_through_load_record, _through_load_remapped, _through_load_module_record):
+        with pytest.raises(RecordError, match=r"absent\.bpk") as info:
+            reader(where)
+        assert info.value.kind == "io" and info.value.__cause__ is not None, reader

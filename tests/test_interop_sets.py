@@ -3,7 +3,9 @@ lazily with each shard opened once, rules across shards, and every hostile index
 
 from __future__ import annotations
 
+import io
 import json
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -22,7 +24,7 @@ from lightning_bpk.interop import (
     load_into_shards,
     load_remapped,
 )
-from lightning_bpk.interop.formats import Content
+from lightning_bpk.interop.formats import Content, read_content, write_content
 from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.records import RecordError
 
@@ -92,9 +94,9 @@ def test_a_set_loads_as_one_file_with_rules_across_shards(sets, suffix, by, monk
     opened: list[str] = []
     real = _sources._open_file
 
-    def counting(loc):
+    def counting(loc, options):
         opened.append(str(loc))
-        return real(loc)
+        return real(loc, options)
 
     monkeypatch.setattr(_sources, "_open_file", counting)
     net = Net()
@@ -224,6 +226,25 @@ def test_write_set_never_touches_an_existing_directory(tmp_path, sets):
     with pytest.raises(RecordError):
         write_set(broken, tmp_path / "new", max_shard_size=4)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecordError, match="exists"):
+        write_set(Content(dict(EXPERTS)), tmp_path / "empty", max_shard_size=SHARD_BYTES)
+    assert [p.name for p in tmp_path.iterdir()] == ["empty"]
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bpk"])
+def test_a_set_is_written_and_read_back_at_a_url(suffix):
+    """write_set publishes through the destination's store: at a URL the shards go to their
+    keys and the index last, and read_any reads the set back there."""
+    url = f"memory://write-set-{uuid.uuid4().hex[:8]}/set"
+    index = write_set(Content(dict(EXPERTS)), url, max_shard_size=SHARD_BYTES, suffix=suffix)
+    assert str(index).startswith(url + "/model.") and is_set(url)
+    back = read_any(url)
+    assert list(back.tensors) == list(EXPERTS)
+    assert all(torch.equal(back.tensors[n], t) for n, t in EXPERTS.items())
+    with pytest.raises(RecordError, match="exists"):
+        write_set(Content(dict(EXPERTS)), url, max_shard_size=SHARD_BYTES)
 
 
 def test_a_shape_mismatch_with_the_module_names_the_shards(sets):
@@ -249,3 +270,34 @@ def test_the_record_loader_and_convert_read_sets_too(sets, tmp_path):
     out = convert(sets[".bpk"], tmp_path / "one.safetensors")
     loaded = safetensors.torch.load_file(out)
     assert all(torch.equal(loaded[n], t) for n, t in EXPERTS.items())
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bpk"])
+def test_a_file_at_a_url_reads_as_the_same_file_on_disk(tmp_path, suffix):
+    """read_content and read_any read a file through its store: a URL gives back what the
+    same file on local disk gives (param ids, data order, metadata), not a reduced copy."""
+    content = Content(
+        {"b": torch.arange(4, dtype=torch.int16), "a": torch.ones(2, 3)},
+        param_ids={"a": 7},
+        metadata={"note": "x"},
+    )
+    url = f"memory://read-url-{uuid.uuid4().hex[:8]}/m{suffix}"
+    write_content(url, content)
+    write_content(tmp_path / f"m{suffix}", content)
+    local = read_content(tmp_path / f"m{suffix}")
+    for remote in (read_content(url), read_any(url)):
+        assert list(remote.tensors) == list(local.tensors)
+        assert all(torch.equal(remote.tensors[n], t) for n, t in local.tensors.items())
+        assert (remote.param_ids, remote.metadata) == (local.param_ids, local.metadata)
+
+
+def test_a_torch_save_file_at_a_url_is_read_through_its_store(tmp_path):
+    """torch.load reads a file object the store opens: a .pt at a URL imports as on disk,
+    still with weights_only=True."""
+    state = {"w": torch.arange(3.0), "b": torch.ones(2, dtype=torch.int64)}
+    url = f"memory://torch-url-{uuid.uuid4().hex[:8]}/m.pt"
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    fsspec.filesystem("memory").pipe(url, buffer.getvalue())
+    content = read_content(url)
+    assert all(torch.equal(content.tensors[n], t) for n, t in state.items())

@@ -346,6 +346,8 @@ _LOCAL_FAULTS = {
     "list": (lambda s: s.list(""), (os, "scandir")),
     "read": (lambda s: s.read("a"), (os, "preadv")),
     "read_into": (lambda s: s.read_into("a", bytearray(1)), (os, "preadv")),
+    "read_ranges": (lambda s: s.read_ranges("a", [(bytearray(1), 0)]), (os, "preadv")),
+    "open_file": (lambda s: s.open_file("a"), (os, "open")),
     "put": (lambda s: s.put("b", b"new"), (os, "fsync")),
     "create": (lambda s: s.create("b", b"new"), (os, "link")),
     "sink": (_sink, (os, "fsync")),
@@ -497,3 +499,47 @@ def test_a_permanent_error_is_not_retried() -> None:
     with pytest.raises(PermissionError):
         checkpointer.save_checkpoint(0, b.record_payload(0))
     assert FaultyFileSystem.calls["put"] == 1
+
+
+def test_read_ranges_fills_each_piece_at_its_offset(store):
+    """Many positional reads of one key in one call (a tensor shard's rows); a range past the
+    end is an error, not a short buffer."""
+    store.check(create=True)
+    store.put("f", bytes(range(100)))
+    first, second, empty = bytearray(3), memoryview(bytearray(4)), bytearray(0)
+    store.read_ranges("f", [(first, 10), (second, 96), (empty, 50)])
+    assert bytes(first) == bytes([10, 11, 12]) and bytes(second) == bytes([96, 97, 98, 99])
+    with pytest.raises(OSError):
+        store.read_ranges("f", [(bytearray(8), 96)])
+    with pytest.raises(FileNotFoundError):
+        store.read_ranges("missing", [(bytearray(1), 0)])
+
+
+def test_follow_links_lets_reads_through_a_symlink_only_when_asked(tmp_path):
+    """A checkpoint's reads never follow a symlink; a reader of files other tools wrote (a hub
+    cache links its files) asks to (object stores have no links: the option changes nothing)."""
+    (tmp_path / "blob").write_bytes(b"weights")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "model.bin").symlink_to(tmp_path / "blob")
+    with pytest.raises(ValueError, match="symlink"):
+        open_store(tmp_path / "run").read("model.bin")
+    linked = open_store(tmp_path / "run", follow_links=True)
+    assert linked.read("model.bin") == b"weights"
+    buffer = bytearray(3)
+    linked.read_ranges("model.bin", [(buffer, 4)])
+    assert buffer == b"hts"
+    remote = open_store(f"memory://bucket-{uuid.uuid4().hex[:8]}/run", follow_links=True)
+    remote.put("k", b"v")
+    assert remote.read("k") == b"v"
+
+
+def test_open_file_reads_a_key_as_a_seekable_file(store):
+    """For readers that take a file object (torch.load): the same bytes on both backends."""
+    store.check(create=True)
+    store.put("d/f.bin", bytes(range(50)))
+    with store.open_file("d/f.bin") as file:
+        assert file.read(3) == bytes([0, 1, 2])
+        file.seek(40)
+        assert file.read() == bytes(range(40, 50))
+    with pytest.raises(FileNotFoundError):
+        store.open_file("missing")

@@ -23,7 +23,7 @@ from lightning_bpk.dcp import is_sharded
 from lightning_bpk.interop import Content
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE, RECORD_SUFFIX
-from lightning_bpk.store import is_local
+from lightning_bpk.store import join, location
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,11 +214,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def _diff(a: Path, b: Path, args: argparse.Namespace) -> int:
     def shown(path: Path, local: Path, argument: str) -> str:
-        """A path inside a local copy, named by the argument's URL."""
-        if is_local(argument):
-            return str(path)
-        relative = path.relative_to(local).as_posix()
-        return argument.rstrip("/") + ("" if relative == "." else f"/{relative}")
+        """A path inside the local copy of ``argument`` (the argument itself when it is a
+        local path), named below the argument as given."""
+        return str(join(location(argument), *path.relative_to(local).parts))
 
     sets = interop_sets.is_set(a) or interop_sets.is_set(b)
     if not (a.is_dir() and b.is_dir()) or is_sharded(a) or is_sharded(b) or sets:

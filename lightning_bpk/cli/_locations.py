@@ -54,14 +54,6 @@ def is_safetensors(target: str) -> bool:
     return name_of(location(target)).lower().endswith(".safetensors")
 
 
-def tree_size(path: Path) -> int:
-    """The bytes of a local file, or of every file under a local folder (what ``convert``
-    wrote)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def mtime(path: Path | str) -> str:
     """A local file's own modification time (ISO 8601, local zone); ``-`` for a URL."""
     if isinstance(path, str):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_bpk import burnpack
-from lightning_bpk.cli._locations import is_safetensors, local_copies, tree_size
+from lightning_bpk.cli._locations import is_safetensors, local_copies
 from lightning_bpk.cli._output import (
     EXIT_OK,
     dtype_text,
@@ -33,7 +33,7 @@ from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.store import is_local, local_path, location, name_of, open_parent
+from lightning_bpk.store import location, name_of, open_parent
 
 
 def _describe(pack: burnpack.Pack) -> dict[str, Any]:
@@ -140,6 +140,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     store, key = open_parent(args.dst)
     with contextlib.ExitStack() as stack:
         dst = stack.enter_context(store.scratch(key))  # published when the block ends
+        written: Path | str
         if is_sharded(args.src):
             # a sharded checkpoint's data: read in place (ranged reads), never downloaded whole
             written = save_model(args.src, dst)
@@ -155,10 +156,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _convert_set(args: argparse.Namespace) -> int:
-    """``convert`` from a checkpoint set (local or a URL), or to one (``--max-shard-size``:
-    ``dst`` is a new local directory for the shards and their index)."""
-    if not is_local(args.dst):
-        raise OSError(f"{args.dst}: a set is converted to a local file or directory")
+    """``convert`` from a checkpoint set, or to one (``--max-shard-size``: ``dst`` is a new
+    directory or prefix for the shards and their index); either may be a URL."""
     try:
         shard_size = (
             None if args.max_shard_size is None else interop_sets.parse_size(args.max_shard_size)
@@ -167,12 +166,14 @@ def _convert_set(args: argparse.Namespace) -> int:
         raise RecordError("io", f"--max-shard-size: {e}") from e
     written = interop_sets.convert_source(
         args.src,
-        local_path(args.dst),
+        args.dst,
         max_shard_size=shard_size,
         suffix="." + args.shard_format,
         progress=progress(f"convert {name_of(location(args.src))}"),
     )
-    size = tree_size(written.parent if shard_size is not None else written)
+    store, key = open_parent(written)
+    listed = store.list("")  # a set: its index, beside its shards
+    size = sum(n or 0 for n in listed.values()) if shard_size is not None else listed[key] or 0
     emit(
         args,
         {"src": args.src, "dst": str(written), "size": size},

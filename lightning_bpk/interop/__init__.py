@@ -26,7 +26,8 @@
   import (``weights_only=True``), checkpoint export.
 
 The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
-``_patterns``, both <- ``remap``; ``formats`` <- ``_index`` (finding and checking a set) <-
+``_patterns``, both <- ``remap``; ``_mapped`` (a file read through its store: errors, the
+safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
 ``_dims`` <- ``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a
 private name of another.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from lightning_bpk.interop.formats import NO_PICKLE_ADVICE, file_kind
 from lightning_bpk.layout import member_name_problem
 from lightning_bpk.records.base import RecordError
-from lightning_bpk.store import join, location, name_of, object_store, parent_of
+from lightning_bpk.store import join, location, name_of, open_store, parent_of
 
 __all__ = [
     "BPK_INDEX",
@@ -29,6 +30,7 @@ __all__ = [
     "Location",
     "file_kind_or_none",
     "find_set",
+    "names_file",
     "set_kind",
 ]
 
@@ -44,6 +46,8 @@ _MAX_INDEX_BYTES = 64 * 1024 * 1024  # a hub index of 100k tensors is ~10 MiB
 
 Location = Path | str
 """Where a file or set is: a local path, or a URL."""
+Options = Mapping[str, Any] | None
+"""``storage_options`` for fsspec (credentials, endpoint) of a URL; ignored for a local path."""
 
 
 @dataclass(frozen=True)
@@ -59,45 +63,51 @@ class CheckpointSet:
     metadata: dict[str, Any]
 
 
-def _exists(loc: Location) -> bool:
-    if isinstance(loc, Path):
-        return loc.is_file()
-    return object_store(parent_of(loc)).size(name_of(loc)) is not None
+def _exists(loc: Location, options: Options) -> bool:
+    """Whether ``loc`` is a file or an object (not a directory or prefix)."""
+    return open_store(loc, options).size("") is not None
 
 
-def _read_small(loc: Location, limit: int) -> bytes:
-    if isinstance(loc, Path):
-        try:
-            with open(loc, "rb") as f:
-                data = f.read(limit + 1)
-        except OSError as e:
-            raise RecordError("io", f"{loc}: cannot read: {e.strerror or e}") from e
-    else:
-        store = object_store(parent_of(loc))
-        size = store.size(name_of(loc))
-        if size is None:
-            raise RecordError("io", f"{loc}: no such object")
-        data = store.read(name_of(loc), 0, min(size, limit + 1))
+def _read_small(loc: Location, limit: int, options: Options) -> bytes:
+    """The bytes of a small file (an index); its symlink followed (a hub cache links its
+    files)."""
+    store = open_store(loc, options, follow_links=True)
+    size = store.size("")
+    if size is None:
+        raise RecordError("io", f"{loc}: no such file or object")
+    try:
+        data = store.read("", 0, min(size, limit + 1))
+    except (OSError, ValueError) as e:
+        raise RecordError("io", f"{loc}: cannot read: {e}") from e
     if len(data) > limit:
         raise RecordError("validation", f"{loc}: larger than {limit} bytes, not an index")
     return data
 
 
-def set_kind(path: str | os.PathLike[str]) -> str | None:
-    """``"set"`` when ``path`` names a checkpoint set (an index file, or a directory holding
-    one), ``"file"`` for a directory standing for its one model file, else ``None``."""
+def names_file(path: str | os.PathLike[str], options: Options = None) -> bool:
+    """Whether ``path`` names one file rather than a directory or prefix of them: a file or an
+    object that is there, or a name with a file suffix (``.bpk``, ``.safetensors``, ...) that
+    is nothing yet (so reading it says the file is missing)."""
     loc = location(path)
-    name = name_of(loc)
-    if name.endswith(INDEX_SUFFIX):
+    store = open_store(loc, options)
+    if store.size("") is not None:
+        return True
+    return file_kind_or_none(name_of(loc)) is not None and not store.list("")
+
+
+def set_kind(path: str | os.PathLike[str], options: Options = None) -> str | None:
+    """``"set"`` when ``path`` names a checkpoint set (an index file, or a directory holding
+    one), ``"file"`` for a directory standing for its one model file, else ``None``
+    (``options``: fsspec's ``storage_options`` for a URL)."""
+    loc = location(path)
+    if name_of(loc).endswith(INDEX_SUFFIX):
         return "set"
-    if isinstance(loc, Path) and not loc.is_dir():
-        return None
-    if not isinstance(loc, Path) and file_kind_or_none(name) is not None:
+    if names_file(loc, options):
         return None
     for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-        if _exists(join(loc, index)):
+        if _exists(join(loc, index), options):
             return "set"
-    return "file" if _single_file(loc) is not None else None
+    return "file" if _single_file(loc, options) is not None else None
 
 
 def file_kind_or_none(name: str) -> str | None:
@@ -108,10 +118,10 @@ def file_kind_or_none(name: str) -> str | None:
         return None
 
 
-def _single_file(loc: Location) -> Location | None:
+def _single_file(loc: Location, options: Options) -> Location | None:
     for name in ("model.safetensors", "model.bpk"):
         candidate = join(loc, name)
-        if _exists(candidate):
+        if _exists(candidate, options):
             return candidate
     return None
 
@@ -123,17 +133,17 @@ def _refuse_pickle(index: Location) -> RecordError:
     )
 
 
-def find_set(path: str | os.PathLike[str]) -> CheckpointSet | Location:
+def find_set(path: str | os.PathLike[str], options: Options = None) -> CheckpointSet | Location:
     """The checked :class:`CheckpointSet` that ``path`` names, or, for a directory without an
     index, the location of its one model file (``RecordError`` if it has none)."""
     loc = location(path)
     if not name_of(loc).endswith(INDEX_SUFFIX):
         for index in (SAFETENSORS_INDEX, BPK_INDEX, TORCH_INDEX):
-            if _exists(join(loc, index)):
+            if _exists(join(loc, index), options):
                 loc = join(loc, index)
                 break
         else:
-            single = _single_file(loc)
+            single = _single_file(loc, options)
             if single is None:
                 raise RecordError(
                     "io",
@@ -142,7 +152,7 @@ def find_set(path: str | os.PathLike[str]) -> CheckpointSet | Location:
             return single
     if name_of(loc).startswith("pytorch_model") or name_of(loc).endswith(".bin" + INDEX_SUFFIX):
         raise _refuse_pickle(loc)
-    return _parse_index(loc, _read_small(loc, _MAX_INDEX_BYTES))
+    return _parse_index(loc, _read_small(loc, _MAX_INDEX_BYTES, options))
 
 
 def _parse_index(index: Location, raw: bytes) -> CheckpointSet:

@@ -18,34 +18,32 @@ checks of :func:`_safetensors_header` at a URL).
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
-import mmap
 import os
-import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import safetensors
 import torch
 
-from lightning_bpk import _fs, burnpack
-from lightning_bpk.burnpack.base import MAX_RANK, _stored_dtype
+from lightning_bpk import burnpack
+from lightning_bpk.burnpack.base import _stored_dtype
 from lightning_bpk.interop._index import (
     INDEX_SUFFIX,
     CheckpointSet,
     Location,
-    file_kind_or_none,
+    Options,
     find_set,
+    names_file,
 )
-from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, ST_BOOL, file_kind, read_content
+from lightning_bpk.interop._mapped import Specs, open_safetensors, store_errors
+from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, file_kind, read_content
+from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import StorageError, join, location, name_of, object_store, parent_of
+from lightning_bpk.store import join, location, name_of, open_store
 
 __all__ = [
     "Source",
@@ -53,10 +51,6 @@ __all__ = [
     "open_source",
     "ranged_reader",
 ]
-
-_MAX_ST_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
-
-Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype), in data order
 
 
 @dataclass(frozen=True)
@@ -94,40 +88,35 @@ class Source:
 
 
 @contextmanager
-def open_source(path: str | os.PathLike[str]) -> Iterator[Source]:
-    """The :class:`Source` of a file, a set (index or directory), local or at a URL."""
+def open_source(path: str | os.PathLike[str], options: Options = None) -> Iterator[Source]:
+    """The :class:`Source` of a file, a set (index or directory), local or at a URL
+    (``options``: fsspec's ``storage_options``); every byte is read through the
+    :class:`~lightning_bpk.store.Store` of its location."""
     loc = location(path)
-    is_set = name_of(loc).endswith(INDEX_SUFFIX) or (
-        loc.is_dir() if isinstance(loc, Path) else file_kind_or_none(name_of(loc)) is None
-    )
-    if not is_set:
-        with _open_file(loc) as source:
+    if not name_of(loc).endswith(INDEX_SUFFIX) and names_file(loc, options):
+        with _open_file(loc, options) as source:
             yield source
         return
-    found = find_set(loc)
+    found = find_set(loc, options)
     if not isinstance(found, CheckpointSet):
-        with _open_file(found) as source:
+        with _open_file(found, options) as source:
             yield source
         return
-    with _open_set(found) as source:
+    with _open_set(found, options) as source:
         yield source
 
 
 @contextmanager
-def _open_file(loc: Location) -> Iterator[Source]:
-    if not isinstance(loc, Path):
-        with _open_remote(loc) as source:
-            yield source
-        return
-    kind = file_kind(loc)
+def _open_file(loc: Location, options: Options) -> Iterator[Source]:
+    kind = file_kind(Path(name_of(loc)))
     if kind == "bpk":
-        with _open_bpk(_burnpack_pack(loc), str(loc)) as source:
+        with _open_bpk(_burnpack_pack(loc, options), loc) as source:
             yield source
     elif kind == "safetensors":
-        with _open_safetensors(loc) as source:
+        with _open_safetensors(loc, options) as source:
             yield source
     else:  # torch.save files cannot be read lazily: read once, then hand out the tensors
-        content = read_content(loc)
+        content = read_content(loc, storage_options=options)  # refuses a URL: torch.load
         tensors = content.tensors
         yield Source(
             {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
@@ -138,113 +127,15 @@ def _open_file(loc: Location) -> Iterator[Source]:
         )
 
 
-def _burnpack_pack(loc: Path) -> burnpack.Pack:
-    try:
-        return burnpack.read(loc)
-    except burnpack.BurnpackError as e:
-        raise RecordError("io", str(e)) from e
+def _burnpack_pack(loc: Location, options: Options) -> burnpack.Pack:
+    """The ``.bpk`` file through the package's one record-file reader: the same errors as
+    ``load_record`` (a damaged file is a :class:`~lightning_bpk.records.RecordChecksumError`)."""
+    with store_errors(loc):
+        return files.open_record(loc, options)
 
 
 @contextmanager
-def _open_remote(url: str) -> Iterator[Source]:
-    """A file at a URL: a safetensors header read in one ranged request and each tensor in
-    its own; a ``.bpk`` file fetched whole (its checksums are checked on the bytes)."""
-    kind = file_kind(Path(name_of(url)))
-    store = object_store(parent_of(url))
-    key = name_of(url)
-    if kind == "bpk":
-        try:
-            pack = burnpack.loads(store.read(key))
-        except burnpack.BurnpackError as e:
-            raise RecordError("io", f"{url}: {e}") from e
-        with _open_bpk(pack, url) as source:
-            yield source
-        return
-    if kind != "safetensors":
-        raise RecordError("io", f"{url}: a torch.save file is read from local disk only")
-    size = store.size(key)
-    if size is None:
-        raise RecordError("io", f"{url}: no such object")
-    (specs, offsets, raw), start = _safetensors_header(
-        lambda a, b: store.read(key, a, b), size, url
-    )
-    specs, param_ids, aliases, metadata = _st_info(raw, specs, url)
-
-    def read_safe(name: str) -> torch.Tensor:
-        shape, dtype = specs[name]
-        begin, end = offsets[name]
-        out = torch.empty(shape, dtype=dtype)
-        if end > begin:
-            store.read_into(key, memoryview(burnpack.tensor_bytes(out)), start + begin)
-        return out
-
-    yield Source(
-        specs,
-        param_ids,
-        aliases,
-        metadata,
-        read_safe,
-        spans={n: Span(url, start + b, start + e, specs[n][1]) for n, (b, e) in offsets.items()},
-    )
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    return torch.bool if name == ST_BOOL else burnpack._torch_dtype(name)
-
-
-def _safetensors_header(
-    read_at: Callable[[int, int], bytes], size: int, where: Location
-) -> tuple[tuple[Specs, dict[str, tuple[int, int]], dict[str, str]], int]:
-    """Parse and check a safetensors header: ``((specs, offsets, metadata), data start)``.
-    Checked before use: the header length, JSON, every dtype, shape and offset pair, each
-    tensor's byte count against its shape, every range inside the data and no two overlapping."""
-    if size < 8:
-        raise RecordError("validation", f"{where}: {size} bytes, not a safetensors file")
-    (length,) = struct.unpack("<Q", read_at(0, 8))
-    if length > min(_MAX_ST_HEADER, size - 8):
-        raise RecordError("validation", f"{where}: header length {length} exceeds the file")
-    try:
-        header = json.loads(read_at(8, 8 + length))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RecordError("validation", f"{where}: not a safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise RecordError("validation", f"{where}: the header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise RecordError("validation", f"{where}: '__metadata__' is not a map of strings")
-    data = size - 8 - length
-    specs: Specs = {}
-    offsets: dict[str, tuple[int, int]] = {}
-    for name, entry in header.items():
-        try:
-            dtype = _st_dtype(entry["dtype"])
-            shape = tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-            ok = (
-                len(shape) <= MAX_RANK
-                and all(type(n) is int and n >= 0 for n in shape)
-                and type(begin) is int
-                and type(end) is int
-                and 0 <= begin <= end <= data
-            )
-            numel = 1
-            for n in shape:
-                numel *= n
-            ok = ok and end - begin == numel * dtype.itemsize
-        except (KeyError, TypeError, ValueError, burnpack.BurnpackError) as e:
-            raise RecordError("validation", f"{where}: tensor {name!r}: bad entry: {e}") from e
-        if not ok:
-            raise RecordError("validation", f"{where}: tensor {name!r}: bad shape or offsets")
-        specs[name], offsets[name] = (shape, dtype), (begin, end)
-    ranges = sorted(offsets.values())
-    if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
-        raise RecordError("validation", f"{where}: tensors' byte ranges overlap")
-    order = sorted(offsets, key=lambda n: offsets[n])
-    return ({n: specs[n] for n in order}, offsets, metadata), 8 + length
-
-
-@contextmanager
-def _open_bpk(pack: burnpack.Pack, where: str) -> Iterator[Source]:
+def _open_bpk(pack: burnpack.Pack, where: Location) -> Iterator[Source]:
     with pack:
         found = pack.metadata.get(RECORD_KIND_KEY)
         if found is not None and found != ModuleRecord.kind:
@@ -272,13 +163,13 @@ def _open_bpk(pack: burnpack.Pack, where: str) -> Iterator[Source]:
         )
 
 
-def _bpk_span(pack: burnpack.Pack, name: str, where: str) -> Span:
+def _bpk_span(pack: burnpack.Pack, name: str, where: Location) -> Span:
     info = pack.entries[name]
     stored = _stored_dtype(info.dtype)
     if stored is None:  # refused before: quantized tensors have no torch dtype
         raise RecordError("validation", f"{where}: tensor '{name}' is quantized (QFloat)")
     start, end = info.data_offsets
-    return Span(Path(where), pack.data_start + start, pack.data_start + end, stored)
+    return Span(where, pack.data_start + start, pack.data_start + end, stored)
 
 
 def _st_info(
@@ -306,54 +197,24 @@ def _st_info(
 
 
 @contextmanager
-def _open_safetensors(path: Path) -> Iterator[Source]:
-    """The safetensors package validates the file (header, offsets, sizes); the tensors are then
-    zero-copy views of a copy-on-write mapping, as a ``.bpk`` file's, so loading copies each byte
-    once, into the module."""
-    try:
-        with safetensors.safe_open(path, framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            specs = {}
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                sliced = f.get_slice(name)
-                specs[name] = (tuple(sliced.get_shape()), _st_dtype(sliced.get_dtype()))
-        with open(path, "rb", buffering=0) as file:  # reads exactly the header
-            (size,) = struct.unpack("<Q", file.read(8))
-            offsets = {
-                n: v["data_offsets"]
-                for n, v in json.loads(file.read(size)).items()
-                if n != "__metadata__"
-            }
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, safetensors.SafetensorError, burnpack.BurnpackError) as e:
-        raise RecordError("io", f"{path}: not a readable safetensors file: {e}") from e
-    buffer = memoryview(mapping)
-    start = 8 + size
-
-    def read(name: str) -> torch.Tensor:
-        shape, dtype = specs[name]
-        begin, end = offsets[name]
-        if begin == end:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buffer[start + begin : start + end], dtype=dtype).reshape(shape)
-
-    specs, param_ids, aliases, metadata = _st_info(metadata, specs, path)
-    try:
+def _open_safetensors(loc: Location, options: Options) -> Iterator[Source]:
+    """The file mapped through its store (:func:`~lightning_bpk.interop._mapped.open_safetensors`):
+    on local disk tensors are zero-copy views, so loading copies each byte once, into the
+    module; at a URL each tensor's range is fetched as it is read."""
+    with open_safetensors(loc, options) as file:
+        specs, param_ids, aliases, metadata = _st_info(file.metadata, file.specs, loc)
+        start = file.start
         yield Source(
             specs,
             param_ids,
             aliases,
             metadata,
-            read,
+            file.tensor,
             spans={
-                n: Span(path, start + offsets[n][0], start + offsets[n][1], specs[n][1])
+                n: Span(loc, start + file.offsets[n][0], start + file.offsets[n][1], specs[n][1])
                 for n in specs
             },
         )
-    finally:
-        with contextlib.suppress(BufferError):  # views still alive keep the mapping
-            buffer.release()
-            mapping.close()
 
 
 # --- sets ----------------------------------------------------------------------------------------
@@ -362,9 +223,10 @@ def _open_safetensors(path: Path) -> Iterator[Source]:
 class _Shards:
     """Each shard of a set opened once, on first use, and kept open until the set closes."""
 
-    def __init__(self, found: CheckpointSet, stack: ExitStack) -> None:
+    def __init__(self, found: CheckpointSet, stack: ExitStack, options: Options) -> None:
         self.found = found
         self.stack = stack
+        self.options = options
         self.open: dict[str, Source] = {}
         self.lock = threading.Lock()
 
@@ -374,16 +236,18 @@ class _Shards:
     def __getitem__(self, shard: str) -> Source:
         with self.lock:
             if shard not in self.open:
-                self.open[shard] = self.stack.enter_context(_open_file(self.location(shard)))
+                self.open[shard] = self.stack.enter_context(
+                    _open_file(self.location(shard), self.options)
+                )
             return self.open[shard]
 
 
 @contextmanager
-def _open_set(found: CheckpointSet) -> Iterator[Source]:
+def _open_set(found: CheckpointSet, options: Options) -> Iterator[Source]:
     """One source over every shard of ``found``; each shard's header is read here (checked
     against the index), its data when a tensor of it is read."""
     with ExitStack() as stack:
-        shards = _Shards(found, stack)
+        shards = _Shards(found, stack, options)
         specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         param_ids: dict[str, int] = {}
         aliases: dict[str, str] = {}
@@ -441,24 +305,17 @@ def _set_verify(shards: _Shards, owner: dict[str, str]) -> Callable[[str], objec
 # --- ranged reads --------------------------------------------------------------------------------
 
 
-def ranged_reader(file: Location) -> tuple[Callable[[memoryview, int], None], Callable[[], None]]:
-    """``(read_into(view, offset), close)`` for positional reads of a local file or an object:
-    ``read_into`` fills ``view`` with the bytes from ``offset`` on (thread-safe)."""
-    if isinstance(file, Path):
-        fd = os.open(file, os.O_RDONLY)
+def ranged_reader(
+    file: Location, options: Options = None
+) -> Callable[[Sequence[tuple[memoryview, int]]], None]:
+    """``read(pieces)`` for positional reads of a file or an object: each ``(view, offset)``
+    of ``pieces`` is filled with the bytes from ``offset`` on, in one
+    :meth:`~lightning_bpk.store.Store.read_ranges` (thread-safe; a store that keeps failing,
+    or a file shorter than a tensor's bytes, is a ``RecordError`` of kind ``"io"``)."""
+    store = open_store(file, options, follow_links=True)
 
-        def read_local(view: memoryview, offset: int) -> None:
-            if _fs.read_full(fd, view, offset) < view.nbytes:
-                raise RecordError("io", f"{file}: ends inside a tensor's bytes")
+    def read(pieces: Sequence[tuple[memoryview, int]]) -> None:
+        with store_errors(file):
+            store.read_ranges("", pieces)
 
-        return read_local, lambda: os.close(fd)
-    store = object_store(parent_of(file))
-    key = name_of(file)
-
-    def read_remote(view: memoryview, offset: int) -> None:
-        try:
-            store.read_into(key, view, offset)
-        except StorageError as e:
-            raise RecordError("io", str(e)) from e
-
-    return read_remote, lambda: None
+    return read

@@ -11,7 +11,8 @@
   the format inference servers load.
 
 Safetensors files are written here (not by the ``safetensors`` package) so they stream tensor by
-tensor through :func:`lightning_bpk._fs.atomic_file`: durable, atomic, no second copy in memory.
+tensor into :meth:`Store.sink <lightning_bpk.store.Store.sink>`, as ``.bpk`` files are
+(:func:`lightning_bpk.records.files.save_pack`): durable, atomic, no second copy in memory.
 Tensors are ordered as the ``safetensors`` package orders them (widest dtype first, then name),
 so every tensor stays aligned to its element size; the official reader loads them.
 
@@ -38,14 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors
 import torch
 
-from lightning_bpk import _device, _fs, burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import is_sharded
+from lightning_bpk.interop._mapped import ST_BOOL, open_safetensors
 from lightning_bpk.layout import MODEL_FILE
+from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
+from lightning_bpk.store import join, location, name_of, open_parent, open_store
 
 __all__ = [
     "SAFETENSORS_INFO_KEY",
@@ -71,7 +74,6 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-on
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
-ST_BOOL = "BOOL"  # safetensors names every other dtype exactly as Burn does (F32, BF16, U8, ...)
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
 _BOOL_STORAGE = {"Native": torch.bool, "U8": torch.uint8, "U32": torch.uint32}
 
@@ -112,10 +114,12 @@ def file_kind(path: Path) -> str:
 # --- burnpack ------------------------------------------------------------------------------------
 
 
-def _read_bpk(path: str | os.PathLike[str]) -> Content:
-    """A burnpack's content (tensors are zero-copy, checksum-verified views of the file)."""
+def _read_bpk(path: Path | str, options: Options) -> Content:
+    """A burnpack's content (tensors are zero-copy, checksum-verified views of the file), read
+    by the package's one record-file reader
+    (:func:`lightning_bpk.records.files.open_record`)."""
     try:
-        with burnpack.read(path) as pack:
+        with files.open_record(path, options) as pack:
             quantized = [n for n, i in pack.entries.items() if _is_quantized(i.dtype)]
             if quantized:
                 raise RecordError(
@@ -143,10 +147,9 @@ def _is_quantized(dtype: burnpack.DType) -> bool:
     return isinstance(dtype, dict) and "QFloat" in dtype
 
 
-def _write_bpk(
-    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``content`` as a burnpack file, atomically."""
+def _write_bpk(path: Path | str, content: Content, progress: Progress | None = None) -> Path | str:
+    """Write ``content`` as a burnpack file, durably and whole, through the package's one
+    ``.bpk`` writer (:func:`lightning_bpk.records.files.save_pack`)."""
     total = len(content.tensors)
     entries = []
     for k, (name, tensor) in enumerate(content.tensors.items()):
@@ -162,10 +165,12 @@ def _write_bpk(
             nbytes=data.numel() * data.element_size(),
         )
         entries.append((name, entry))
+    store, key = open_parent(path)
     try:
-        return burnpack.write(path, entries, metadata=content.metadata, scalars=content.scalars)
+        files.save_pack(store, key, entries, metadata=content.metadata, scalars=content.scalars)
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
+    return path
 
 
 def _reporting(
@@ -184,16 +189,20 @@ def _reporting(
 # --- safetensors ---------------------------------------------------------------------------------
 
 
-def _read_safetensors(path: str | os.PathLike[str]) -> Content:
-    """A safetensors file's content; param ids, order, Burn dtypes and scalars come back from
-    :data:`SAFETENSORS_INFO_KEY` when the file was written from a burnpack."""
-    path = Path(path)
+def _read_safetensors(path: Path | str, options: Options) -> Content:
+    """A safetensors file's content, mapped through its store (zero-copy views of the file on
+    local disk, fetched ranges at a URL), its header checked before use; param ids, order,
+    Burn dtypes and scalars come back from :data:`SAFETENSORS_INFO_KEY` when the file was
+    written from a burnpack."""
     try:
-        with safetensors.safe_open(path, framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-    except (OSError, safetensors.SafetensorError) as e:
-        raise RecordError("io", f"{path}: not a readable safetensors file: {e}") from e
+        with open_safetensors(path, options) as file:
+            metadata = dict(file.metadata)
+            tensors = {name: file.tensor(name) for name in sorted(file.specs)}
+    except RecordError as e:
+        if e.kind == "io":
+            raise
+        problems = "; ".join(e.problems)
+        raise RecordError("io", f"{path}: not a readable safetensors file: {problems}") from e
     raw_info = metadata.pop(SAFETENSORS_INFO_KEY, None)
     if raw_info is None:  # a foreign file: a module's weights, names sorted
         metadata.setdefault(RECORD_KIND_KEY, ModuleRecord.kind)
@@ -218,10 +227,10 @@ def _read_safetensors(path: str | os.PathLike[str]) -> Content:
 
 
 def _write_safetensors(
-    path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``content`` as a safetensors file, atomically, streaming one tensor at a time."""
-    path = Path(path)
+    path: Path | str, content: Content, progress: Progress | None = None
+) -> Path | str:
+    """Write ``content`` as a safetensors file, durably and whole, streaming one tensor at a
+    time into the store's sink."""
     dtypes, problems = {}, []
     for name, tensor in content.tensors.items():
         try:
@@ -255,13 +264,16 @@ def _write_safetensors(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     blob += b" " * (-len(blob) % _ST_HEADER_ALIGN)
+    store, key = open_parent(path)
+    head = struct.pack("<Q", len(blob)) + blob
     try:
-        with _fs.atomic_file(path) as f:
-            _fs.write_all(f, struct.pack("<Q", len(blob)) + blob)
+        with store.sink(key, len(head) + offset) as sink:
+            sink.write(head)
             for k, name in enumerate(order):
-                _fs.write_all(f, burnpack.tensor_bytes(content.tensors[name]))
+                sink.write(burnpack.tensor_bytes(content.tensors[name]))
                 if progress is not None:
                     progress(k + 1, len(order), name)
+            sink.finish()
     except OSError as e:
         raise RecordError("io", f"cannot write {path}: {e.strerror or e}") from e
     return path
@@ -295,33 +307,40 @@ def _refusal_reason(error: pickle.UnpicklingError) -> str:
     return "an object that is neither a tensor nor plain data"
 
 
-def _read_torch(path: str | os.PathLike[str]) -> Content:
+def _torch_load(loc: Path | str, options: Options) -> Any:
+    """``torch.load(weights_only=True)`` of the file at ``loc``, opened through its store."""
+    with open_store(loc, options, follow_links=True).open_file("") as file:
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _read_torch(loc: Path | str, options: Options) -> Content:
     """The ``state_dict`` of a ``torch.save`` file or Lightning ``.ckpt``, loaded with
     ``weights_only=True`` (so no code in the file can run). Non-tensor entries are refused.
 
     A file whose pickle needs more than tensors and plain data is refused for good: unpickling
     it could run code, and this package never does (no ``weights_only=False`` fallback).
+    The file is read through its store (:meth:`~lightning_bpk.store.Store.open_file`: a local
+    file, or an object read in ranges), one tensor's storage at a time.
     """
-    path = Path(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _torch_load(loc, options)
     except pickle.UnpicklingError as e:
         # `from None`: torch's own message advises weights_only=False, which is not an option
         raise RecordError(
             "io",
-            f"{path}: refused to unpickle: torch.load(weights_only=True) stopped at "
+            f"{loc}: refused to unpickle: torch.load(weights_only=True) stopped at "
             f"{_refusal_reason(e)!r}. {NO_PICKLE_ADVICE}",
         ) from None
     except Exception as e:  # torch raises RuntimeError, EOFError, OSError...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RecordError("io", f"{path}: torch.load(weights_only=True) failed: {first}") from e
+        raise RecordError("io", f"{loc}: torch.load(weights_only=True) failed: {first}") from e
     state = obj.get("state_dict") if isinstance(obj, Mapping) else None
     if not isinstance(state, Mapping):
         state = obj
     if not isinstance(state, Mapping):
-        raise RecordError("validation", f"{path}: holds a {type(obj).__name__}, not a state_dict")
+        raise RecordError("validation", f"{loc}: holds a {type(obj).__name__}, not a state_dict")
     problems = [
-        f"{path}: entry {k!r} is a {type(v).__name__}, not a tensor"
+        f"{loc}: entry {k!r} is a {type(v).__name__}, not a tensor"
         for k, v in state.items()
         if not isinstance(k, str) or not isinstance(v, torch.Tensor)
     ]
@@ -336,93 +355,112 @@ _READERS = {"bpk": _read_bpk, "safetensors": _read_safetensors, "torch": _read_t
 _WRITERS = {"bpk": _write_bpk, "safetensors": _write_safetensors}
 
 
-SetReader = Callable[[Path], "Content | None"]
+Options = Mapping[str, Any] | None
+"""``storage_options`` for fsspec (credentials, endpoint) of a URL; ignored for a local path."""
+SetReader = Callable[[Path | str, Options], "Content | None"]
 _set_readers: list[SetReader] = []
 
 
 def register_set_reader(reader: SetReader) -> None:
     """Let :func:`read_content` (and so :func:`convert`, :func:`load_module_record`) read a
-    checkpoint set: ``reader(path)`` returns its content, or ``None`` when ``path`` is not one.
-    :mod:`lightning_bpk.interop.sets`, which sits above this module, registers itself."""
+    checkpoint set: ``reader(path, storage_options)`` returns its content, or ``None`` when
+    ``path`` is not one. :mod:`lightning_bpk.interop.sets`, which sits above this module,
+    registers itself."""
     if reader not in _set_readers:
         _set_readers.append(reader)
 
 
-def _read_set(path: Path) -> Content | None:
+def _read_set(path: Path | str, options: Options) -> Content | None:
     for reader in _set_readers:
-        content = reader(path)
+        content = reader(path, options)
         if content is not None:
             return content
     return None
 
 
-def read_content(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Content:
+def read_content(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Options = None,
+) -> Content:
     """Read ``.bpk``, ``.safetensors`` or a ``torch.save`` file (by suffix), a checkpoint set
     (an index or its directory: see :mod:`lightning_bpk.interop.sets`), or the model of a
-    sharded checkpoint directory, assembled from every rank's shards.
+    sharded checkpoint directory, assembled from every rank's shards; on local disk or at a
+    URL (``storage_options`` go to fsspec), through its store (a ``torch.save`` file: local
+    disk only).
 
     ``device``: where the tensors go, ``cpu`` or a CUDA device (checked before anything is
     read; a ``ValueError`` names any other). They are read and verified on the host, then
     copied to a CUDA device through reused pinned bounce buffers."""
     target = _device.target_device(device)
-    content = _read_content(Path(path))
+    content = _read_content(location(path), storage_options)
     if target.type != "cpu":
         content.tensors = _device.to_device(content.tensors, target)
     return content
 
 
-def _read_content(path: Path) -> Content:
+def _read_content(loc: Path | str, options: Options) -> Content:
     """:func:`read_content` on the host."""
-    content = _read_set(path)
+    content = _read_set(loc, options)
     if content is not None:
         return content
-    if path.is_dir() and is_sharded(path):
+    if is_sharded(loc, storage_options=options):
         from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
-        return record_content(module_record(path))
-    return _READERS[file_kind(path)](path)
+        return record_content(module_record(loc, storage_options=options))
+    return _READERS[file_kind(Path(name_of(loc)))](loc, options)
 
 
 def write_content(
     path: str | os.PathLike[str], content: Content, progress: Progress | None = None
-) -> Path:
-    """Write ``.bpk`` or ``.safetensors`` (by suffix); torch files are never written."""
-    path = Path(path)
-    kind = file_kind(path)
+) -> Path | str:
+    """Write ``.bpk`` or ``.safetensors`` (by suffix) at a path or URL, through its
+    :class:`~lightning_bpk.store.Store`; torch files are never written. Returns the location."""
+    loc = location(path)
+    kind = file_kind(Path(name_of(loc)))
     if kind not in _WRITERS:
+        suffix = Path(name_of(loc)).suffix
         raise RecordError(
-            "io", f"{path}: {path.suffix} is an import format only; write .bpk or .safetensors"
+            "io", f"{loc}: {suffix} is an import format only; write .bpk or .safetensors"
         )
-    return _WRITERS[kind](path, content, progress)
+    return _WRITERS[kind](loc, content, progress)
 
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], progress: Progress | None = None
-) -> Path:
+) -> Path | str:
     """Convert between formats by suffix: ``.bpk``/``.safetensors``/``.pt``/``.ckpt`` to
     ``.bpk``/``.safetensors``; a checkpoint directory stands for its ``model.bpk``, a sharded
-    one for its model assembled from every rank's shards (no process group). Returns the
-    written path."""
-    src = Path(src)
-    content = _read_set(src)
+    one for its model assembled from every rank's shards (no process group). ``dst`` may be a
+    URL (written through its store). Returns where it was written."""
+    loc = location(src)
+    content = _read_set(loc, None)
     if content is not None:
         return write_content(dst, content, progress)
-    if src.is_dir() and not is_sharded(src):
-        src = src / CHECKPOINT_MODEL_FILE
-        if not src.is_file():
-            raise RecordError("io", f"{src}: no such model file in the checkpoint directory")
-    return write_content(dst, read_content(src), progress)
+    if open_store(loc).size("") is None and open_store(loc).list("") and not is_sharded(loc):
+        loc = join(loc, CHECKPOINT_MODEL_FILE)  # a checkpoint directory: its model
+        if open_store(loc).size("") is None:
+            raise RecordError("io", f"{loc}: no such model file in the checkpoint directory")
+    return write_content(dst, read_content(loc), progress)
 
 
 def load_module_record(
-    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ModuleRecord:
-    """A :class:`ModuleRecord` from any supported file (``.bpk`` read with its own loader) or
-    checkpoint set, its tensors on ``device`` (see :func:`read_content`)."""
-    path = Path(path)
-    if path.suffix.lower() == ".bpk" and not path.is_dir():
-        return ModuleRecord.load(path, device=device)
-    content = read_content(path, device=device)
+    """A :class:`ModuleRecord` from any supported file or checkpoint set, its tensors on
+    ``device`` (see :func:`read_content`). A ``.bpk`` file, local or at a URL
+    (``storage_options`` go to fsspec), is read by ``ModuleRecord.load``: the package's one
+    record-file reader, so a damaged tensor is a
+    :class:`~lightning_bpk.records.RecordChecksumError` here as there."""
+    loc = location(path)
+    is_file = open_store(loc, storage_options).size("") is not None  # not a folder named *.bpk
+    if Path(name_of(loc)).suffix.lower() == ".bpk" and is_file:
+        return ModuleRecord.load(loc, device=device, storage_options=storage_options)
+    content = read_content(path, device=device, storage_options=storage_options)
     kind = content.metadata.pop(RECORD_KIND_KEY, ModuleRecord.kind)
     if kind != ModuleRecord.kind:
         raise RecordError("validation", f"{path} holds a {kind!r} record, not 'module'")
@@ -439,8 +477,8 @@ def save_module_record(record: ModuleRecord, path: str | os.PathLike[str]) -> Pa
     """Save a :class:`ModuleRecord` as ``.bpk`` or ``.safetensors`` (by suffix)."""
     path = Path(path)
     if file_kind(path) == "bpk":
-        return record.save(path)
-    return write_content(path, record_content(record))
+        return Path(record.save(path))
+    return Path(write_content(path, record_content(record)))
 
 
 def record_content(record: ModuleRecord) -> Content:
@@ -458,7 +496,7 @@ def export_checkpoint(
     dst: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
-) -> Path:
+) -> Path | str:
     """Write a checkpoint's model as safetensors for serving.
 
     ``checkpoint`` is a checkpointer checkpoint directory (``{base}/{prefix}.{N}/``, whose

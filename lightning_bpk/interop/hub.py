@@ -264,7 +264,7 @@ def save_pretrained(
     ties: Mapping[str, str] | None = None,
     *,
     max_shard_size: int | None = None,
-) -> Path:
+) -> Path | str:
     """Save ``model`` in its checkpoint's layout: the rules a load applied undone
     (``unmatched``, what the load returned, are left out), and each tied tensor written once,
     under its tie's name, as ``save_pretrained`` writes it. One ``.safetensors``/``.bpk`` file,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -62,6 +63,7 @@ def load_remapped(
     validate: bool = True,
     dtype_policy: str = "from_record",
     ties: Mapping[str, str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Load a ``.bpk``, ``.safetensors`` or ``torch.save`` file, or a checkpoint set (an index
     or a directory: see :mod:`lightning_bpk.interop`), local or at a URL, into ``module``
@@ -72,13 +74,17 @@ def load_remapped(
     ``ties`` maps a module tensor name to the one it is tied to (default: the module's own tie
     declarations, see :func:`~lightning_bpk.interop.hub.tied_weights`); a tied tensor the file
     omits (``save_pretrained`` drops a tied ``lm_head.weight``) is loaded from its tie, and
-    every other tensor is still required.
+    every other tensor is still required. ``storage_options`` go to fsspec for a URL.
+
+    Errors are those of ``load_record``: a tensor failing its checksum is a
+    :class:`~lightning_bpk.records.RecordChecksumError` naming it, an unreadable file a
+    :class:`~lightning_bpk.records.RecordError` of kind ``"io"`` with its cause chained.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, not {workers}")
     remapper = remapper if remapper is not None else KeyRemapper([])
     ties = tied_weights(module) if ties is None else dict(ties)
-    with open_source(path) as source:
+    with open_source(path, storage_options) as source:
         planned = plan(source, remapper, ties)
         problems = apply_problems(  # every check of apply, and no change
             planned,
@@ -118,7 +124,7 @@ def load_remapped(
                 run_tasks(source.verify, list(source.specs), workers)
             run_tasks(task, planned.groups, workers)
         except burnpack.BurnpackError as e:
-            raise RecordError("io", str(e)) from e
+            raise RecordError.from_format_error(e) from e
     return planned.result.unmatched
 
 

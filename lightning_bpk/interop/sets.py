@@ -7,9 +7,10 @@ holding them. :func:`write_set` writes the layout ``save_pretrained`` writes:
 ``model-00001-of-00003.safetensors`` ... plus the index, ``{"metadata": {"total_size": ...},
 "weight_map": {tensor: shard}}``, tensors in data order, a new shard started where the next
 tensor would pass ``max_shard_size`` (a larger tensor gets a shard of its own). The set is
-written into a scratch directory beside the destination and renamed into place when complete,
-so a failed write leaves nothing behind and never touches an existing set (the destination
-must not exist).
+written through the destination's :class:`~lightning_bpk.store.Store`: into its staging
+directory beside the destination, published (fsynced and renamed into place) when complete, so
+a failed write leaves nothing behind and never touches an existing set (the destination must
+not exist).
 
 Example::
 
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_bpk import _device, _fs, burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.interop._index import (
     BPK_INDEX,
     SAFETENSORS_INDEX,
@@ -42,9 +43,9 @@ from lightning_bpk.interop._index import (
     find_set,
     set_kind,
 )
+from lightning_bpk.interop._mapped import ST_BOOL
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.formats import (
-    ST_BOOL,
     Content,
     Progress,
     read_content,
@@ -53,7 +54,7 @@ from lightning_bpk.interop.formats import (
 )
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
-from lightning_bpk.store import is_local, local_path
+from lightning_bpk.store import join, location, open_parent
 
 __all__ = [
     "convert_source",
@@ -67,27 +68,37 @@ __all__ = [
 ]
 
 
-def is_set(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names a checkpoint set (an index, or a directory holding one)."""
-    return set_kind(path) == "set"
+Options = Mapping[str, Any] | None
 
 
-def describe_set(path: str | os.PathLike[str]) -> CheckpointSet:
+def is_set(path: str | os.PathLike[str], storage_options: Options = None) -> bool:
+    """Whether ``path`` names a checkpoint set (an index, or a directory holding one);
+    ``storage_options`` go to fsspec for a URL."""
+    return set_kind(path, storage_options) == "set"
+
+
+def describe_set(path: str | os.PathLike[str], storage_options: Options = None) -> CheckpointSet:
     """The checked index of the set ``path`` names (``RecordError`` if it names none)."""
-    found = find_set(path)
+    found = find_set(path, storage_options)
     if not isinstance(found, CheckpointSet):
         raise RecordError("io", f"{path}: not a checkpoint set (no index)")
     return found
 
 
-def read_any(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Content:
+def read_any(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Options = None,
+) -> Content:
     """Every tensor of a file or a set, as :func:`~lightning_bpk.interop.formats.read_content`
     reads a file (a set's tensors in index order, their data read once), on ``device`` (as
-    ``read_content``'s: checked first, the tensors verified on the host and then copied)."""
+    ``read_content``'s: checked first, the tensors verified on the host and then copied);
+    ``storage_options`` go to fsspec for a URL."""
     target = _device.target_device(device)
-    if set_kind(path) is None and is_local(path):
-        return read_content(local_path(path), device=target)
-    with open_source(path) as source:
+    if set_kind(path, storage_options) is None:  # a file, or a sharded checkpoint's data
+        return read_content(path, device=target, storage_options=storage_options)
+    with open_source(path, storage_options) as source:
         tensors = {name: source.read(name).clone() for name in source.specs}
         metadata = {RECORD_KIND_KEY: ModuleRecord.kind, **source.metadata}
         metadata.update({ALIAS_PREFIX + a: t for a, t in source.aliases.items()})
@@ -95,8 +106,10 @@ def read_any(path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
         return Content(tensors, param_ids=dict(source.param_ids), metadata=metadata)
 
 
-def _set_content(path: Path) -> Content | None:
-    return read_any(path) if set_kind(path) == "set" else None
+def _set_content(path: Path | str, options: Options) -> Content | None:
+    if set_kind(path, options) != "set":
+        return None
+    return read_any(path, storage_options=options)
 
 
 register_set_reader(_set_content)  # read_content, convert and load_module_record read sets
@@ -122,18 +135,18 @@ def write_set(
     max_shard_size: int,
     suffix: str = ".safetensors",
     progress: Progress | None = None,
-) -> Path:
+) -> Path | str:
     """Write ``content`` as a sharded set in the new directory ``directory`` (see the module
     docs); returns the index's path."""
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, not {max_shard_size}")
     if suffix not in (".safetensors", ".bpk"):
         raise RecordError("io", f"{directory}: a set's shards are .safetensors or .bpk")
-    target = Path(directory)
-    if target.exists():
+    store, name = open_parent(directory)
+    target = location(directory)
+    if store.size(name) is not None or store.list(name):
         raise RecordError("io", f"{target}: exists; a set is written into a new directory")
-    scratch = _fs.scratch_path(target)
-    scratch.mkdir(parents=True)
+    staging = store.staging(name)
     try:
         groups = _shards(content, max_shard_size)
         weight_map: dict[str, str] = {}
@@ -150,19 +163,21 @@ def write_set(
                     if not k.startswith(ALIAS_PREFIX) or v in held
                 },
             )
-            write_content(scratch / shard, part, progress)
+            write_content(store.url_of(f"{staging}/{shard}"), part, progress)
             weight_map.update(dict.fromkeys(names, shard))
         total = sum(t.numel() * t.element_size() for t in content.tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        name = SAFETENSORS_INDEX if suffix == ".safetensors" else BPK_INDEX
-        with _fs.atomic_file(scratch / name) as f:
-            _fs.write_all(f, json.dumps(index, indent=2).encode())
-        os.rename(scratch, target)
-        _fs.fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
+        index_name = SAFETENSORS_INDEX if suffix == ".safetensors" else BPK_INDEX
+        store.put(f"{staging}/{index_name}", json.dumps(index, indent=2).encode())
+        store.publish(staging, name)
+    except BaseException as e:
+        store.remove_prefix(staging)
+        if isinstance(e, FileExistsError):  # an empty directory of that name, or a racing one
+            raise RecordError(
+                "io", f"{target}: exists; a set is written into a new directory"
+            ) from e
         raise
-    return target / name
+    return join(target, index_name)
 
 
 # --- what the command line shows ----------------------------------------------------------------
@@ -172,13 +187,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
 
 
-def describe_source(path: str | os.PathLike[str]) -> dict[str, Any]:
+def describe_source(
+    path: str | os.PathLike[str], storage_options: Options = None
+) -> dict[str, Any]:
     """What ``inspect`` shows for a set or a ``.safetensors`` file, as JSON-ready data: its
     files (a set's index and shards), every tensor's dtype, shape, bytes, file and param id,
     and the metadata. Nothing but headers is read."""
-    kind = set_kind(path)
-    found = find_set(path) if kind is not None else None
-    with open_source(path) as source:
+    kind = set_kind(path, storage_options)
+    found = find_set(path, storage_options) if kind is not None else None
+    with open_source(path, storage_options) as source:
         sizes = {name: _nbytes(shape, dtype) for name, (shape, dtype) in source.specs.items()}
         tensors = [
             {
@@ -218,13 +235,13 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-def verify_source(path: str | os.PathLike[str]) -> dict[str, Any]:
+def verify_source(path: str | os.PathLike[str], storage_options: Options = None) -> dict[str, Any]:
     """What ``verify`` reports for a set or a ``.safetensors`` file: every check of opening it
     (index, shard names, headers, index against shards), then every ``.bpk`` shard's
     checksums; ``{"file", "ok", "problems", "tensors", "checksums"}``."""
     result: dict[str, Any] = {"file": str(path), "ok": True, "problems": [], "checksums": 0}
     try:
-        with open_source(path) as source:
+        with open_source(path, storage_options) as source:
             result["tensors"] = len(source.specs)
             if source.verify is not None:
                 for name in source.specs:
@@ -249,7 +266,7 @@ def convert_source(
     max_shard_size: int | None = None,
     suffix: str = ".safetensors",
     progress: Progress | None = None,
-) -> Path:
+) -> Path | str:
     """``src`` (a file or a set, local or at a URL) written as one file ``dst`` (by suffix), or,
     with ``max_shard_size``, as a set in the new directory ``dst``; returns what was written
     (a set's index)."""

@@ -43,6 +43,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from lightning_bpk import burnpack
 from lightning_bpk.interop._dims import follow
-from lightning_bpk.interop._index import Location
+from lightning_bpk.interop._index import Location, Options
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
     Planned,
@@ -139,24 +140,21 @@ def _byte_runs(shape: Sequence[int], itemsize: int, box: Box) -> Iterator[tuple[
 
 
 class _RangedFiles:
-    """Positional reads of boxes of tensors across a set's files, each file opened once, on
-    first use, counting the bytes read (thread-safe)."""
+    """Positional reads of boxes of tensors across a set's files, through each file's store
+    (:meth:`~lightning_bpk.store.Store.read_ranges`: one call per box), counting the bytes read
+    (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: Options = None) -> None:
+        self.options = options
         self.bytes_read = 0
-        self._open: dict[str, tuple] = {}
+        self._readers: dict[str, Callable[[Sequence[tuple[memoryview, int]]], None]] = {}
         self._lock = threading.Lock()
 
-    def close(self) -> None:
-        for _, close in self._open.values():
-            close()
-        self._open.clear()
-
-    def _reader(self, file: Location) -> Callable[[memoryview, int], None]:
+    def _reader(self, file: Location) -> Callable[[Sequence[tuple[memoryview, int]]], None]:
         with self._lock:
-            if str(file) not in self._open:
-                self._open[str(file)] = ranged_reader(file)
-            return self._open[str(file)][0]
+            if str(file) not in self._readers:
+                self._readers[str(file)] = ranged_reader(file, self.options)
+            return self._readers[str(file)]
 
     def read(
         self,
@@ -174,11 +172,12 @@ class _RangedFiles:
         if out is None:
             out = torch.empty([stop - begin for begin, stop in box], dtype=span.stored)
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
-        read_into = self._reader(span.file)
+        pieces = []
         at = 0
         for offset, length in _byte_runs(shape, out.element_size(), box):
-            read_into(flat[at : at + length], span.start + offset)
+            pieces.append((flat[at : at + length], span.start + offset))
             at += length
+        self._reader(span.file)(pieces)
         with self._lock:
             self.bytes_read += at
         return out
@@ -203,6 +202,7 @@ def load_into_shards(
     validate: bool = True,
     dtype_policy: str = "from_record",
     ties: Mapping[str, str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ShardedLoad:
     """Load a full ``.bpk`` or ``.safetensors`` file, or a checkpoint set of them (an index or
     a directory, local or at a URL), into ``module``, whose tensors may be ``DTensor`` shards,
@@ -211,6 +211,7 @@ def load_into_shards(
     options as :func:`~lightning_bpk.interop.loading.load_remapped` (no adapter: give its layout
     changes as rules); a ``DTensor`` keeps its dtype (``dtype_policy="cast_to_module"`` casts
     the file's). ``verify=True`` checks a ``.bpk`` file's checksums of the tensors read, in full.
+    ``storage_options`` go to fsspec for a URL.
 
     Example, on each rank of an FSDP2 model::
 
@@ -221,7 +222,7 @@ def load_into_shards(
         raise ValueError(f"workers must be >= 1, not {workers}")
     remapper = remapper if remapper is not None else KeyRemapper([])
     ties = tied_weights(module) if ties is None else dict(ties)
-    with open_source(path) as source:
+    with open_source(path, storage_options) as source:
         if source.spans is None:
             raise RecordError(
                 "io",
@@ -237,7 +238,7 @@ def load_into_shards(
         planned, targets, boxes, renames = _checked_plan(
             path, source, module, remapper, ties, options
         )
-        files = _RangedFiles()
+        files = _RangedFiles(storage_options)
         try:
             done = ShardedLoad(planned.result.unmatched)
             if verify and source.verify is not None:  # first: a damaged file changes nothing
@@ -250,8 +251,6 @@ def load_into_shards(
             raise RecordError.from_format_error(e) from e
         except StorageError as e:
             raise RecordError("io", str(e)) from e
-        finally:
-            files.close()
         done.bytes_read += files.bytes_read
     return done
 

@@ -9,14 +9,22 @@ compatibility; files Burn wrote carry no tag and load through the class the call
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from lightning_bpk import _device, burnpack, state
-from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.records import files
+from lightning_bpk.records._kind import (
+    KINDS,
+    RECORD_KIND_KEY,
+    RecordChecksumError,
+    RecordError,
+    RecordErrorKind,
+)
+from lightning_bpk.records._kind import record_from_pack as _record_from_pack
 
 __all__ = [
     "Record",
@@ -27,61 +35,7 @@ __all__ = [
     "load_record",
 ]
 
-RECORD_KIND_KEY = "lightning_bpk/record"
-"""The metadata entry that names a record's kind (``module``, ``optimizer``, ...)."""
-
 R = TypeVar("R", bound="Record")
-
-
-RecordErrorKind = Literal["io", "validation", "checksum"]
-"""What :attr:`RecordError.kind` says went wrong: the file could not be read or written (``io``),
-its content is not a valid record (``validation``), or its bytes changed (``checksum``)."""
-_LABELS: dict[str, str] = {
-    "io": "Record I/O error",
-    "validation": "Record validation error",
-    "checksum": "Record checksum error",
-}
-
-
-class RecordError(LightningBpkError):
-    """A record could not be read, written or applied.
-
-    ``kind`` is ``"io"`` (the file or its bytes), ``"validation"`` (content that does not fit
-    the target) or ``"checksum"`` (bytes that fail their checksum: always a
-    :class:`RecordChecksumError`); ``problems`` lists every problem found, sorted, and the
-    message shows them all.
-    """
-
-    kind: RecordErrorKind
-
-    def __init__(self, kind: RecordErrorKind, problems: str | Iterable[str]) -> None:
-        if kind not in ("io", "validation") and not (
-            kind == "checksum" and isinstance(self, RecordChecksumError)
-        ):
-            raise ValueError(f"RecordError kind must be 'io' or 'validation', not {kind!r}")
-        self.kind = kind
-        self.problems = sorted([problems] if isinstance(problems, str) else problems)
-        super().__init__(f"{_LABELS[kind]}: " + "; ".join(self.problems))
-
-    @classmethod
-    def from_format_error(cls, error: burnpack.BurnpackError) -> RecordError:
-        """The record error for a failure of the format layer: a checksum failure stays one
-        (:class:`RecordChecksumError`), anything else is an ``"io"`` error."""
-        if isinstance(error, burnpack.ChecksumError):
-            return RecordChecksumError(str(error))
-        return RecordError("io", str(error))
-
-
-class RecordChecksumError(RecordError, burnpack.ChecksumError):
-    """Stored bytes fail their checksum: the file is damaged (not missing, not mismatched).
-
-    Both a :class:`RecordError` (kind ``"checksum"``) and a
-    :class:`~lightning_bpk.burnpack.ChecksumError`, so ``except burnpack.ChecksumError`` catches
-    a damaged tensor whether a pack, a record or a checkpoint load found it.
-    """
-
-    def __init__(self, problems: str | Iterable[str]) -> None:
-        super().__init__("checksum", problems)
 
 
 def _class_name(obj: object) -> str:
@@ -94,12 +48,12 @@ class Record:
     """Base class: subclasses say how they map to burnpack content and back."""
 
     kind: ClassVar[str]
-    _registry: ClassVar[dict[str, type[Record]]] = {}
+    _registry: ClassVar[dict[str, Any]] = KINDS
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:
-            Record._registry[cls.kind] = cls
+            KINDS[cls.kind] = cls
 
     # -- what subclasses provide --
 
@@ -128,11 +82,16 @@ class Record:
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the record atomically (``.bpk`` added when ``path`` has no suffix)."""
-        tensors, scalars, metadata = self.content()
+    def save(
+        self, path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    ) -> Path | str:
+        """Write the record durably and whole at a path or URL (``.bpk`` added when ``path``
+        has no suffix; ``storage_options`` go to fsspec) through
+        :func:`lightning_bpk.records.files.write_record`; returns where it was written. A
+        failed write (a full disk) is a :class:`RecordError` of kind ``"io"`` and leaves an
+        existing file as it was."""
         try:
-            return burnpack.write(path, tensors, scalars=scalars, metadata=metadata)
+            return files.write_record(self, files.with_bpk_suffix(path), storage_options)
         except burnpack.BurnpackError as e:
             raise RecordError.from_format_error(e) from e
 
@@ -150,19 +109,21 @@ class Record:
 
     @classmethod
     def load(
-        cls: type[R], path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+        cls: type[R],
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        storage_options: Mapping[str, Any] | None = None,
     ) -> R:
-        """Read a record file (Burn's rule: ``.bpk`` is tried when ``path`` has no suffix).
+        """Read a record file at a path or URL (Burn's rule: ``.bpk`` is tried when ``path``
+        has no suffix; ``storage_options`` go to fsspec), through
+        :func:`lightning_bpk.records.files.open_record`.
 
         ``device``: where its tensors go, ``cpu`` or a CUDA device (checked before the file is
         read; a ``ValueError`` names any other). Checksums are verified on the host first, then
         the tensors are copied to a CUDA device through reused pinned bounce buffers."""
         target = _device.target_device(device)
-        try:
-            pack = burnpack.read(path)
-        except burnpack.BurnpackError as e:
-            raise RecordError.from_format_error(e) from e
-        with pack:
+        with files.open_record(path, storage_options) as pack:
             return cls._from_checked_pack(pack).to(target)
 
     def to(self: R, device: str | torch.device) -> R:
@@ -227,26 +188,15 @@ class StateRecord(Record):
         return cls(state.decode(pack))
 
 
-def load_record(path: str | os.PathLike[str], *, device: str | torch.device = "cpu") -> Record:
-    """Open any record this package wrote, choosing the class from its kind tag; its tensors
-    on ``device`` (see :meth:`Record.load`)."""
+def load_record(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+) -> Record:
+    """Open any record this package wrote, at a path or URL, choosing the class from its kind
+    tag; its tensors on ``device`` (see :meth:`Record.load`)."""
     target = _device.target_device(device)
-    try:
-        pack = burnpack.read(path)
-    except burnpack.BurnpackError as e:
-        raise RecordError.from_format_error(e) from e
-    with pack:
-        return _record_from_pack(pack).to(target)
-
-
-def _record_from_pack(pack: burnpack.Pack) -> Record:
-    """The record held by an open pack (a file, or an object read into memory), choosing the
-    class from its kind tag."""
-    kind = pack.metadata.get(RECORD_KIND_KEY)
-    record_cls = Record._registry.get(kind) if kind is not None else None
-    if record_cls is None:
-        raise RecordError(
-            "validation",
-            f"{pack.source} has no known record kind ({RECORD_KIND_KEY} = {kind!r})",
-        )
-    return record_cls._from_checked_pack(pack)
+    with files.open_record(path, storage_options) as pack:
+        record: Record = _record_from_pack(pack)
+        return record.to(target)

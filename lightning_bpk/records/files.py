@@ -1,7 +1,10 @@
 """A record at a path or a URL: open it (optionally head-checked), read it, write it.
 
-The one place where a record file meets a :class:`~lightning_bpk.store.Store`; the checkpointer,
-the CLI and the Lightning ``CheckpointIO`` plugin all read and write record files through here.
+The one place where a record file meets a :class:`~lightning_bpk.store.Store`: the one reader
+and the one writer of record files. ``Record.save``/``Record.load``/``load_record``, the
+checkpointer, the interop loaders, the CLI and the Lightning ``CheckpointIO`` plugin all read and
+write record files through here, so a damaged file raises the same
+:class:`~lightning_bpk.records.RecordChecksumError` whoever reads it, on local disk or at a URL.
 A file is opened through :meth:`Store.map <lightning_bpk.store.Store.map>`: on local disk the
 file mapped copy-on-write (tensors are zero-copy views), on an object store an anonymous
 mapping filled with ranged reads. With the head a manifest recorded, the head (header and CBOR
@@ -24,23 +27,25 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack.writer import _write_to
 from lightning_bpk.errors import StorageError
-from lightning_bpk.records.base import (
+from lightning_bpk.records._kind import (
     RECORD_KIND_KEY,
-    Record,
     RecordChecksumError,
     RecordError,
-    _record_from_pack,
+    record_from_pack,
 )
-from lightning_bpk.store import Store, open_parent
+from lightning_bpk.store import Store, join, name_of, open_parent, parent_of
 from lightning_bpk.store import location as as_location
 from lightning_bpk.store.local import RefusedFileError
+
+if TYPE_CHECKING:
+    from lightning_bpk.records.base import Record
 
 __all__ = [
     "HEAD_DAMAGED",
@@ -48,9 +53,12 @@ __all__ = [
     "Head",
     "describe",
     "open_pack",
+    "open_record",
     "read_pack",
     "read_record",
+    "save_pack",
     "save_record",
+    "with_bpk_suffix",
     "write_record",
 ]
 
@@ -179,6 +187,21 @@ def read_pack(
     return open_pack(store, key, size=size)
 
 
+def open_record(
+    location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> burnpack.Pack:
+    """:func:`read_pack` for the public readers (``load_record``, ``Record.load``, interop):
+    anything unreadable is a :class:`RecordError` naming the file, with its cause chained (a
+    missing file an ``"io"`` one, damaged bytes a :class:`RecordChecksumError`); a store that
+    keeps failing stays a :class:`~lightning_bpk.errors.StorageError` naming the URL."""
+    try:
+        return read_pack(location, storage_options)
+    except burnpack.BurnpackError as e:
+        raise RecordError.from_format_error(e) from e
+    except FileNotFoundError as e:
+        raise RecordError("io", f"cannot read {e}") from e
+
+
 def read_record(
     location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Record:
@@ -189,7 +212,8 @@ def read_record(
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        return _record_from_pack(pack)
+        record: Record = record_from_pack(pack)
+        return record
 
 
 def save_record(record: Record, store: Store, key: str) -> Described:
@@ -199,6 +223,22 @@ def save_record(record: Record, store: Store, key: str) -> Described:
     ``OSError`` (:class:`~lightning_bpk.burnpack.BurnpackIOError`); other format errors a
     RecordError."""
     tensors, scalars, metadata = record.content()
+    return save_pack(store, key, tensors, scalars=scalars, metadata=metadata)
+
+
+def save_pack(
+    store: Store,
+    key: str,
+    tensors: burnpack.TensorsArg,
+    *,
+    scalars: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Described:
+    """The one writer of ``.bpk`` files: ``tensors`` (names to tensors or
+    :class:`~lightning_bpk.burnpack.TensorEntry`, in data order), ``scalars`` and
+    ``metadata`` streamed into :meth:`Store.sink <lightning_bpk.store.Store.sink>` (local:
+    ``O_DIRECT`` where supported, fsync and rename; remote: one upload), as
+    :func:`save_record` writes a record, for writers of other contents (interop's)."""
     try:
         written = _write_to(
             functools.partial(store.sink, key),
@@ -212,7 +252,7 @@ def save_record(record: Record, store: Store, key: str) -> Described:
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     head = written.head
-    kind = metadata.get(RECORD_KIND_KEY, "dcp")
+    kind = dict(metadata or {}).get(RECORD_KIND_KEY, "dcp")
     return Described(kind, written.size, len(head), xxhash.xxh3_64_hexdigest(head))
 
 
@@ -226,3 +266,17 @@ def write_record(
     store, key = open_parent(location, storage_options)
     save_record(record, store, key)
     return as_location(location)
+
+
+def with_bpk_suffix(location: str | os.PathLike[str]) -> Path | str:
+    """``location`` (a path or URL) with ``.bpk`` appended when its name has no suffix (Burn's
+    rule for writers).
+
+    >>> with_bpk_suffix("s3://bucket/run/model"), with_bpk_suffix("run/model.safetensors")
+    ('s3://bucket/run/model.bpk', PosixPath('run/model.safetensors'))
+    """
+    loc = as_location(location)
+    name = name_of(loc)
+    if Path(name).suffix:
+        return loc
+    return join(parent_of(loc), name + ".bpk")

@@ -8,8 +8,8 @@ sharded (DCP) writer are written once against it; only the two backends know whe
                          Checkpointer · Lease · DCP writer/reader · records.files
                                               │
                                         Store (Protocol)
-   list · size · read · read_into · put(create_only) · sink · scratch · staging · publish
-                      remove · remove_prefix · exclusive · map · refused · check
+   list · size · read · read_into · read_ranges · open_file · put(create_only) · sink · scratch
+         staging · publish · remove · remove_prefix · exclusive · map · refused · check
                     ┌─────────────────────────┴─────────────────────────┐
              LocalStore (local.py)                            ObjectStore (objects.py)
       fsync + rename, link-or-fail create,         fsspec: bounded retries with jitter, multipart
@@ -42,7 +42,7 @@ import os
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import fsspec
 import fsspec.core
@@ -124,6 +124,17 @@ class Store(Protocol):
 
     def read_into(self, key: str, buffer: bytearray | memoryview, offset: int = 0) -> None:
         """Fill ``buffer`` with the bytes of ``key`` from ``offset`` on (short: an error)."""
+        ...
+
+    def open_file(self, key: str) -> BinaryIO:
+        """``key`` as a read-only, seekable binary file, for readers that take a file object
+        (``torch.load``): local disk opens the file, an object store reads it in ranges."""
+        ...
+
+    def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:
+        """Fill each ``(buffer, offset)`` of ``pieces`` from ``key``, as :meth:`read_into`
+        would one by one, in one go (local: the file opened once; remote: one batch of ranged
+        reads issued together): the byte ranges of a tensor's shard, row by row."""
         ...
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
@@ -250,13 +261,18 @@ def parent_of(url: Path | str) -> Path | str:
 
 
 def open_store(
-    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    url: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    follow_links: bool = False,
 ) -> LocalStore | ObjectStore:
     """The :class:`Store` rooted at ``url``: a :class:`LocalStore` for a path or ``file://``
-    URL, an :class:`ObjectStore` for any other protocol (nothing is created)."""
+    URL, an :class:`ObjectStore` for any other protocol (nothing is created).
+    ``follow_links``: reads follow symlinks (files other tools wrote, such as a hub cache's;
+    a checkpoint's reads never do; object stores have no links)."""
     loc = location(url)
     if isinstance(loc, Path):
-        return LocalStore(loc)
+        return LocalStore(loc, follow_links=follow_links)
     try:
         fs, root = fsspec.core.url_to_fs(loc, **dict(storage_options or {}))
     except ImportError as e:

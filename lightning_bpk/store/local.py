@@ -28,7 +28,7 @@ import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 from lightning_bpk import _fs
 from lightning_bpk.errors import CheckpointLockedError, LightningBpkError, StorageError
@@ -122,9 +122,12 @@ class LocalStore:
 
     atomic_create = True  # os.link fails when the name exists
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, follow_links: bool = False) -> None:
         self.root = Path(root)
         self.url = str(self.root)
+        # reads of files other tools wrote (a hub cache links its files) follow symlinks;
+        # a checkpoint's never do
+        self.follow_links = follow_links
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -178,8 +181,9 @@ class LocalStore:
     def _open(self, key: str) -> int:
         """A read descriptor of regular file ``key``: no symlink followed, no FIFO waited on."""
         path = self._path(key)
+        nofollow = 0 if self.follow_links else os.O_NOFOLLOW
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise RefusedFileError(f"{path} {_SYMLINK}", _SYMLINK) from None
@@ -207,6 +211,22 @@ class LocalStore:
         fd = self._open(key)
         try:
             self._preadv(fd, key, memoryview(buffer).cast("B"), offset, exact=True)
+        finally:
+            os.close(fd)
+
+    @_typed
+    def open_file(self, key: str) -> BinaryIO:
+        """File ``key`` open for reading (seekable), for readers that take a file object."""
+        return os.fdopen(self._open(key), "rb")
+
+    @_typed
+    def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:
+        """Fill each ``(buffer, offset)`` of ``pieces`` with the bytes of ``key`` from
+        ``offset`` on, the file opened once (short: an error)."""
+        fd = self._open(key)
+        try:
+            for buffer, offset in pieces:
+                self._preadv(fd, key, memoryview(buffer).cast("B"), offset, exact=True)
         finally:
             os.close(fd)
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 import fsspec.core
@@ -285,6 +285,48 @@ class ObjectStore:
                 raise error
 
         self._retry("read", key, fetch)
+
+    def open_file(self, key: str) -> BinaryIO:
+        """Object ``key`` as a read-only, seekable file whose reads are ranged requests (the
+        driver's buffered file: opening is retried here, its reads by the driver)."""
+        opened: BinaryIO = self._retry("open", key, lambda: self.fs.open(self._path(key), "rb"))
+        return opened
+
+    def read_ranges(self, key: str, pieces: Iterable[tuple[bytearray | memoryview, int]]) -> None:
+        """Fill each ``(buffer, offset)`` of ``pieces`` with the object's bytes from ``offset``
+        on: one batch of ranged reads issued together (s3fs and gcsfs run them concurrently);
+        a range that failed or came back short is asked for again by the retry."""
+        views = [(memoryview(buffer).cast("B"), offset) for buffer, offset in pieces]
+        pending = [i for i, (view, _) in enumerate(views) if view.nbytes]
+        path = self._path(key)
+
+        def fetch() -> None:
+            chunks = self.fs.cat_ranges(
+                [path] * len(pending),
+                [views[i][1] for i in pending],
+                [views[i][1] + views[i][0].nbytes for i in pending],
+            )
+            failed: list[int] = []
+            error: BaseException | None = None
+            for i, chunk in zip(list(pending), chunks, strict=True):
+                view, offset = views[i]
+                if isinstance(chunk, BaseException):
+                    failed.append(i)
+                    error = error or chunk
+                elif len(chunk) != view.nbytes:
+                    failed.append(i)
+                    error = error or _ShortRead(
+                        f"{len(chunk)} bytes at {offset}, expected {view.nbytes} (a short "
+                        "answer, or the object is shorter than its listed size)"
+                    )
+                else:
+                    view[:] = chunk
+            pending[:] = failed
+            if error is not None:
+                raise error
+
+        if pending:
+            self._retry("read", key, fetch)
 
     def download(self, key: str, local: str | os.PathLike[str]) -> None:
         """Copy object ``key`` to a local file (for readers that need a file: the CLI's

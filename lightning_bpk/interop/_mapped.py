@@ -1,0 +1,169 @@
+"""A file another tool wrote, read through its location's :class:`~lightning_bpk.store.Store`:
+the errors of a store as a ``RecordError`` naming the file, and a ``.safetensors`` file mapped
+(:meth:`~lightning_bpk.store.Store.map`: on local disk the file itself, copy-on-write, so tensors
+are zero-copy views; at a URL an anonymous mapping whose ranges are fetched as they are read),
+its header checked before any size or offset in it is used.
+
+Shared by :mod:`lightning_bpk.interop.formats` (a whole file as a ``Content``) and
+``_sources`` (a file opened lazily for the loaders), so both read a safetensors file the same
+way on local disk and at a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_bpk import burnpack
+from lightning_bpk.burnpack.base import MAX_RANK
+from lightning_bpk.records.base import RecordError
+from lightning_bpk.store import open_store
+
+__all__ = [
+    "ST_BOOL",
+    "SafetensorsFile",
+    "Specs",
+    "open_safetensors",
+    "safetensors_header",
+    "st_dtype",
+    "store_errors",
+]
+
+ST_BOOL = "BOOL"
+"""Safetensors' name of ``torch.bool`` (every other dtype it names exactly as Burn does: F32,
+BF16, U8, ...)."""
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
+
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Tensor name -> ``(shape, dtype)``, in data order."""
+
+
+@contextmanager
+def store_errors(loc: Path | str) -> Iterator[None]:
+    """A store that keeps failing, or a file that cannot be mapped, as a ``RecordError`` of
+    kind ``"io"`` naming ``loc``, its cause chained."""
+    try:
+        yield
+    except RecordError:
+        raise
+    except (OSError, ValueError) as e:
+        raise RecordError("io", f"{loc}: cannot read: {e}") from e
+
+
+def st_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``BurnpackError`` for an unknown one)."""
+    return torch.bool if name == ST_BOOL else burnpack._torch_dtype(name)
+
+
+def safetensors_header(
+    read_at: Callable[[int, int], bytes], size: int, where: Path | str
+) -> tuple[tuple[Specs, dict[str, tuple[int, int]], dict[str, str]], int]:
+    """Parse and check a safetensors header: ``((specs, offsets, metadata), data start)``.
+    Checked before use: the header length, JSON, every dtype, shape and offset pair, each
+    tensor's byte count against its shape, every range inside the data and no two overlapping."""
+    if size < 8:
+        raise RecordError("validation", f"{where}: {size} bytes, not a safetensors file")
+    (length,) = struct.unpack("<Q", read_at(0, 8))
+    if length > min(_MAX_HEADER, size - 8):
+        raise RecordError("validation", f"{where}: header length {length} exceeds the file")
+    try:
+        header = json.loads(read_at(8, 8 + length))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError("validation", f"{where}: not a safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise RecordError("validation", f"{where}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise RecordError("validation", f"{where}: '__metadata__' is not a map of strings")
+    data = size - 8 - length
+    specs: Specs = {}
+    offsets: dict[str, tuple[int, int]] = {}
+    for name, entry in header.items():
+        try:
+            dtype = st_dtype(entry["dtype"])
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            ok = (
+                len(shape) <= MAX_RANK
+                and all(type(n) is int and n >= 0 for n in shape)
+                and type(begin) is int
+                and type(end) is int
+                and 0 <= begin <= end <= data
+            )
+            numel = 1
+            for n in shape:
+                numel *= n
+            ok = ok and end - begin == numel * dtype.itemsize
+        except (KeyError, TypeError, ValueError, burnpack.BurnpackError) as e:
+            raise RecordError("validation", f"{where}: tensor {name!r}: bad entry: {e}") from e
+        if not ok:
+            raise RecordError("validation", f"{where}: tensor {name!r}: bad shape or offsets")
+        specs[name], offsets[name] = (shape, dtype), (begin, end)
+    ranges = sorted(offsets.values())
+    if any(a[1] > b[0] for a, b in itertools.pairwise(ranges)):
+        raise RecordError("validation", f"{where}: tensors' byte ranges overlap")
+    order = sorted(offsets, key=lambda n: offsets[n])
+    return ({n: specs[n] for n in order}, offsets, metadata), 8 + length
+
+
+@dataclass
+class SafetensorsFile:
+    """A mapped, checked safetensors file: tensors in data order, their byte ranges relative to
+    ``start`` (where the data begins), the header's ``__metadata__``."""
+
+    specs: Specs
+    offsets: dict[str, tuple[int, int]]
+    metadata: dict[str, str]
+    start: int
+    tensor: Callable[[str], torch.Tensor]  # a view of the mapping (thread-safe)
+
+
+@contextmanager
+def open_safetensors(
+    loc: Path | str, options: Mapping[str, Any] | None
+) -> Iterator[SafetensorsFile]:
+    """The safetensors file at ``loc`` mapped through its store, its header checked
+    (:func:`safetensors_header`); the mapping is closed when the block ends, unless tensors
+    still view it (then when the last one goes)."""
+    with store_errors(loc):
+        store = open_store(loc, options, follow_links=True)
+        size = store.size("")
+        if size is None:
+            raise RecordError("io", f"{loc}: no such file or object")
+        if size < 8:
+            raise RecordError("validation", f"{loc}: {size} bytes, not a safetensors file")
+        mapped = store.map("", size)
+    buffer = memoryview(mapped.buffer)
+
+    def read_at(begin: int, end: int) -> bytes:
+        with store_errors(loc):
+            mapped.fetch(begin, end)
+        return bytes(buffer[begin:end])
+
+    try:
+        (specs, offsets, metadata), start = safetensors_header(read_at, size, loc)
+
+        def tensor(name: str) -> torch.Tensor:
+            shape, dtype = specs[name]
+            begin, end = offsets[name]
+            if begin == end:
+                return torch.empty(shape, dtype=dtype)
+            with store_errors(loc):
+                mapped.fetch(start + begin, start + end)
+            view = buffer[start + begin : start + end]
+            return torch.frombuffer(view, dtype=dtype).reshape(shape)
+
+        yield SafetensorsFile(specs, offsets, metadata, start, tensor)
+    finally:
+        with contextlib.suppress(BufferError):  # views still alive keep the mapping
+            buffer.release()
+            mapped.buffer.close()
