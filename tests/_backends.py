@@ -398,6 +398,10 @@ class FaultyFileSystem(MemoryFileSystem):
         self._count("info")
         return super().info(*args, **kwargs)
 
+    def cat_ranges(self, *args: Any, **kwargs: Any) -> Any:
+        self._count("cat_ranges")
+        return super().cat_ranges(*args, **kwargs)
+
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)
 

@@ -22,6 +22,7 @@ fsync and rename locally, one upload remotely (the object appears whole or not a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import struct
@@ -135,7 +136,10 @@ def open_pack(
             start = head.head_size
         mapped.fetch(start, len(buffer))
     except BaseException:
-        buffer.close()
+        # what failed is the news: a view still held somewhere (a traceback) only delays the
+        # unmapping to the collector
+        with contextlib.suppress(BufferError):
+            buffer.close()
         raise
     return burnpack.Pack(buffer, source=url, _mmap=buffer)
 

@@ -284,7 +284,10 @@ class ObjectStore:
             if error is not None:
                 raise error
 
-        self._retry("read", key, fetch)
+        try:
+            self._retry("read", key, fetch)
+        finally:
+            view.release()  # not left to a traceback: the caller may close what it views
 
     def open_file(self, key: str) -> BinaryIO:
         """Object ``key`` as a read-only, seekable file whose reads are ranged requests (the
@@ -325,8 +328,12 @@ class ObjectStore:
             if error is not None:
                 raise error
 
-        if pending:
-            self._retry("read", key, fetch)
+        try:
+            if pending:
+                self._retry("read", key, fetch)
+        finally:
+            for view, _ in views:  # as read_into's
+                view.release()
 
     def download(self, key: str, local: str | os.PathLike[str]) -> None:
         """Copy object ``key`` to a local file (for readers that need a file: the CLI's
