@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from lightning_bpk.interop import (
     derive_inverse,
     export_checkpoint,
     load_module_record,
+    load_remapped,
     read_content,
     record_remapped,
     save_module_record,
@@ -458,3 +460,60 @@ def test_loads_without_a_module_take_a_device(suffix: str, tmp_path: Path) -> No
             load_module_record(tmp_path / f"absent{suffix}", device=device)
         with pytest.raises(ValueError, match=message):
             read_content(tmp_path / f"absent{suffix}", device=device)
+
+
+_INFO = {"order": ["w"], "param_ids": {"w": "7"}, "dtypes": {}, "scalars": {}}
+# This package's info entry in a safetensors header, made hostile field by field (the text).
+_HOSTILE_INFO = {
+    "not JSON": "{",
+    "nested past the recursion limit": "[" * 5000 + "]" * 5000,
+    "a list": "[]",
+    "an infinite param id": '{"order": ["w"], "param_ids": {"w": Infinity}}',
+    "a param id past u64": json.dumps({**_INFO, "param_ids": {"w": 2**70}}),
+    "param ids as a list": json.dumps({**_INFO, "param_ids": [1, 2]}),
+    "order as a string": json.dumps({**_INFO, "order": "w"}),
+    "order naming twice": json.dumps({**_INFO, "order": ["w", "w"]}),
+    "order naming another tensor": json.dumps({**_INFO, "order": ["zzz"]}),
+    "a dtype of the wrong type": json.dumps({**_INFO, "dtypes": {"w": 5}}),
+    "scalars as a list": json.dumps({**_INFO, "scalars": [1]}),
+    "a scalar past u64": json.dumps({**_INFO, "scalars": {"x": ["UInt", 2**70]}}),
+    "a scalar of no kind": json.dumps({**_INFO, "scalars": {"x": [None, None]}}),
+    "a float scalar not in hex": json.dumps({**_INFO, "scalars": {"x": ["Float", "one"]}}),
+}
+
+
+@pytest.mark.parametrize("case", list(_HOSTILE_INFO))
+def test_a_hostile_info_entry_is_a_record_error_naming_the_file(tmp_path, case):
+    """Every reader of a safetensors file this package wrote checks its info entry whole (one
+    parser): a hostile one is a RecordError naming the file and the entry, never the JSON's or
+    a conversion's own exception (RecursionError, OverflowError, AttributeError, ...)."""
+    path = tmp_path / "model.safetensors"
+    metadata = {SAFETENSORS_INFO_KEY: _HOSTILE_INFO[case]}
+    path.write_bytes(safetensors.torch.save({"w": torch.ones(2)}, metadata=metadata))
+    for read in (read_content, load_module_record):
+        with pytest.raises(RecordError, match=rf"{path.name}: bad {SAFETENSORS_INFO_KEY} entry"):
+            read(path)
+    with pytest.raises(RecordError, match=path.name):
+        load_remapped(path, nn.Linear(2, 1, bias=False))
+
+
+# Hostile tensor entries of a safetensors header: each is refused before any size is used.
+_HOSTILE_HEADERS = {
+    "a dimension past int64 beside a zero": {"dtype": "F32", "shape": [0, 2**63, 3]},
+    "dimensions whose product passes int64": {"dtype": "F32", "shape": [0, 2**62, 4]},
+    "a negative dimension": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]},
+    "offsets of the wrong type": {"dtype": "F32", "shape": [2], "data_offsets": "ab"},
+    "an entry that is a list": [1, 2],
+}
+
+
+@pytest.mark.parametrize("case", list(_HOSTILE_HEADERS))
+def test_a_hostile_safetensors_header_is_a_record_error(tmp_path, case):
+    entry = _HOSTILE_HEADERS[case]
+    if isinstance(entry, dict):
+        entry = {"data_offsets": [0, 0], **entry}
+    text = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(8))
+    with pytest.raises(RecordError, match=r"model\.safetensors"):
+        read_content(path)

@@ -24,14 +24,22 @@ from typing import Any
 import torch
 
 from lightning_bpk import burnpack
-from lightning_bpk.burnpack.base import MAX_RANK
+from lightning_bpk.burnpack.base import MAX_RANK, _short
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.store import open_store
 
+SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
+"""The ``__metadata__`` entry (JSON) in which a safetensors file written from a burnpack keeps
+what safetensors has no place for: the tensors' order, param ids, Burn dtypes and scalars."""
+_MAX_SIZE = 2**63  # a torch size is an int64
+
 __all__ = [
+    "SAFETENSORS_INFO_KEY",
     "ST_BOOL",
+    "BurnInfo",
     "SafetensorsFile",
     "Specs",
+    "burn_info",
     "open_safetensors",
     "safetensors_header",
     "st_dtype",
@@ -77,7 +85,7 @@ def safetensors_header(
         raise RecordError("validation", f"{where}: header length {length} exceeds the file")
     try:
         header = json.loads(read_at(8, 8 + length))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise RecordError("validation", f"{where}: not a safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise RecordError("validation", f"{where}: the header is not a JSON object")
@@ -94,15 +102,17 @@ def safetensors_header(
             begin, end = entry["data_offsets"]
             ok = (
                 len(shape) <= MAX_RANK
-                and all(type(n) is int and n >= 0 for n in shape)
+                and all(type(n) is int and 0 <= n < _MAX_SIZE for n in shape)
                 and type(begin) is int
                 and type(end) is int
                 and 0 <= begin <= end <= data
             )
-            numel = 1
+            numel, nonzero = 1, 1
             for n in shape:
                 numel *= n
-            ok = ok and end - begin == numel * dtype.itemsize
+                nonzero *= max(n, 1)
+            # torch's sizes are int64 even where a 0 makes the tensor empty
+            ok = ok and nonzero < _MAX_SIZE and end - begin == numel * dtype.itemsize
         except (KeyError, TypeError, ValueError, burnpack.BurnpackError) as e:
             raise RecordError("validation", f"{where}: tensor {name!r}: bad entry: {e}") from e
         if not ok:
@@ -167,3 +177,67 @@ def open_safetensors(
         with contextlib.suppress(BufferError):  # views still alive keep the mapping
             buffer.release()
             mapped.buffer.close()
+
+
+@dataclass(frozen=True)
+class BurnInfo:
+    """What :data:`SAFETENSORS_INFO_KEY` holds, checked: the tensors' order (None: not given),
+    param ids, Burn dtypes and scalars."""
+
+    order: list[str] | None
+    param_ids: dict[str, int]
+    dtypes: dict[str, burnpack.DType]
+    scalars: dict[str, burnpack.Scalar]
+
+
+def burn_info(raw: str | None, where: Path | str) -> BurnInfo | None:
+    """The checked :data:`SAFETENSORS_INFO_KEY` entry of a safetensors file (None: it has none,
+    a file another tool wrote). The one reader of that entry: every field has its type, a param
+    id fits u64, a scalar its kind; anything else is a ``RecordError`` naming the file and the
+    field, never an exception of the JSON or of a conversion."""
+    if raw is None:
+        return None
+
+    def bad(what: str) -> RecordError:
+        return RecordError("validation", f"{where}: bad {SAFETENSORS_INFO_KEY} entry: {what}")
+
+    try:
+        info = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(info, dict):
+        raise bad("not a JSON object")
+
+    def mapping(field: str) -> dict[str, Any]:
+        value = info.get(field, {})
+        if not isinstance(value, dict):
+            raise bad(f"{field!r} is not a map")
+        return value
+
+    order = info.get("order")
+    if order is not None and (
+        not isinstance(order, list)
+        or not all(isinstance(n, str) for n in order)
+        or len(set(order)) != len(order)
+    ):
+        raise bad("'order' is not a list of distinct tensor names")
+    param_ids = {}
+    for name, value in mapping("param_ids").items():
+        text = str(value) if type(value) is int else value
+        if not isinstance(text, str) or not text.isdecimal() or not 0 <= int(text) < 2**64:
+            raise bad(f"param id of {_short(name)} is not a u64: {_short(value)}")
+        param_ids[name] = int(text)
+    dtypes = mapping("dtypes")
+    for name, dtype in dtypes.items():
+        if not isinstance(dtype, (str, dict)):
+            raise bad(f"dtype of {_short(name)} is {_short(dtype)}")
+    scalars = {}
+    for name, pair in mapping("scalars").items():
+        try:
+            kind, value = pair
+            if kind == "Float":
+                value = float.fromhex(value)
+            scalars[name] = burnpack.Scalar(kind, value)
+        except (TypeError, ValueError) as e:
+            raise bad(f"scalar {_short(name)}: {_short(pair)} ({e})") from None
+    return BurnInfo(order, param_ids, dtypes, scalars)

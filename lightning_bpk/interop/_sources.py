@@ -18,7 +18,6 @@ checks of :func:`_safetensors_header` at a URL).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -38,8 +37,14 @@ from lightning_bpk.interop._index import (
     find_set,
     names_file,
 )
-from lightning_bpk.interop._mapped import Specs, open_safetensors, store_errors
-from lightning_bpk.interop.formats import SAFETENSORS_INFO_KEY, file_kind, read_content
+from lightning_bpk.interop._mapped import (
+    SAFETENSORS_INFO_KEY,
+    Specs,
+    burn_info,
+    open_safetensors,
+    store_errors,
+)
+from lightning_bpk.interop.formats import file_kind, read_content
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
 from lightning_bpk.records.module import ALIAS_PREFIX, ModuleRecord
@@ -178,14 +183,12 @@ def _st_info(
     """What a safetensors file's metadata adds: ``(specs in the written order, param ids,
     aliases, other metadata)``, from :data:`SAFETENSORS_INFO_KEY` when a burnpack wrote it."""
     metadata = dict(metadata)
-    try:
-        info = json.loads(metadata.pop(SAFETENSORS_INFO_KEY, "{}"))
-        order = info.get("order")
-        if order and sorted(order) == sorted(specs):
-            specs = {n: specs[n] for n in order}
-        param_ids = {n: int(v) for n, v in info.get("param_ids", {}).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        raise RecordError("validation", f"{where}: bad {SAFETENSORS_INFO_KEY} entry: {e}") from e
+    info = burn_info(metadata.pop(SAFETENSORS_INFO_KEY, None), str(where))
+    param_ids: dict[str, int] = {}
+    if info is not None:
+        if info.order and sorted(info.order) == sorted(specs):
+            specs = {n: specs[n] for n in info.order}
+        param_ids = info.param_ids
     metadata.pop(RECORD_KIND_KEY, None)
     aliases = {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)}
     return (

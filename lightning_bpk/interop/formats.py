@@ -43,7 +43,7 @@ import torch
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import is_sharded
-from lightning_bpk.interop._mapped import ST_BOOL, open_safetensors
+from lightning_bpk.interop._mapped import SAFETENSORS_INFO_KEY, ST_BOOL, burn_info, open_safetensors
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
@@ -65,9 +65,6 @@ __all__ = [
     "write_content",
 ]
 
-SAFETENSORS_INFO_KEY = "lightning_bpk/burnpack"
-"""The safetensors metadata entry (JSON) that keeps what safetensors cannot hold (param ids,
-Burn dtypes, scalars, burnpack metadata), so ``.bpk -> .safetensors -> .bpk`` is lossless."""
 _BPK_SUFFIXES = (".bpk",)
 _SAFETENSORS_SUFFIXES = (".safetensors",)
 _TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
@@ -203,27 +200,23 @@ def _read_safetensors(path: Path | str, options: Options) -> Content:
             raise
         problems = "; ".join(e.problems)
         raise RecordError("io", f"{path}: not a readable safetensors file: {problems}") from e
-    raw_info = metadata.pop(SAFETENSORS_INFO_KEY, None)
-    if raw_info is None:  # a foreign file: a module's weights, names sorted
+    info = burn_info(metadata.pop(SAFETENSORS_INFO_KEY, None), path)
+    if info is None:  # a foreign file: a module's weights, names sorted
         metadata.setdefault(RECORD_KIND_KEY, ModuleRecord.kind)
         return Content(tensors, metadata=metadata)
-    try:
-        info = json.loads(raw_info)
-        order = info["order"]
-        if sorted(order) != sorted(tensors):
-            raise ValueError("its tensor list does not match the file's tensors")
-        return Content(
-            {n: tensors[n] for n in order},
-            param_ids={n: int(v) for n, v in info.get("param_ids", {}).items()},
-            dtypes=dict(info.get("dtypes", {})),
-            metadata=metadata,
-            scalars={
-                n: burnpack.Scalar(kind, float.fromhex(v) if kind == "Float" else v)
-                for n, (kind, v) in info.get("scalars", {}).items()
-            },
+    if info.order is None or sorted(info.order) != sorted(tensors):
+        raise RecordError(
+            "validation",
+            f"{path}: bad {SAFETENSORS_INFO_KEY} entry: its tensor list does not match the "
+            "file's tensors",
         )
-    except (ValueError, TypeError, KeyError) as e:
-        raise RecordError("validation", f"{path}: bad {SAFETENSORS_INFO_KEY} entry: {e}") from e
+    return Content(
+        {n: tensors[n] for n in info.order},
+        param_ids=info.param_ids,
+        dtypes=info.dtypes,
+        metadata=metadata,
+        scalars=info.scalars,
+    )
 
 
 def _write_safetensors(
