@@ -1,33 +1,32 @@
-"""Checks the callback makes around a resume, before anything is trained or saved.
+"""The callback's resume, in Lightning's terms: loading the chosen checkpoint, and the checks.
 
-A ``ckpt_path`` that names one file of a checkpoint (:func:`member_of_checkpoint`), a
-checkpoint of other optimizer or scheduler classes (:func:`check_classes`), and complete
-checkpoints this run's saves would replace (:func:`newer_checkpoints`). Each is read-only, and
-says what to do instead.
+The run layer chooses what to resume and finds the checkpoints a run would save over
+(:mod:`lightning_bpk.runtime.resume`); here Lightning's ``resume_start`` is routed to the
+chosen checkpoint when ``fit`` got no ``ckpt_path`` (:func:`intercept`), and the checks say
+what to do instead, in the callback's words: a ``ckpt_path`` that names one file of a
+checkpoint (:func:`member_of_checkpoint`), an override that names no complete checkpoint
+(:func:`override_problem`), a checkpoint of other optimizer or scheduler classes
+(:func:`check_classes`), complete checkpoints this run's saves would replace
+(:func:`save_over_problem`). Each is read-only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk.checkpointer import Checkpointer, list_checkpoints, verify_checkpoint
+from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
-from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.store import location, name_of, open_store, parent_of
 
 log = logging.getLogger("lightning_bpk")
-
-
-def _identity(path: Any) -> str:
-    """A checkpoint directory's identity for comparisons: the resolved local path, or the URL."""
-    found = location(path)
-    return str(found.resolve() if isinstance(found, Path) else found)
 
 
 def member_of_checkpoint(path: Any, storage_options: Mapping[str, Any] | None) -> str | None:
@@ -98,46 +97,22 @@ def check_classes(trainer: pl.Trainer, classes: dict) -> None:
         )
 
 
-def newer_checkpoints(
-    trainer: pl.Trainer,
-    checkpointer: Checkpointer,
-    start: int,
-    start_name: str,
-    overwrite: bool,
-    verify: bool,
-    names: dict[str, Any],
-) -> str | None:
-    """Rank 0, before the first step: complete checkpoints from ``start`` (the epoch or global
-    step this run starts at, ``start_name`` in words) on, other than the one it resumed from,
-    would be saved over. Remove them when ``overwrite`` is set; otherwise the error to stop
-    with (nothing changed)."""
-    base = checkpointer.base_directory
-    resumed = _identity(trainer.ckpt_path) if trainer.ckpt_path else None
-    newer = [
-        e.number
-        for e in list_checkpoints(base, **names)
-        if e.complete and e.number >= start and _identity(e.data) != resumed
-    ]
-    if not newer:
+def override_problem(choice: ResumeChoice, directory: Any) -> str | None:
+    """Why gin's ``override_number`` cannot be resumed (None: it can, or none is bound)."""
+    if choice.problem is None:
         return None
-    if overwrite:
-        log.warning(
-            "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
-            "%s) would save over",
-            newer,
-            base,
-            start_name,
-        )
-        checkpointer.remove_checkpoints(newer)
-        return None
-    usable = any(  # damaged ones are replaced anyway (resume fell back past them)
-        not verify_checkpoint(
-            base, n, full=verify, required_keys=trainer_state.REQUIRED_KEYS, **names
-        )
-        for n in newer
+    n = choice.override
+    return (
+        f"cannot resume from checkpoint {n} in {directory} (gin "
+        f"get_latest_checkpoint_number.override_number = {n}): {choice.problem}. "
+        f"Complete checkpoints there: {choice.complete or 'none'}. Nothing was changed; bind "
+        "override_number to one of them, or unbind it to resume from the newest"
     )
-    if not usable:
-        return None
+
+
+def save_over_problem(trainer: pl.Trainer, base: Any, newer: list[int], start_name: str) -> str:
+    """The error for a run that would save over the complete checkpoints ``newer`` of ``base``
+    (:func:`lightning_bpk.runtime.resume.in_the_way`), starting at ``start_name``."""
     source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
     return (
         f"this run {source} ({start_name}), and {base} holds complete "
@@ -147,3 +122,41 @@ def newer_checkpoints(
         "(gin: BurnpackCheckpoint.overwrite = True), which removes them first; or save into "
         "another dirpath"
     )
+
+
+def intercept(
+    trainer: pl.Trainer,
+    choice: ResumeChoice,
+    checkpointer: Checkpointer,
+    storage_options: Mapping[str, Any] | None,
+    resumed: Callable[[int], None],
+) -> None:
+    """Make the trainer's next ``resume_start`` load ``choice`` when ``fit`` got no
+    ``ckpt_path`` (calling ``resumed(number)``): what rank 0 read choosing it, once, or what
+    every rank reads now (a sharded checkpoint: each rank its part). A ``ckpt_path`` that is a
+    checkpoint directory of ours is read here too; any other goes Lightning's way."""
+    preloaded = [choice.data]
+
+    def resume_start(
+        original: Any, checkpoint_path: Any, weights_only: bool | None
+    ) -> tuple[Any, dict[str, Any]] | None:
+        path = checkpoint_path
+        if path is None and choice.number >= 0:
+            path = choice.location or checkpointer.checkpoint_path(choice.number)
+        ours = checkpoint_path is None and path is not None
+        if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
+            if path is not None and (problem := member_of_checkpoint(path, storage_options)):
+                raise CheckpointResumeError(problem)
+            original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
+            return None
+        if ours:
+            resumed(choice.number)
+            rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
+        data, preloaded[0] = preloaded[0], None
+        if ours and data is not None:  # rank 0 read it choosing
+            return path, trainer_state.from_records(data, str(path))
+        if sharded.is_sharded(path, storage_options=storage_options):  # FSDP2 etc.
+            return path, sharded._restore(trainer, path, storage_options)  # each rank its part
+        return path, trainer_state.load(path, storage_options)
+
+    _compat.intercept_resume_start(trainer, resume_start)

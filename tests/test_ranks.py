@@ -1,4 +1,4 @@
-"""lightning_bpk.lightning.ranks without a Trainer: one rank with no collective, and two real
+"""lightning_bpk.runtime.ranks without a Trainer: one rank with no collective, and two real
 processes agreeing over a gloo process group."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_bpk.lightning.ranks import Ranks
+from lightning_bpk.runtime.ranks import Ranks
 
 JOIN_TIMEOUT_S = 240  # two fresh interpreters importing torch; a hang fails instead of waiting
 
