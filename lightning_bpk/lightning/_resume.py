@@ -23,6 +23,8 @@ from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
 from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
+from lightning_bpk.runtime import resume
 from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.store import location, name_of, open_store, parent_of
 
@@ -110,9 +112,33 @@ def override_problem(choice: ResumeChoice, directory: Any) -> str | None:
     )
 
 
-def save_over_problem(trainer: pl.Trainer, base: Any, newer: list[int], start_name: str) -> str:
-    """The error for a run that would save over the complete checkpoints ``newer`` of ``base``
-    (:func:`lightning_bpk.runtime.resume.in_the_way`), starting at ``start_name``."""
+def save_over_problem(
+    trainer: pl.Trainer,
+    checkpointer: Checkpointer,
+    step_numbered: bool,
+    overwrite: bool,
+    verify: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> str | None:
+    """Rank 0, before the first step: the error for a run that would save over complete
+    checkpoints of another (:func:`lightning_bpk.runtime.resume.in_the_way`; None: none, or
+    ``overwrite`` removed them)."""
+    # the number of this run's first save is at least its starting epoch or global step
+    start = trainer.global_step if step_numbered else trainer.current_epoch
+    start_name = f"global step {start}" if step_numbered else f"epoch {start}"
+    newer = resume.in_the_way(
+        checkpointer,
+        start,
+        start_name,
+        trainer.ckpt_path,
+        overwrite=overwrite,
+        verify=verify,
+        required_keys=trainer_state.REQUIRED_KEYS,
+        storage_options=storage_options,
+    )
+    if not newer:
+        return None
+    base = checkpointer.base_directory
     source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
     return (
         f"this run {source} ({start_name}), and {base} holds complete "
@@ -160,3 +186,75 @@ def intercept(
         return path, trainer_state.load(path, storage_options)
 
     _compat.intercept_resume_start(trainer, resume_start)
+
+
+class Resumed:
+    """What the checkpoint of ours one fit resumed from says beyond Lightning's own state.
+
+    ``number``: that checkpoint (None: the fit did not resume from ours); ``batches``: the
+    batches of the current epoch it had consumed (0: none, or the epoch is replayed);
+    ``replay_floor``: step-numbered saves up to this number would repeat a replayed epoch;
+    ``finished``: why the run has nothing left to train (None: it goes on). Its optimizer and
+    scheduler classes are checked once, at the first chance (:meth:`check_classes`).
+    """
+
+    def __init__(self) -> None:
+        self.number: int | None = None
+        self.batches = 0
+        self.replay_floor = -1
+        self.finished: str | None = None
+        self._classes: dict | None = None
+        self._fit_started = False
+
+    def loaded(self, trainer: pl.Trainer, checkpoint: dict[str, Any], by_step: bool) -> None:
+        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step)."""
+        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self.check_classes(trainer)
+        where, batches = restored_at(checkpoint)
+        self.batches = batches or 0
+        if batches is not None and by_step and self.number is not None:
+            self.replay_floor = self.number
+        ended = checkpoint.get(FINISHED_KEY)
+        if ended and self.number is not None and still_finished(trainer, ended, checkpoint):
+            self.finished = describe(ended)
+        if trainer.is_global_zero:
+            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
+
+    def fit_started(self, trainer: pl.Trainer, base: Any) -> None:
+        """Check the classes; a finished run stops before its first batch (Lightning's fit
+        loop does when ``should_stop`` is set)."""
+        self._fit_started = True
+        self.check_classes(trainer)
+        if self.finished is None:
+            return
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            log.info(
+                "the run in %s already finished at checkpoint %s (%s); nothing to train "
+                "(resume=False or another directory trains again)",
+                base,
+                self.number,
+                self.finished,
+            )
+
+    def check_classes(self, trainer: pl.Trainer) -> None:
+        """Refuse other optimizer or scheduler classes (once, at the first chance)."""
+        classes, self._classes = self._classes, None
+        if classes is not None:
+            check_classes(trainer, classes)
+
+    def train_started(self, trainer: pl.Trainer) -> None:
+        """Say where training continues, and rebuild what a mid-epoch resume needs."""
+        if self.number is None:
+            return
+        if trainer.is_global_zero:
+            log.info(
+                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
+                trainer.current_epoch,
+                f", batch {self.batches}" if self.batches else "",
+                trainer.global_step,
+                self.number,
+            )
+        if _compat.resume_swa_mid_epoch(trainer):
+            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")

@@ -28,6 +28,24 @@ Saves happen only at optimizer-step boundaries, never inside gradient accumulati
 falls due right before a validation run waits until after it, and one on an epoch's last batch
 becomes that epoch's end save. With either trigger set, **checkpoint N is the one saved after
 global step N** (epoch-end, preemption and final saves too); without, N is the epoch.
+``every_n_train_steps="auto"`` chooses the interval: it measures the time of an optimizer step
+and what a save costs the training thread, and saves as often as keeps that cost under
+``max_overhead`` of training time (re-measured at every save, logged when it changes;
+``train_time_interval`` still bounds the time between saves). Each fit, a resumed one too,
+measures anew: its first save comes 10 steps after it starts.
+
+**Asynchronous saves.** With ``async_save=True`` checkpoints are written on a background thread
+(:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): training waits only for a
+copy into reused staging buffers (and for building the records, ~3 ms of Python for a small
+model). The buffers of the model and optimizer state are allocated and faulted in on that
+thread right after the first optimizer step (when the optimizer state exists), so the first
+save costs a copy too; a save joins that reservation before copying. The checkpoint becomes
+complete (sentinel) once its data is durable; a failed write raises
+:class:`CheckpointSaveError` at the next save or at teardown; a preemption save and teardown
+wait for the write. With a URL ``dirpath`` this is "upload behind": the upload and commit run
+on that thread. Sharded (FSDP2) state too: every rank copies its shards into its own staging
+buffers and writes them on its writer thread, over a process group of their own; a write that
+fails on one rank fails the next save on every rank.
 
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
@@ -86,9 +104,11 @@ A run stopped by ``max_time`` is finished for as long as ``max_time`` is at most
 time it had (Lightning's Timer restores that time with its state); a larger ``max_time``, or
 none, continues it, and the Timer stops it when the total reaches the new limit.
 
-The class holds its settings and hooks; each other concern (when a save falls due, signals,
-rank agreement, where a checkpoint comes from and goes to, the checks around a resume) is an
-object in a module beside this one, listed in :mod:`lightning_bpk.lightning`.
+The class holds its settings and hooks and composes the rest: the run layer
+(:mod:`lightning_bpk.runtime`: the resume choice, save and agree, cadence, signals, rank
+agreement) and, beside it, what is Lightning's (``_resume``: loading the chosen checkpoint and
+the checks around it; ``_save_data``: what a save holds), listed in
+:mod:`lightning_bpk.lightning`.
 """
 
 from __future__ import annotations
@@ -111,10 +131,8 @@ from lightning_bpk.lightning import _compat, _resume, _save_data, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
     FINISHED_KEY,
-    describe,
     epoch_ends_here,
     finished,
-    still_finished,
 )
 from lightning_bpk.runtime import resume, slurm
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
@@ -176,12 +194,9 @@ class BurnpackCheckpoint(Checkpoint):
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
             one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
-        overwrite: let this run replace complete checkpoints in ``dirpath`` that it did not
-            resume past, i.e. numbered from the epoch it starts at: needed to start over
-            (``resume=False``) in a directory with checkpoints, or to go back to an older one
-            (``ckpt_path``, ``override_number``). Those checkpoints are removed, with a warning
-            in the log, before the first training step, so the directory never mixes two runs.
-            With the default ``False``, ``fit`` stops there with
+        overwrite: let this run remove, before its first step, the complete checkpoints in
+            ``dirpath`` it would save over (to start over, or go back to an older one: see
+            "Never saving over another run" above); ``False``: ``fit`` stops there with
             :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
@@ -190,27 +205,12 @@ class BurnpackCheckpoint(Checkpoint):
             with auto-requeue, the environment's ``requeue_signal`` too.
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
-            ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
-            a save costs the training thread, and saves as often as keeps that cost under
-            ``max_overhead`` of training time (re-measured at every save, logged when it
-            changes; ``train_time_interval`` still bounds the time between saves). Each fit,
-            a resumed one too, measures anew: its first save comes 10 steps after it starts.
+            ``"auto"`` chooses the interval (see "Step and time triggers" above).
         max_overhead: the share of training time ``"auto"`` may spend in saves.
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
-        async_save: write checkpoints on a background thread
-            (:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): training waits
-            only for a copy into reused staging buffers (and for building the records, ~3 ms of
-            Python for a small model). The buffers of the model and optimizer state are
-            allocated and faulted in on that thread right after the first optimizer step (when
-            the optimizer state exists), so the first save costs a copy too; a save joins that
-            reservation before copying. The checkpoint becomes complete (sentinel) once its
-            data is durable; a failed write raises :class:`CheckpointSaveError` at the next
-            save or at teardown; a preemption save and teardown wait for the write. With a URL
-            ``dirpath`` this is "upload behind": the upload and commit run on that thread.
-            Sharded (FSDP2) state too: every rank copies its shards into its own staging
-            buffers and writes them on its writer thread, over a process group of their own;
-            a write that fails on one rank fails the next save on every rank.
+        async_save: write checkpoints on a background thread; training waits only for a copy
+            into reused staging buffers (see "Asynchronous saves" above).
         storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
@@ -286,14 +286,9 @@ class BurnpackCheckpoint(Checkpoint):
         self._ranks: Ranks | None = None  # this fit's ranks (setup)
         self._saves: Saves | None = None  # this fit's saves (setup)
         self.checkpointer: Checkpointer | None = None
-        self.restored_number: int | None = None  # the checkpoint this fit resumed from
         self.last_saved_number: int | None = None
         self._position = DataPosition()
-        self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
-        self._fit_started = False
-        self._replay_floor = -1  # step-numbered saves up to this number repeat a replayed epoch
-        self._finished: str | None = None  # why a resumed run has nothing left to train
-        self._resumed_batches = 0
+        self._resumed = _resume.Resumed()  # what the checkpoint this fit resumed from says
         self._reserved = False  # the async saver's staging buffers were requested
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
         _compat.route_last_ckpt_path(_take_last)
@@ -360,20 +355,21 @@ class BurnpackCheckpoint(Checkpoint):
         self._position = DataPosition()
         self._position.attach(trainer)
         self._reserved = False
-        self._fit_started = False
-        self._classes = None
+        self._resumed = _resume.Resumed()
         self.preemption.reset()
         self.triggers.due = None
-        self._replay_floor = -1
-        self._finished = None
-        self.restored_number = None
         requeue = _compat.slurm_requeue_signal(trainer) if self.auto_requeue else None
         self.preemption.requeue_signal = requeue
         choice = chosen if trainer.is_global_zero else ResumeChoice(number)
-        _resume.intercept(trainer, choice, checkpointer, self.storage_options, self._resumed)
+        _resume.intercept(trainer, choice, checkpointer, self.storage_options, self._resumed_from)
 
-    def _resumed(self, number: int) -> None:
-        self.restored_number = number
+    @property
+    def restored_number(self) -> int | None:
+        """The checkpoint this fit resumed from (None: none of ours)."""
+        return self._resumed.number
+
+    def _resumed_from(self, number: int) -> None:
+        self._resumed.number = number
 
     def _choose_resume(self, dirpath: Any) -> ResumeChoice:
         """Rank 0, read-only: what to resume from ``dirpath`` and what it read choosing
@@ -409,93 +405,37 @@ class BurnpackCheckpoint(Checkpoint):
         # This rank's RNG states and data position, restored now: before configure_optimizers
         # (which may read estimated_stepping_batches, and so build and iterate the data) and
         # before anything else can draw from them.
-        rng = checkpoint.get(trainer_state.RNG_KEY)
-        ranks = checkpoint.get(POSITION_KEY)
+        rng, ranks = checkpoint.get(trainer_state.RNG_KEY), checkpoint.get(POSITION_KEY)
         self._position.resume_from_ranks(ranks, rng, trainer, f"checkpoint {trainer.ckpt_path}")
-        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
-        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
-            self._check_classes(trainer)
-        # batches of the current epoch the restored run consumed (0: none, or replayed)
-        where, batches = _resume.restored_at(checkpoint)
-        self._resumed_batches = batches or 0
-        if batches is not None and self.step_numbered and self.restored_number is not None:
-            self._replay_floor = self.restored_number
-        ended = checkpoint.get(FINISHED_KEY)
-        if (
-            ended
-            and self.restored_number is not None
-            and still_finished(trainer, ended, checkpoint)
-        ):
-            self._finished = describe(ended)
-        if trainer.is_global_zero:
-            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
+        self._resumed.loaded(trainer, checkpoint, self.step_numbered)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_started = True
-        self._check_classes(trainer)
-        if self._finished is not None:
-            # Lightning's fit loop stops before its first batch when should_stop is set.
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                log.info(
-                    "the run in %s already finished at checkpoint %s (%s); nothing to train "
-                    "(resume=False or another directory trains again)",
-                    self.checkpointer.base_directory if self.checkpointer else "?",
-                    self.restored_number,
-                    self._finished,
-                )
-
-    def _check_classes(self, trainer: pl.Trainer) -> None:
-        """Refuse other optimizer or scheduler classes (once, at the first chance)."""
-        classes, self._classes = self._classes, None
-        if classes is not None:
-            _resume.check_classes(trainer, classes)
+        base = self.checkpointer.base_directory if self.checkpointer else "?"
+        self._resumed.fit_started(trainer, base)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self._ranks is not None and self.checkpointer is not None  # made in setup
-        base = self.checkpointer.base_directory
-        error = self._ranks.decide(
-            lambda: self._save_over_problem(trainer),
-            lambda e: f"cannot check {base} before training: {e}",
+        checkpointer = self.checkpointer
+        assert self._ranks is not None and checkpointer is not None  # made in setup
+        error = self._ranks.decide(  # rank 0 looks, every rank learns
+            lambda: _resume.save_over_problem(
+                trainer,
+                checkpointer,
+                self.step_numbered,
+                self.overwrite,
+                self.verify,
+                self.storage_options,
+            ),
+            lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
             reraise=False,
         )
         if error is not None:
             raise CheckpointResumeError(error)
-        if trainer.is_global_zero and self.restored_number is not None:
-            log.info(
-                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
-                trainer.current_epoch,
-                f", batch {self._resumed_batches}" if self._resumed_batches else "",
-                trainer.global_step,
-                self.restored_number,
-            )
-        if self.restored_number is not None and _compat.resume_swa_mid_epoch(trainer):
-            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
+        self._resumed.train_started(trainer)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
             path = trainer.ckpt_path
             slurm.log_restart(None if path is None else str(path))
         self.preemption.install(_compat.handlers_restored_at_teardown(trainer))
-
-    def _save_over_problem(self, trainer: pl.Trainer) -> str | None:
-        """Rank 0, before the first step: the checkpoints this run would save over
-        (:func:`lightning_bpk.runtime.resume.in_the_way`), as the error to stop with."""
-        assert self.checkpointer is not None
-        # the number of this run's first save is at least its starting epoch or global step
-        start = trainer.global_step if self.step_numbered else trainer.current_epoch
-        name = f"global step {start}" if self.step_numbered else f"epoch {start}"
-        newer = resume.in_the_way(
-            self.checkpointer,
-            start,
-            name,
-            trainer.ckpt_path,
-            overwrite=self.overwrite,
-            verify=self.verify,
-            required_keys=trainer_state.REQUIRED_KEYS,
-            storage_options=self.storage_options,
-        )
-        base = self.checkpointer.base_directory
-        return _resume.save_over_problem(trainer, base, newer, name) if newer else None
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -564,7 +504,7 @@ class BurnpackCheckpoint(Checkpoint):
         ``consumed``: the batches of this epoch a mid-epoch save comes after (None: the
         epoch's end); ``flush`` waits for an asynchronous write to be durable."""
         started = self.triggers.save_started()
-        if number <= self._replay_floor:
+        if number <= self._resumed.replay_floor:
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         ranks, capture = self._ranks, self._position.capture
         assert ranks is not None and self._saves is not None  # made in setup
