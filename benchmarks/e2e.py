@@ -62,9 +62,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import ConcatDataset
 
 from lightning_bpk.checkpointer import Checkpointer
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))

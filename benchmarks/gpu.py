@@ -6,7 +6,7 @@ as the parameters of one module. Side by side, on the same tensors and the same 
 
 - **one pinned device-to-host copy** of the state into preallocated pinned buffers (the
   reference: the issue's target is an async save blocking at most 1.2x this);
-- **lightning_bpk async save** (:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`
+- **lightning_bpk async save** (:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`
   ``save_checkpoint``): the time the call blocks the training thread, the time until the
   training stream may run on (the copies it must wait for on the device), the time until the
   checkpoint is durable, and the device memory allocated beyond the state meanwhile;
@@ -119,8 +119,8 @@ def _pinned_copy(state: nn.Module, device: torch.device) -> float:
 
 def _ours(state: nn.Module, device: torch.device, scratch: Path, reps: int) -> dict[str, float]:
     from lightning_bpk.checkpointer import Checkpointer
-    from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
     from lightning_bpk.records import ModuleRecord
+    from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
     checkpointer = Checkpointer(scratch / "ours", checkpoint_duration=2)
     rows: dict[str, list[float]] = {"blocks": [], "stream": [], "durable": [], "memory": []}
@@ -226,8 +226,8 @@ def _loads(state: nn.Module, device: torch.device, scratch: Path, reps: int) -> 
 def _train(device: torch.device, steps: int, every: int | None, scratch: Path) -> float:
     """Seconds for ``steps`` steps of a small transformer, checkpointing every ``every``."""
     from lightning_bpk.checkpointer import Checkpointer
-    from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
     from lightning_bpk.records import ModuleRecord, OptimizerRecord
+    from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True)

@@ -7,7 +7,7 @@ Saves (every one ends with the file fsynced):
   (one reused page-aligned 8 MiB buffer, ``pwrite``, fsync; the last block padded and the file
   cut back), the fastest durable write here;
 - burnpack: ``burnpack.write`` (scratch file, fsync, rename, directory fsync, checksums),
-  ``ModuleRecord.save``, and an :class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`
+  ``ModuleRecord.save``, and an :class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`
   save (the part that blocks training, and the time until the file is durable);
 - the peers: ``torch.save`` + fsync, ``safetensors`` ``save_file`` + fsync, DCP ``save``
   (single process, ``sync_files=True``) and DCP ``async_save`` in thread mode with the
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from lightning_bpk import _fs, burnpack
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
 MiB = 1024 * 1024
 # name -> (tensor count, bytes per tensor): large weights, a mid-size model, many tiny tensors.

@@ -116,7 +116,7 @@ class _Async:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         from lightning_bpk.checkpointer import Checkpointer
-        from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+        from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
         self.state = state
         self.saver = AsyncCheckpointSaver()

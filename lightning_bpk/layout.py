@@ -51,6 +51,7 @@ __all__ = [
     "iteration",
     "member_name_problem",
     "numbered",
+    "numbered_key",
     "parse_data_name",
     "parse_sentinel_name",
     "safe_name",
@@ -103,6 +104,15 @@ _DATA_VERSION = re.compile(r"[0-9a-f]{8,32}")
 # Keys become file names inside the data directory: a conservative portable alphabet, no leading
 # dot (hidden files, "." and ".."), no separators, short enough for name + ".bpk" + scratch suffix.
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def numbered_key(base: str, index: int) -> str:
+    """Key of the ``index``-th optimizer/scheduler record: ``optim``, ``optim-1``, ``optim-2``...
+
+    >>> numbered_key(OPTIMIZER_KEY, 0), numbered_key(OPTIMIZER_KEY, 2)
+    ('optim', 'optim-2')
+    """
+    return base if index == 0 else f"{base}-{index}"
 
 
 def safe_name(value: object, what: str) -> str:

@@ -12,13 +12,13 @@ import torch
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer
-from lightning_bpk.lightning.async_save import (
+from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
+from lightning_bpk.runtime.async_save import (
     _WRITER_THREAD_NAME,
     AsyncCheckpointSaver,
     _freeze,
     _StagingArea,
 )
-from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
     """A tensor of _PLACED_MIN bytes or more starts at the same offset within a memory page as
     its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
     there); the file is the one a synchronous save writes."""
-    from lightning_bpk.lightning.async_save import _PAGE, _PLACED_MIN
+    from lightning_bpk.runtime.async_save import _PAGE, _PLACED_MIN
 
     torch.manual_seed(0)
     big = torch.randn(_PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
@@ -567,8 +567,8 @@ def test_sharded_async_saves_copy_the_shards_into_buffers_reserved_after_the_fir
     from lightning_fsdp import ShardedTiny
 
     from lightning_bpk.dcp import load_full_state_dict
-    from lightning_bpk.lightning.async_save import _SHARDS_OWNER
     from lightning_bpk.lightning.callback import BurnpackCheckpoint
+    from lightning_bpk.runtime.async_save import _SHARDS_OWNER
 
     L, _, make_trainer = _lightning()
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):

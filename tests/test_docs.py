@@ -76,7 +76,7 @@ def test_api_pages_follow_all(site: Path) -> None:
     assert 'id="lightning_bpk.burnpack.Pack.data_order"' in burnpack
     assert "_COPY_CHUNK" not in burnpack and "_PARALLEL_HASH_MIN" not in burnpack
     async_save = (site / "api" / "async_save" / "index.html").read_text()
-    assert 'id="lightning_bpk.lightning.async_save.AsyncCheckpointSaver"' in async_save
+    assert 'id="lightning_bpk.runtime.async_save.AsyncCheckpointSaver"' in async_save
     assert "_StagingArea" not in async_save
     callback = (site / "api" / "callback" / "index.html").read_text()
     assert 'id="lightning_bpk.lightning.callback.log"' not in callback  # a logger, not API

@@ -291,6 +291,27 @@ def test_override_number_and_the_checkpoints_a_run_would_save_over(tmp_path):
     assert Checkpointer(tmp_path).latest_checkpoint_number() == 5
 
 
+def test_the_first_save_never_replaces_another_runs_checkpoint_of_its_step(tmp_path):
+    """The run layer's one bound (as the Lightning callback's): a complete checkpoint numbered
+    from the first save on, other than the one restored, stops the save, also the one at the
+    very step saved now (which the manager used to replace without a word); the restored one
+    itself may be saved again, and older ones stay."""
+    run(tmp_path, 8)  # 4, 8
+    fabric = make_fabric()
+    state = {"step": 0}
+    with pytest.raises(CheckpointResumeError, match=r"complete checkpoints \[4, 8\]"):
+        CheckpointManager(fabric, tmp_path).save(4, state)  # started over, not restored
+    manager = CheckpointManager(fabric, tmp_path, override_number=4)
+    model, optimizer = model_and_optimizer(fabric)
+    assert manager.restore({"model": model, "optimizer": optimizer}, strict=False).step == 4
+    with pytest.raises(CheckpointResumeError, match=r"complete checkpoints \[8\]"):
+        manager.save(4, {"model": model, "optimizer": optimizer, "step": 4})
+    manager = CheckpointManager(fabric, tmp_path)  # the newest: 8; saving 8 again is fine
+    assert manager.restore({"model": model, "optimizer": optimizer}, strict=False).step == 8
+    manager.save(8, {"model": model, "optimizer": optimizer, "step": 8})
+    assert [e.number for e in list_checkpoints(tmp_path) if e.complete] == [8, 4]
+
+
 def test_a_checkpoint_of_the_lightning_callback_is_refused_by_name(tmp_path):
     Checkpointer(tmp_path).save_checkpoint(
         3, {"model": {"w": torch.ones(1)}, "trainer": {"epoch": 3}}

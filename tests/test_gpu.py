@@ -18,9 +18,9 @@ import torch
 from lightning_bpk import _device
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.interop import read_content, save_module_record
-from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, load_record
+from lightning_bpk.runtime import rng
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device; torch sees none on this machine"
@@ -137,10 +137,10 @@ def test_bounce_buffers_are_pinned_and_copy_chunk_by_chunk() -> None:
 
 @needs_cuda
 def test_cuda_rng_states_round_trip_per_device() -> None:
-    states = trainer_state.capture_rng()
+    states = rng.capture_rng()
     assert sorted(states["cuda_devices"]) == [str(i) for i in range(torch.cuda.device_count())]
     expected = torch.rand(8, device="cuda")
-    trainer_state.restore_rng(states)
+    rng.restore_rng(states)
     assert torch.equal(torch.rand(8, device="cuda"), expected)
 
 

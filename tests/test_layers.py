@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_bpk"
 
 # The top-level module or package under lightning_bpk -> its layer (a module may import its own
 # layer and those below). Bottom to top: bytes on disk, the format, the state codec, records,
-# the checkpointer, then the integrations; interop and the CLI sit beside those they use.
+# the checkpointer, the run layer, then the two integrations beside each other; interop and the
+# CLI sit beside those they use.
 LAYERS = {
     # primitives: errors, durable files, device copies, gin, the on-disk name grammar
     "errors": 0,
@@ -39,9 +40,11 @@ LAYERS = {
     "dcp": 5,
     # interop: other frameworks' files, over records and DCP
     "interop": 6,
-    # Lightning
-    "lightning": 7,
-    # Fabric, which shares the Lightning layer's loaders, sharded glue and async saver
+    # the run layer: resume policy, save and agree, sharded save, async saver, cadence,
+    # preemption, loader positions, RNG states; framework-free, under both integrations
+    "runtime": 7,
+    # the integrations, siblings over the run layer: neither imports the other
+    "lightning": 8,
     "fabric": 8,
     # the command line and the package's own entry points
     "cli": 9,
@@ -125,6 +128,57 @@ def _climbs(name: str, source: str | None = None) -> list[str]:
 def test_no_import_climbs_a_layer(name: str) -> None:
     climbs = _climbs(name)
     assert not climbs, f"{name} (layer {_layer(name)}) imports {climbs} from above it"
+
+
+def _framework_imports(name: str, source: str | None = None) -> list[str]:
+    """The modules of the ``lightning`` framework package that module ``name`` imports (module
+    level or inside a function, type checkers' imports too); ``source``: its text, if not the
+    file's."""
+    tree = ast.parse(MODULES[name].read_text() if source is None else source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "lightning"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [node.module] if node.module.split(".")[0] == "lightning" else []
+    return sorted(found)
+
+
+def _package(name: str) -> str:
+    return name.split(".")[1] if "." in name else ""
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if _package(m) == "runtime"))
+def test_the_run_layer_is_framework_free(name: str) -> None:
+    """The run layer imports neither integration, and never the ``lightning`` package."""
+    integrations = sorted(t for t in set(_imports(name)) if _package(t) in {"lightning", "fabric"})
+    assert not integrations, f"{name} imports the integrations {integrations}"
+    assert not _framework_imports(name), f"{name} imports {_framework_imports(name)}"
+
+
+@pytest.mark.parametrize(("package", "sibling"), [("fabric", "lightning"), ("lightning", "fabric")])
+def test_the_integrations_are_siblings(package: str, sibling: str) -> None:
+    """Fabric imports nothing from ``lightning_bpk.lightning``, and the callback's package
+    nothing from ``lightning_bpk.fabric``: what both need lives in the run layer below."""
+    found = {
+        name: sorted(t for t in set(_imports(name)) if _package(t) == sibling)
+        for name in MODULES
+        if _package(name) == package
+    }
+    assert not {k: v for k, v in found.items() if v}, f"{package} imports {sibling}: {found}"
+
+
+def test_a_framework_import_is_caught() -> None:
+    """The framework check sees ``lightning`` imports at module level and in functions, and
+    not ``lightning_bpk``'s own."""
+    source = """
+import lightning.pytorch as pl
+from lightning_bpk import errors
+def later():
+    from lightning.fabric import Fabric
+"""
+    found = _framework_imports("lightning_bpk.runtime.ranks", source)
+    assert found == ["lightning.fabric", "lightning.pytorch"]
 
 
 def test_no_import_cycle() -> None:

@@ -80,6 +80,9 @@ def test_lightning_signal_handlers_are_recognised() -> None:
     composed = signal_connector._HandlersCompose([connector._sigterm_notifier_fn, print])
     assert compat.composed_signal_handlers(composed) == [connector._sigterm_notifier_fn, print]
     assert compat.composed_signal_handlers(signal.SIG_DFL) == [signal.SIG_DFL]
+    # what the callback's preemption handler still runs: the user's, not Lightning's notifier
+    assert compat.foreign_signal_handlers(composed) == [print]
+    assert compat.foreign_signal_handlers(signal.SIG_DFL) == []
 
 
 def test_generate_state_key_names_the_callback(tmp_path: Path) -> None:
@@ -140,6 +143,12 @@ def test_cluster_environment_is_the_detected_or_given_one() -> None:
     slurm = SLURMEnvironment(auto_requeue=False)
     given = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[slurm])
     assert compat.cluster_environment(given) is slurm
+    # the requeue signal: only under SLURM with auto-requeue on
+    assert compat.slurm_requeue_signal(plain) is None
+    assert compat.slurm_requeue_signal(given) is None  # auto_requeue=False
+    requeued = SLURMEnvironment(requeue_signal=signal.SIGUSR2)
+    on = L.Trainer(logger=False, enable_progress_bar=False, accelerator="cpu", plugins=[requeued])
+    assert compat.slurm_requeue_signal(on) == signal.SIGUSR2
 
 
 class _Crash(L.Callback):

@@ -18,8 +18,8 @@ import torch
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
-from lightning_bpk.lightning.preemption import _ignore_while_stopping
 from lightning_bpk.records import ModuleRecord, StateRecord
+from lightning_bpk.runtime.preemption import _ignore_while_stopping
 
 from conftest import TINY_REFERENCE_EPOCHS, TINY_SCRIPT, run_process
 from lightning_tiny import TinyModel, make_trainer

@@ -239,14 +239,14 @@ def test_a_superseded_run_stops_before_any_rank_writes_a_shard():
     zombie = Checkpointer(url)
     zombie.take_over()
     Checkpointer(url).take_over()  # a newer run
-    from lightning_bpk.lightning.sharded import _save  # the callback's, every rank's
+    from lightning_bpk.runtime.sharded import save  # both integrations', every rank's
 
     shards = {"model": {"w": torch.ones(4)}}
     with pytest.raises(
         sharded.ShardedCheckpointError,
         match=r"preparing checkpoint 0 failed on rank 0: CheckpointSupersededError: .*superseded",
     ):
-        _save(zombie, 0, shards, {})
+        save(zombie, 0, shards, {})
     assert sorted(object_store(url).list("")) == [".lightning_bpk.owner.2"]
 
 

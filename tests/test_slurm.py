@@ -30,9 +30,9 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_bpk.checkpointer import get_latest_checkpoint_number
-from lightning_bpk.lightning import slurm
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
 from lightning_bpk.records import ModuleRecord
+from lightning_bpk.runtime import slurm
 
 from conftest import SCRIPTS, TINY_REFERENCE_EPOCHS
 from lightning_tiny import TinyModel, make_trainer

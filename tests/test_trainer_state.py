@@ -11,9 +11,9 @@ import torch
 
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning import trainer_state as _trainer_state
 from lightning_bpk.lightning.trainer_state import DROPPED_KEY, RNG_KEY
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
+from lightning_bpk.runtime import rng
 
 
 def _draws() -> tuple:
@@ -25,7 +25,7 @@ def test_rng_states_round_trip_through_a_file(tmp_path):
     expected = _draws()
     saved = trainer_state.load(path)[RNG_KEY]
     _draws()  # move every generator on
-    trainer_state.restore_rng(saved)
+    rng.restore_rng(saved)
     again = _draws()
     assert torch.equal(expected[0], again[0])
     assert np.array_equal(expected[1], again[1])
@@ -152,22 +152,13 @@ def test_cuda_rng_states_are_kept_per_device_and_old_lists_still_load(tmp_path):
     # CUDA restoring them sets the other generators and leaves CUDA alone.
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(2)]
     for key, cuda in [("cuda_devices", {"0": states[0], "1": states[1]}), ("cuda", states)]:
-        captured = {**trainer_state.capture_rng(), key: cuda}
+        captured = {**rng.capture_rng(), key: cuda}
         expected = torch.rand(3)
         path = trainer_state.save_file({"rng": captured}, tmp_path / f"{key}.ckpt")
         loaded = trainer_state.load(path)["rng"]
-        by_device = _trainer_state._cuda_states(loaded)
+        by_device = rng._cuda_states(loaded)
         assert sorted(by_device) == [0, 1]
         assert all(torch.equal(by_device[i], states[i]) for i in range(2))
         if not torch.cuda.is_available():
-            trainer_state.restore_rng(loaded)
+            rng.restore_rng(loaded)
             assert torch.equal(torch.rand(3), expected)
-
-
-def test_a_rank_restores_only_its_own_device_and_only_one_that_exists():
-    assert _trainer_state._cuda_devices(8, None) == list(range(8))
-    assert _trainer_state._cuda_devices(8, 5) == [5]
-    assert _trainer_state._own_cuda_device() is None  # no process group: a single process
-    assert _trainer_state._cuda_states({"torch": torch.zeros(1)}) == {}
-    if not torch.cuda.is_available():
-        assert "cuda_devices" not in trainer_state.capture_rng()

@@ -1,7 +1,6 @@
-"""Preemption for a Fabric loop: the Lightning callback's :class:`Preemption`, run without a
-Trainer.
+"""Preemption for a Fabric loop: the run layer's :class:`Preemption`, wired to Fabric.
 
-A signal only sets a flag (:class:`~lightning_bpk.lightning.preemption.Preemption`); the
+A signal only sets a flag (:class:`~lightning_bpk.runtime.preemption.Preemption`); the
 manager's ``save_if_due`` makes the ranks agree on it at the next step boundary, saves, and
 calls :meth:`FabricPreemption.stop`. Fabric has no teardown that puts signal handlers back, so
 this does what Lightning's teardown does for the callback: the handlers found when the manager
@@ -18,8 +17,8 @@ from typing import Any
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from lightning_bpk.fabric import _compat
-from lightning_bpk.lightning import slurm
-from lightning_bpk.lightning.preemption import Preemption
+from lightning_bpk.runtime import slurm
+from lightning_bpk.runtime.preemption import Preemption
 
 
 def requeue_signal(strategy: Any) -> int | None:

@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader
 from lightning_bpk.fabric import _compat
 from lightning_bpk.fabric.loaders import ResumableLoader
 from lightning_bpk.layout import TRAINER_KEY, safe_name
-from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.loaders import has_state
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
+from lightning_bpk.runtime.loaders import has_state
+from lightning_bpk.runtime.rng import capture_rng
 
 FORMAT = "lightning_bpk.fabric/1"
 """The ``format`` of a manager's ``trainer`` record (a callback's checkpoint has none)."""
@@ -179,7 +179,7 @@ def _apply_filter(key: str, filters: Filters, value: Any) -> Any:
 def rank_entry(parts: Parts) -> dict[str, Any]:
     """This rank's part of the ``trainer`` record: its RNG states and its loaders' states."""
     return {
-        "rng": trainer_state.capture_rng(),
+        "rng": capture_rng(),
         "loaders": {k: loader.state_dict() for k, loader in parts.loaders.items()},
     }
 

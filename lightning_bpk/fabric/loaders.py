@@ -14,7 +14,7 @@ restore, and a resumed run continues with the next batch of the same order::
         ...
 
 It is positioned by the same trackers as the Lightning callback's loaders
-(:mod:`lightning_bpk.lightning.loaders`): a ``DataLoader`` over a map-style dataset, with any
+(:mod:`lightning_bpk.runtime.loaders`): a ``DataLoader`` over a map-style dataset, with any
 sampler and any ``num_workers``, re-draws the saved pass's order from the RNG states it was
 drawn from and skips the consumed batches as indices (no sample is loaded twice); a loader with
 its own state is restored through that state; a ``DataLoader`` over an iterable dataset without
@@ -25,7 +25,7 @@ states at the save point, set again once the resumed pass has drawn its order.
 A save counts the batches handed out so far in the current pass, so save after the step that
 used the last one (not between fetching a batch and training on it). With another batch size or
 number of ranks than at the save, a ``DataLoader`` continues the saved epoch in samples: the
-samples not yet consumed are split over the new ranks (:mod:`lightning_bpk.lightning._resample`).
+samples not yet consumed are split over the new ranks (:mod:`lightning_bpk.runtime._resample`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_bpk.fabric import _compat
-from lightning_bpk.lightning import loaders as positions
-from lightning_bpk.lightning import trainer_state
+from lightning_bpk.runtime import loaders as positions
+from lightning_bpk.runtime.rng import capture_rng, restore_rng
 
 __all__ = ["ResumableLoader"]
 
@@ -129,7 +129,7 @@ class ResumableLoader:
             for batch in self.loader:
                 # a resumed stateful loader drew its seeds creating its iterator
                 if rng is not None:
-                    trainer_state.restore_rng(rng)
+                    restore_rng(rng)
                     rng = None
                 self._consumed += 1
                 yield batch
@@ -150,7 +150,7 @@ class ResumableLoader:
             "position": self._tracker.capture(0 if done else self._consumed, done),
             "epoch": epoch,
             "world_size": self._group.world_size,
-            "rng": trainer_state.capture_rng(),
+            "rng": capture_rng(),
         }
         if done and self.kind == positions.STATEFUL:
             # A loader may count its passes in its own state (litdata's next shuffle depends

@@ -30,24 +30,25 @@ its own RNG states last, and gets the remainder and the step.
 **Saves**: :meth:`~CheckpointManager.save` now, or :meth:`~CheckpointManager.save_if_due`
 after every optimizer step, which saves when ``every_n_train_steps`` (a number or ``"auto"``,
 which keeps saves under ``max_overhead`` of the loop's time) or ``train_time_interval`` falls
-due (the callback's ``SaveTriggers``; rank 0's clock decides, every rank
-follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the ranks agree at the
-step boundary, save, wait for the write, requeue a SLURM job, then exit with status 0).
-Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every ``keep_every``-th
-save. ``async_save`` writes on a background thread
-(:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): the loop waits for a copy into
-reused buffers only. The manager owns its directory (:meth:`Checkpointer.take_over`): a run
+due (the run layer's :class:`~lightning_bpk.runtime.cadence.SaveTriggers`; rank 0's clock
+decides, every rank follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the
+ranks agree at the step boundary, save, wait for the write, requeue a SLURM job, then exit
+with status 0). Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every
+``keep_every``-th save. ``async_save`` writes on a background thread
+(:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): the loop waits for a copy
+into reused buffers only. The manager owns its directory (:meth:`Checkpointer.take_over`): a run
 started later in the same directory takes it over, and this one stops at its next save.
 
 **Sharded models** (``ModelParallelStrategy`` with FSDP2 or tensor parallelism, which refuses
 any ``CheckpointIO`` plugin): every rank writes its own shards through the burnpack DCP writer
 into the checkpoint's staging prefix and rank 0 commits them with the sentinel
-(:mod:`lightning_bpk.lightning.sharded`); restoring reshards to any number of ranks, and
+(:mod:`lightning_bpk.runtime.sharded`); restoring reshards to any number of ranks, and
 :meth:`~CheckpointManager.export` writes one consolidated Burn-readable ``.bpk``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -58,26 +59,19 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_bpk import _gin
-from lightning_bpk.checkpointer import (
-    Checkpointer,
-    bound_override_number,
-    check_settings,
-    choose_resume,
-    get_latest_checkpoint_number,
-    list_checkpoints,
-    verify_checkpoint,
-)
-from lightning_bpk.checkpointer._view import summarise
+from lightning_bpk.checkpointer import Checkpointer, check_settings
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.fabric import _sharded, _state
 from lightning_bpk.fabric._preemption import FabricPreemption
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, SHARDED_INDEX_KEY, TRAINER_KEY
-from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
-from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS
-from lightning_bpk.lightning.ranks import Ranks
-from lightning_bpk.lightning.triggers import SaveTriggers
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, TRAINER_KEY
 from lightning_bpk.records import ModuleRecord, StateRecord
+from lightning_bpk.runtime import resume
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.cadence import SaveTriggers
+from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS
+from lightning_bpk.runtime.ranks import Ranks
+from lightning_bpk.runtime.rng import restore_rng
+from lightning_bpk.runtime.saves import Saves
 from lightning_bpk.store import location
 
 __all__ = ["CheckpointManager", "Restored"]
@@ -101,6 +95,7 @@ def _ranks(fabric: Any) -> Ranks:
         is_global_zero=fabric.is_global_zero,
         reduce=lambda tensor: strategy.all_reduce(tensor, reduce_op="max"),
         device=torch.device("cpu") if fabric.device.type == "cpu" else fabric.device,
+        broadcast=fabric.broadcast,
     )
 
 
@@ -175,6 +170,7 @@ class CheckpointManager:
         self.restored_step: int | None = None
         self.last_saved_step: int | None = None
         self._checked_newer = False
+        self._restored_from: str | None = None  # the checkpoint restore() loaded
         self._ranks = _ranks(fabric)
         step = every_n_train_steps if isinstance(every_n_train_steps, int) else 1
         self.directory = location(fabric.broadcast(str(location(directory))))
@@ -185,6 +181,7 @@ class CheckpointManager:
             None if keep_every is None else keep_every * step,
         )
         self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
+        self._saves = Saves(self.checkpointer, self._ranks, self._saver, self.storage_options)
         self._reserved = False  # the async saver's staging buffers were requested
         self.preemption = FabricPreemption(preemption_signals, fabric.strategy, auto_requeue)
 
@@ -203,21 +200,16 @@ class CheckpointManager:
                 storage_options=self.storage_options,
             )
 
-        checkpointer, error = None, None
-        if self.fabric.is_global_zero:
-            try:
-                checkpointer = make()
-                checkpointer.take_over()  # this run owns the directory (lightning_bpk.store.lease)
-            except Exception as e:  # every rank must reach the broadcast, and learn of it
-                error = e
-        failed = self.fabric.broadcast(
-            None if error is None else f"{type(error).__name__}: {error}"
-        )
-        if error is not None:
-            raise error
+        made: list[Checkpointer] = []
+
+        def take_over() -> None:
+            made.append(make())
+            made[0].take_over()  # this run owns the directory (lightning_bpk.store.lease)
+
+        failed = self._ranks.decide(take_over, lambda e: f"{type(e).__name__}: {e}")
         if failed is not None:
             raise CheckpointSaveError(f"rank 0 cannot open {self.directory}: {failed}")
-        return checkpointer if checkpointer is not None else make()
+        return made[0] if made else make()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, {self.checkpointer!r})"
@@ -239,18 +231,20 @@ class CheckpointManager:
         """
         state = {} if state is None else state
         parts = _state.split(state)
-        number, location, sharded, preloaded = self._choose()
+        choice, sharded = self._choose()
+        number = choice.number
         if number < 0:
             if self.fabric.is_global_zero:
                 log.info("no complete checkpoint in %s: starting from scratch", self.directory)
             self.preemption.log_restart(None)
             return Restored({}, None)
-        source = f"checkpoint {number} ({location})"
+        where = choice.location
+        source = f"checkpoint {number} ({where})"
         data: dict[str, Any] | None
         if sharded:
-            data = _sharded.load(self.checkpointer, number, location, parts, self.storage_options)
+            data = _sharded.load(self.checkpointer, number, str(where), parts, self.storage_options)
         else:
-            data = preloaded
+            data = choice.data
             if data is None:
                 data = self.checkpointer.load_checkpoint(number)
             if data is None:
@@ -264,34 +258,65 @@ class CheckpointManager:
         rank = self.fabric.global_rank
         remainder = _state.restore(parts, state, data, rank, strict, source)
         ranks = trainer["ranks"]
-        trainer_state.restore_rng((ranks[rank] if rank < len(ranks) else ranks[0])["rng"])
+        restore_rng((ranks[rank] if rank < len(ranks) else ranks[0])["rng"])
         self.restored_step = int(trainer["step"])
+        self._restored_from = str(where)
         self.triggers.fit_started(self.restored_step)
         if self.fabric.is_global_zero:
             log.info("restored %s at step %d", source, self.restored_step)
-        self.preemption.log_restart(str(location))
+        self.preemption.log_restart(str(where))
         return Restored(remainder, self.restored_step)
 
-    def _choose(self) -> tuple[int, str, bool, dict[str, Any] | None]:
-        """``(number, where, sharded, data)`` of the checkpoint to restore (-1: none), chosen by
-        rank 0 and broadcast; ``data``: what rank 0 read choosing, for its own restore (None on
-        the other ranks, or when it read none)."""
-        choice: tuple[int, str, bool, str | None] = (-1, "", False, None)
-        preloaded, failure = None, None
-        if self.fabric.is_global_zero:
-            try:
-                choice, preloaded = _choose_on_rank0(
-                    self.checkpointer, self.override_number, self.verify, self.storage_options
+    def _choose(self) -> tuple[resume.ResumeChoice, bool]:
+        """The checkpoint to restore (:func:`lightning_bpk.runtime.resume.choose`), chosen by
+        rank 0 and broadcast, and whether it is sharded; on rank 0 with what it read choosing
+        (every rank reads it otherwise)."""
+        chosen = resume.ResumeChoice()
+
+        def choose() -> tuple[int, str, bool, str | None]:
+            nonlocal chosen
+            checkpointer = self.checkpointer
+            chosen = resume.choose(
+                self.directory,
+                checkpointer.sentinel_file_identifier,
+                checkpointer.checkpoint_file_prefix,
+                (TRAINER_KEY,),
+                verify=self.verify,
+                override=self.override_number,
+                storage_options=self.storage_options,
+                store=checkpointer.store,
+            )
+            if chosen.problem is not None:
+                n = chosen.override
+                return (
+                    -1,
+                    "",
+                    False,
+                    (
+                        f"cannot restore checkpoint {n} in {self.directory} (override_number"
+                        f" = {n}): {chosen.problem}. Complete checkpoints there: "
+                        f"{chosen.complete or 'none'}; nothing was changed"
+                    ),
                 )
-            except Exception as e:  # every rank must reach the broadcast, and learn of it
-                failure = e
-                choice = (-1, "", False, f"cannot look for a checkpoint in {self.directory}: {e}")
-        number, where, sharded, error = self.fabric.broadcast(choice)
-        if failure is not None:
-            raise failure
+            if chosen.number < 0:
+                return -1, "", False, None
+            if chosen.location is not None:  # the verified choice read all but a sharded index
+                sharded = chosen.data is None
+            else:
+                sharded = _sharded.is_sharded(checkpointer, chosen.number, self.storage_options)
+                where = checkpointer.checkpoint_path(chosen.number)
+                chosen = dataclasses.replace(chosen, location=where)
+            return chosen.number, str(chosen.location), sharded, None
+
+        number, where, sharded, error = self._ranks.decide(
+            choose,
+            lambda e: (-1, "", False, f"cannot look for a checkpoint in {self.directory}: {e}"),
+        )
         if error is not None:
             raise CheckpointResumeError(error)
-        return number, where, sharded, preloaded
+        if self.fabric.is_global_zero:
+            return chosen, sharded
+        return resume.ResumeChoice(number, location=where), sharded
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -355,82 +380,51 @@ class CheckpointManager:
         started = self.triggers.save_started()
         self._check_newer(step)
         ranks = self._ranks.gather(_state.rank_entry(parts))
-        shards = None
-        if sharded is not None:
-            shards = _sharded.save(
-                self.fabric, self.checkpointer, step, parts, sharded, self.storage_options
-            )
-        error: Exception | None = None
-        if self.fabric.is_global_zero:
-            try:
-                entry = _state.trainer_entry(parts, filters, step, ranks or [], sharded)
-                self._write(step, parts, filters, StateRecord(entry), shards, flush)
-            except Exception as e:
-                error = e
-        if self._ranks.agree(int(error is not None)):
-            detail = "rank 0 failed" if error is None else _describe(error)
-            raise CheckpointSaveError(
-                f"saving checkpoint {step} into {self.directory} failed ({detail}); earlier "
-                "checkpoints are untouched"
-            ) from error
+
+        def records() -> dict[str, Any]:
+            entry = _state.trainer_entry(parts, filters, step, ranks or [], sharded)
+            data = {} if sharded is not None else _state.module_records(parts, filters)
+            data[TRAINER_KEY] = StateRecord(entry)
+            return data
+
+        shards = None if sharded is None else _sharded.shards(parts, sharded)
+        # a sharded save runs on this thread: the saver is rank 0's alone
+        self._saves.save(step, records, shards=shards, flush=flush, background=False)
         self.last_saved_step = step
         self.triggers.saved(step, started)
 
-    def _write(
-        self,
-        step: int,
-        parts: _state.Parts,
-        filters: _state.Filters,
-        trainer: StateRecord,
-        shards: Any,
-        flush: bool,
-    ) -> None:
-        """Rank 0: commit checkpoint ``step`` (in the background with ``async_save``)."""
-        if shards is not None:  # the shards are written; commit them with the trainer record
-            path = _sharded.publish(self.checkpointer, step, shards, trainer)
-            log.info("saved sharded checkpoint %d at %s", step, path)
-            return
-        data = _state.module_records(parts, filters)
-        data[TRAINER_KEY] = trainer
-        if self._saver is not None:
-            self._saver.save_checkpoint(self.checkpointer, step, data, _log_saved(step))
-            if flush:
-                self._saver.wait()
-            return
-        path = self.checkpointer.save_checkpoint(step, data)
-        if path is not None:
-            _log_saved(step)(path)
-
     def _check_newer(self, step: int) -> None:
-        """Before this manager's first save: complete checkpoints newer than ``step`` (another
-        run's, or those after the one restored) would be chosen over this run's; refuse, or
-        remove them with ``overwrite``. Rank 0 decides; every rank learns."""
+        """Before this manager's first save, at ``step``: refuse to save over complete
+        checkpoints of another run (:func:`lightning_bpk.runtime.resume.in_the_way`: those
+        numbered ``step`` or more but the one restored), or remove them with ``overwrite``.
+        Rank 0 decides; every rank learns."""
         if self._checked_newer:
             return
         self._checked_newer = True
-        error = None
-        if self.fabric.is_global_zero:
-            try:
-                complete = _complete(self.checkpointer, self.storage_options)
-                newer = sorted(e.number for e in complete if e.number > step)
-                if newer and self.overwrite:
-                    log.warning(
-                        "overwrite=True: removing checkpoints %s in %s, newer than step %d",
-                        newer,
-                        self.directory,
-                        step,
-                    )
-                    self.checkpointer.remove_checkpoints(newer)
-                elif newer:
-                    error = (
-                        f"{self.directory} holds complete checkpoints {newer}, newer than step "
-                        f"{step} this run saves now, so a restore would choose them over this "
-                        "run's: restore the newest (restore(state) without override_number), "
-                        "use another directory, or pass overwrite=True to remove them"
-                    )
-            except Exception as e:  # every rank must reach the broadcast
-                error = f"cannot check {self.directory} before saving: {e}"
-        error = self.fabric.broadcast(error)
+
+        def check() -> str | None:
+            newer = resume.in_the_way(
+                self.checkpointer,
+                step,
+                f"step {step}",
+                self._restored_from,
+                overwrite=self.overwrite,
+                verify=self.verify,
+                required_keys=(TRAINER_KEY,),
+                storage_options=self.storage_options,
+            )
+            if not newer:
+                return None
+            return (
+                f"{self.directory} holds complete checkpoints {sorted(newer)}, newer than step "
+                f"{step} this run saves now, so a restore would choose them over this "
+                "run's: restore the newest (restore(state) without override_number), "
+                "use another directory, or pass overwrite=True to remove them"
+            )
+
+        error = self._ranks.decide(
+            check, lambda e: f"cannot check {self.directory} before saving: {e}", reraise=False
+        )
         if error is not None:
             raise CheckpointResumeError(error)
 
@@ -439,23 +433,14 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until an asynchronous write in flight is complete; raise
         :class:`~lightning_bpk.errors.CheckpointSaveError` if it failed."""
-        if self._saver is not None:
-            try:
-                self._saver.wait()
-            except Exception as e:
-                raise CheckpointSaveError(
-                    f"the asynchronous checkpoint save failed ({_describe(e)}); earlier "
-                    "checkpoints are untouched"
-                ) from e
+        self._saves.wait()
 
     def close(self) -> None:
         """Wait for the write in flight (raising its failure), and put back the signal
         handlers found at construction. The manager can save again afterwards."""
         try:
-            self.wait()
+            self._saves.close()
         finally:
-            if self._saver is not None:
-                self._saver.close()
             self.preemption.restore()
 
     def export(
@@ -474,74 +459,3 @@ class CheckpointManager:
         if not isinstance(record, ModuleRecord):
             raise ValueError(f"checkpoint {number} holds no module under {key!r}")
         return save_module_record(record, path)
-
-
-def _choose_on_rank0(
-    checkpointer: Checkpointer,
-    override: int | None,
-    verify: bool,
-    storage_options: Mapping[str, Any] | None,
-) -> tuple[tuple[int, str, bool, str | None], dict[str, Any] | None]:
-    """Rank 0's choice of the checkpoint to restore, ``(number, where, sharded, error)``, and
-    the data it read choosing (None when it read none: every rank reads the checkpoint)."""
-    directory = checkpointer.base_directory
-    names = (checkpointer.sentinel_file_identifier, checkpointer.checkpoint_file_prefix)
-    if override is None:
-        override = bound_override_number()
-    if override is None and verify:  # every byte verified as it is read, once
-        choice = choose_resume(
-            checkpointer.store,
-            *names,
-            (TRAINER_KEY,),
-            at_most=2**63,
-            unloaded=(SHARDED_INDEX_KEY,),
-        )
-        where = "" if choice.location is None else str(choice.location)
-        sharded = choice.number >= 0 and choice.data is None
-        return (choice.number, where, sharded, None), choice.data
-    if override is None:  # sentinels and file sizes only; every rank reads it to restore
-        override = get_latest_checkpoint_number(
-            directory, None, *names, False, storage_options, (TRAINER_KEY,)
-        )
-    elif override >= 0:
-        problems = verify_checkpoint(
-            directory,
-            override,
-            *names,
-            storage_options,
-            full=verify,
-            required_keys=(TRAINER_KEY,),
-        )
-        if problems:
-            complete = [e.number for e in _complete(checkpointer, storage_options)]
-            error = (
-                f"cannot restore checkpoint {override} in {directory} (override_number"
-                f" = {override}): {summarise(problems)}. Complete checkpoints there: "
-                f"{complete or 'none'}; nothing was changed"
-            )
-            return (-1, "", False, error), None
-    if override < 0:
-        return (-1, "", False, None), None
-    where = str(checkpointer.checkpoint_path(override))
-    sharded = _sharded.is_sharded(checkpointer, override, storage_options)
-    return (override, where, sharded, None), None
-
-
-def _complete(checkpointer: Checkpointer, storage_options: Mapping[str, Any] | None) -> list[Any]:
-    """The complete checkpoints of ``checkpointer``'s directory."""
-    entries = list_checkpoints(
-        checkpointer.base_directory,
-        checkpointer.sentinel_file_identifier,
-        checkpointer.checkpoint_file_prefix,
-        storage_options,
-    )
-    return [e for e in entries if e.complete]
-
-
-def _describe(error: BaseException) -> str:
-    """An error and the notes an asynchronous save adds (which save it came from)."""
-    return " ".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])
-
-
-def _log_saved(step: int) -> Any:
-    return lambda path: log.info("saved checkpoint %d at %s", step, path)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
@@ -79,6 +79,13 @@ def composed_signal_handlers(handler: object) -> list[Any]:
     return list(inner) if isinstance(inner, list) else [handler]
 
 
+def foreign_signal_handlers(handler: object) -> list[Any]:
+    """The callables a previously installed signal handler runs, without Lightning's own ones
+    (its SIGTERM notifier broadcasts inside the handler, which can deadlock DDP)."""
+    handlers = composed_signal_handlers(handler)
+    return [h for h in handlers if callable(h) and not is_lightning_signal_handler(h)]
+
+
 def handlers_restored_at_teardown(trainer: pl.Trainer) -> dict[int, Any]:
     """The signal handlers Lightning found at fit start and reinstalls at its teardown, by
     signal number; changing an entry changes what teardown reinstalls (empty before fit)."""
@@ -88,6 +95,17 @@ def handlers_restored_at_teardown(trainer: pl.Trainer) -> dict[int, Any]:
 def cluster_environment(trainer: pl.Trainer) -> ClusterEnvironment | None:
     """The cluster environment Lightning detected or was given (``SLURMEnvironment``, ...)."""
     return trainer._accelerator_connector.cluster_environment
+
+
+def slurm_requeue_signal(trainer: pl.Trainer) -> int | None:
+    """The signal that asks for a SLURM requeue, or ``None`` when auto-requeue does not apply:
+    not ``None`` only when Lightning detected SLURM for ``trainer`` with
+    ``SLURMEnvironment(auto_requeue=True)`` (the default); see :mod:`lightning_bpk.runtime.slurm`.
+    """
+    environment = cluster_environment(trainer)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return environment.requeue_signal
+    return None
 
 
 def generate_state_key(callback: Callback, **kwargs: Any) -> str:

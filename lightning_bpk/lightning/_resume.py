@@ -1,33 +1,34 @@
-"""Checks the callback makes around a resume, before anything is trained or saved.
+"""The callback's resume, in Lightning's terms: loading the chosen checkpoint, and the checks.
 
-A ``ckpt_path`` that names one file of a checkpoint (:func:`member_of_checkpoint`), a
-checkpoint of other optimizer or scheduler classes (:func:`check_classes`), and complete
-checkpoints this run's saves would replace (:func:`newer_checkpoints`). Each is read-only, and
-says what to do instead.
+The run layer chooses what to resume and finds the checkpoints a run would save over
+(:mod:`lightning_bpk.runtime.resume`); here Lightning's ``resume_start`` is routed to the
+chosen checkpoint when ``fit`` got no ``ckpt_path`` (:func:`intercept`), and the checks say
+what to do instead, in the callback's words: a ``ckpt_path`` that names one file of a
+checkpoint (:func:`member_of_checkpoint`), an override that names no complete checkpoint
+(:func:`override_problem`), a checkpoint of other optimizer or scheduler classes
+(:func:`check_classes`), complete checkpoints this run's saves would replace
+(:func:`save_over_problem`). Each is read-only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_bpk.checkpointer import Checkpointer, list_checkpoints, verify_checkpoint
+from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
-from lightning_bpk.lightning import trainer_state
+from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
+from lightning_bpk.runtime import resume
+from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.store import location, name_of, open_store, parent_of
 
 log = logging.getLogger("lightning_bpk")
-
-
-def _identity(path: Any) -> str:
-    """A checkpoint directory's identity for comparisons: the resolved local path, or the URL."""
-    found = location(path)
-    return str(found.resolve() if isinstance(found, Path) else found)
 
 
 def member_of_checkpoint(path: Any, storage_options: Mapping[str, Any] | None) -> str | None:
@@ -98,46 +99,46 @@ def check_classes(trainer: pl.Trainer, classes: dict) -> None:
         )
 
 
-def newer_checkpoints(
+def override_problem(choice: ResumeChoice, directory: Any) -> str | None:
+    """Why gin's ``override_number`` cannot be resumed (None: it can, or none is bound)."""
+    if choice.problem is None:
+        return None
+    n = choice.override
+    return (
+        f"cannot resume from checkpoint {n} in {directory} (gin "
+        f"get_latest_checkpoint_number.override_number = {n}): {choice.problem}. "
+        f"Complete checkpoints there: {choice.complete or 'none'}. Nothing was changed; bind "
+        "override_number to one of them, or unbind it to resume from the newest"
+    )
+
+
+def save_over_problem(
     trainer: pl.Trainer,
     checkpointer: Checkpointer,
-    start: int,
-    start_name: str,
+    step_numbered: bool,
     overwrite: bool,
     verify: bool,
-    names: dict[str, Any],
+    storage_options: Mapping[str, Any] | None,
 ) -> str | None:
-    """Rank 0, before the first step: complete checkpoints from ``start`` (the epoch or global
-    step this run starts at, ``start_name`` in words) on, other than the one it resumed from,
-    would be saved over. Remove them when ``overwrite`` is set; otherwise the error to stop
-    with (nothing changed)."""
-    base = checkpointer.base_directory
-    resumed = _identity(trainer.ckpt_path) if trainer.ckpt_path else None
-    newer = [
-        e.number
-        for e in list_checkpoints(base, **names)
-        if e.complete and e.number >= start and _identity(e.data) != resumed
-    ]
+    """Rank 0, before the first step: the error for a run that would save over complete
+    checkpoints of another (:func:`lightning_bpk.runtime.resume.in_the_way`; None: none, or
+    ``overwrite`` removed them)."""
+    # the number of this run's first save is at least its starting epoch or global step
+    start = trainer.global_step if step_numbered else trainer.current_epoch
+    start_name = f"global step {start}" if step_numbered else f"epoch {start}"
+    newer = resume.in_the_way(
+        checkpointer,
+        start,
+        start_name,
+        trainer.ckpt_path,
+        overwrite=overwrite,
+        verify=verify,
+        required_keys=trainer_state.REQUIRED_KEYS,
+        storage_options=storage_options,
+    )
     if not newer:
         return None
-    if overwrite:
-        log.warning(
-            "overwrite=True: removing checkpoints %s in %s, which this run (starting at "
-            "%s) would save over",
-            newer,
-            base,
-            start_name,
-        )
-        checkpointer.remove_checkpoints(newer)
-        return None
-    usable = any(  # damaged ones are replaced anyway (resume fell back past them)
-        not verify_checkpoint(
-            base, n, full=verify, required_keys=trainer_state.REQUIRED_KEYS, **names
-        )
-        for n in newer
-    )
-    if not usable:
-        return None
+    base = checkpointer.base_directory
     source = f"resumes from {trainer.ckpt_path}" if trainer.ckpt_path else "starts from scratch"
     return (
         f"this run {source} ({start_name}), and {base} holds complete "
@@ -147,3 +148,113 @@ def newer_checkpoints(
         "(gin: BurnpackCheckpoint.overwrite = True), which removes them first; or save into "
         "another dirpath"
     )
+
+
+def intercept(
+    trainer: pl.Trainer,
+    choice: ResumeChoice,
+    checkpointer: Checkpointer,
+    storage_options: Mapping[str, Any] | None,
+    resumed: Callable[[int], None],
+) -> None:
+    """Make the trainer's next ``resume_start`` load ``choice`` when ``fit`` got no
+    ``ckpt_path`` (calling ``resumed(number)``): what rank 0 read choosing it, once, or what
+    every rank reads now (a sharded checkpoint: each rank its part). A ``ckpt_path`` that is a
+    checkpoint directory of ours is read here too; any other goes Lightning's way."""
+    preloaded = [choice.data]
+
+    def resume_start(
+        original: Any, checkpoint_path: Any, weights_only: bool | None
+    ) -> tuple[Any, dict[str, Any]] | None:
+        path = checkpoint_path
+        if path is None and choice.number >= 0:
+            path = choice.location or checkpointer.checkpoint_path(choice.number)
+        ours = checkpoint_path is None and path is not None
+        if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):
+            if path is not None and (problem := member_of_checkpoint(path, storage_options)):
+                raise CheckpointResumeError(problem)
+            original(checkpoint_path, weights_only)  # Lightning's path: its IO, its checks
+            return None
+        if ours:
+            resumed(choice.number)
+            rank_zero_info(f"BurnpackCheckpoint: resuming from checkpoint {path}")
+        data, preloaded[0] = preloaded[0], None
+        if ours and data is not None:  # rank 0 read it choosing
+            return path, trainer_state.from_records(data, str(path))
+        if sharded.is_sharded(path, storage_options=storage_options):  # FSDP2 etc.
+            return path, sharded._restore(trainer, path, storage_options)  # each rank its part
+        return path, trainer_state.load(path, storage_options)
+
+    _compat.intercept_resume_start(trainer, resume_start)
+
+
+class Resumed:
+    """What the checkpoint of ours one fit resumed from says beyond Lightning's own state.
+
+    ``number``: that checkpoint (None: the fit did not resume from ours); ``batches``: the
+    batches of the current epoch it had consumed (0: none, or the epoch is replayed);
+    ``replay_floor``: step-numbered saves up to this number would repeat a replayed epoch;
+    ``finished``: why the run has nothing left to train (None: it goes on). Its optimizer and
+    scheduler classes are checked once, at the first chance (:meth:`check_classes`).
+    """
+
+    def __init__(self) -> None:
+        self.number: int | None = None
+        self.batches = 0
+        self.replay_floor = -1
+        self.finished: str | None = None
+        self._classes: dict | None = None
+        self._fit_started = False
+
+    def loaded(self, trainer: pl.Trainer, checkpoint: dict[str, Any], by_step: bool) -> None:
+        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step)."""
+        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
+            self.check_classes(trainer)
+        where, batches = restored_at(checkpoint)
+        self.batches = batches or 0
+        if batches is not None and by_step and self.number is not None:
+            self.replay_floor = self.number
+        ended = checkpoint.get(FINISHED_KEY)
+        if ended and self.number is not None and still_finished(trainer, ended, checkpoint):
+            self.finished = describe(ended)
+        if trainer.is_global_zero:
+            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
+
+    def fit_started(self, trainer: pl.Trainer, base: Any) -> None:
+        """Check the classes; a finished run stops before its first batch (Lightning's fit
+        loop does when ``should_stop`` is set)."""
+        self._fit_started = True
+        self.check_classes(trainer)
+        if self.finished is None:
+            return
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            log.info(
+                "the run in %s already finished at checkpoint %s (%s); nothing to train "
+                "(resume=False or another directory trains again)",
+                base,
+                self.number,
+                self.finished,
+            )
+
+    def check_classes(self, trainer: pl.Trainer) -> None:
+        """Refuse other optimizer or scheduler classes (once, at the first chance)."""
+        classes, self._classes = self._classes, None
+        if classes is not None:
+            check_classes(trainer, classes)
+
+    def train_started(self, trainer: pl.Trainer) -> None:
+        """Say where training continues, and rebuild what a mid-epoch resume needs."""
+        if self.number is None:
+            return
+        if trainer.is_global_zero:
+            log.info(
+                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
+                trainer.current_epoch,
+                f", batch {self.batches}" if self.batches else "",
+                trainer.global_step,
+                self.number,
+            )
+        if _compat.resume_swa_mid_epoch(trainer):
+            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")

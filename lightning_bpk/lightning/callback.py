@@ -28,6 +28,24 @@ Saves happen only at optimizer-step boundaries, never inside gradient accumulati
 falls due right before a validation run waits until after it, and one on an epoch's last batch
 becomes that epoch's end save. With either trigger set, **checkpoint N is the one saved after
 global step N** (epoch-end, preemption and final saves too); without, N is the epoch.
+``every_n_train_steps="auto"`` chooses the interval: it measures the time of an optimizer step
+and what a save costs the training thread, and saves as often as keeps that cost under
+``max_overhead`` of training time (re-measured at every save, logged when it changes;
+``train_time_interval`` still bounds the time between saves). Each fit, a resumed one too,
+measures anew: its first save comes 10 steps after it starts.
+
+**Asynchronous saves.** With ``async_save=True`` checkpoints are written on a background thread
+(:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): training waits only for a
+copy into reused staging buffers (and for building the records, ~3 ms of Python for a small
+model). The buffers of the model and optimizer state are allocated and faulted in on that
+thread right after the first optimizer step (when the optimizer state exists), so the first
+save costs a copy too; a save joins that reservation before copying. The checkpoint becomes
+complete (sentinel) once its data is durable; a failed write raises
+:class:`CheckpointSaveError` at the next save or at teardown; a preemption save and teardown
+wait for the write. With a URL ``dirpath`` this is "upload behind": the upload and commit run
+on that thread. Sharded (FSDP2) state too: every rank copies its shards into its own staging
+buffers and writes them on its writer thread, over a process group of their own; a write that
+fails on one rank fails the next save on every rank.
 
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
@@ -76,7 +94,7 @@ exit status stays 0; a later ``fit`` in the same process brings the default hand
 **SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
 SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
 requeue signal stopped training, global rank 0 runs ``scontrol requeue`` after the save is
-complete, and the requeued job resumes from it (:mod:`lightning_bpk.lightning.slurm`).
+complete, and the requeued job resumes from it (:mod:`lightning_bpk.runtime.slurm`).
 
 **A finished run stays finished.** The save at the end of training (``max_epochs`` or
 ``max_steps`` reached, or ``trainer.should_stop`` as EarlyStopping sets it) is always made,
@@ -86,9 +104,11 @@ A run stopped by ``max_time`` is finished for as long as ``max_time`` is at most
 time it had (Lightning's Timer restores that time with its state); a larger ``max_time``, or
 none, continues it, and the Timer stops it when the total reaches the new limit.
 
-The class holds its settings and hooks; each other concern (when a save falls due, signals,
-rank agreement, where a checkpoint comes from and goes to, the checks around a resume) is an
-object in a module beside this one, listed in :mod:`lightning_bpk.lightning`.
+The class holds its settings and hooks and composes the rest: the run layer
+(:mod:`lightning_bpk.runtime`: the resume choice, save and agree, cadence, signals, rank
+agreement) and, beside it, what is Lightning's (``_resume``: loading the chosen checkpoint and
+the checks around it; ``_save_data``: what a save holds), listed in
+:mod:`lightning_bpk.lightning`.
 """
 
 from __future__ import annotations
@@ -101,26 +121,27 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk import _gin
-from lightning_bpk.checkpointer import check_settings
-from lightning_bpk.errors import CheckpointResumeError
+from lightning_bpk.checkpointer import Checkpointer, Retention, check_settings
+from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
-from lightning_bpk.lightning import _compat, _resume, slurm, trainer_state
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.lightning import _compat, _resume, _save_data, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
-from lightning_bpk.lightning.dispatch import CheckpointDispatch, CheckpointSaveError
-from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS, Preemption
-from lightning_bpk.lightning.ranks import Ranks
 from lightning_bpk.lightning.triggers import (
     FINISHED_KEY,
-    SaveTriggers,
-    describe,
     epoch_ends_here,
     finished,
-    still_finished,
 )
-from lightning_bpk.store import join, location
+from lightning_bpk.runtime import resume, slurm
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.cadence import SaveTriggers
+from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption
+from lightning_bpk.runtime.ranks import Ranks
+from lightning_bpk.runtime.resume import ResumeChoice
+from lightning_bpk.runtime.saves import Saves
+from lightning_bpk.store import join, location, open_store
 
 __all__ = [
     "FINISHED_KEY",
@@ -131,6 +152,19 @@ __all__ = [
 ]
 
 log = logging.getLogger("lightning_bpk")
+
+
+def _ranks(trainer: pl.Trainer) -> Ranks:
+    """The ranks of ``trainer``'s strategy: its ``reduce`` with MAX, its ``broadcast``, its root
+    device (the run layer's rank agreement, in Lightning's collectives)."""
+    strategy = trainer.strategy
+    return Ranks(
+        world_size=trainer.world_size,
+        is_global_zero=trainer.is_global_zero,
+        reduce=lambda tensor: strategy.reduce(tensor, reduce_op="max"),
+        device=strategy.root_device,
+        broadcast=strategy.broadcast,
+    )
 
 
 def _take_last(trainer: pl.Trainer) -> bool:
@@ -144,7 +178,7 @@ def _take_last(trainer: pl.Trainer) -> bool:
 
 
 @_gin.configurable("lightning_bpk")
-class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
+class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
 
     Args:
@@ -160,12 +194,9 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
             one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
-        overwrite: let this run replace complete checkpoints in ``dirpath`` that it did not
-            resume past, i.e. numbered from the epoch it starts at: needed to start over
-            (``resume=False``) in a directory with checkpoints, or to go back to an older one
-            (``ckpt_path``, ``override_number``). Those checkpoints are removed, with a warning
-            in the log, before the first training step, so the directory never mixes two runs.
-            With the default ``False``, ``fit`` stops there with
+        overwrite: let this run remove, before its first step, the complete checkpoints in
+            ``dirpath`` it would save over (to start over, or go back to an older one: see
+            "Never saving over another run" above); ``False``: ``fit`` stops there with
             :class:`CheckpointResumeError` naming them, before anything is saved.
         verify: check every byte of the chosen checkpoint before resuming from it (falling
             back to older ones); ``False`` checks sentinels and file sizes only.
@@ -174,38 +205,21 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             with auto-requeue, the environment's ``requeue_signal`` too.
         every_n_train_steps: also save every this many optimizer steps (global steps), as
             Lightning's ``ModelCheckpoint`` does; checkpoints are then numbered by global step.
-            ``"auto"`` chooses the interval: it measures the time of an optimizer step and what
-            a save costs the training thread, and saves as often as keeps that cost under
-            ``max_overhead`` of training time (re-measured at every save, logged when it
-            changes; ``train_time_interval`` still bounds the time between saves). Each fit,
-            a resumed one too, measures anew: its first save comes 10 steps after it starts.
+            ``"auto"`` chooses the interval (see "Step and time triggers" above).
         max_overhead: the share of training time ``"auto"`` may spend in saves.
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
-        async_save: write checkpoints on a background thread
-            (:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): training waits
-            only for
-            a copy into reused staging buffers (and for building the records, ~3 ms of Python
-            for a small model). The buffers of the model and optimizer state are allocated and
-            faulted in on that thread right after the first optimizer step (when the optimizer
-            state exists), so the first save costs a copy too; a save joins that reservation
-            before copying. The checkpoint becomes complete (sentinel) once
-            its data is durable; a failed write raises :class:`CheckpointSaveError` at the next
-            save or at teardown; a preemption save and teardown wait for the write. With a URL
-            ``dirpath`` this is "upload behind": the upload and commit run on that thread.
-            Sharded (FSDP2) state too: every rank copies its shards into its own staging
-            buffers and writes them on its writer thread, over a process group of their own;
-            a write that fails on one rank fails the next save on every rank.
+        async_save: write checkpoints on a background thread; training waits only for a copy
+            into reused staging buffers (see "Asynchronous saves" above).
         storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
             ``scontrol requeue`` once the preemption checkpoint is complete
-            (:mod:`lightning_bpk.lightning.slurm`); ``False``: save and stop only.
+            (:mod:`lightning_bpk.runtime.slurm`); ``False``: save and stop only.
         distributed_save: with replicated state (DDP), every rank writes a share of the model
-            and optimizer tensors (torch DCP through :mod:`lightning_bpk.lightning.sharded`), so a
-            save's
-            wall time can fall as ranks are added on a parallel filesystem; ``False`` (default):
-            rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
+            and optimizer tensors (torch DCP through :mod:`lightning_bpk.runtime.sharded`), so a
+            save's wall time can fall as ranks are added on a parallel filesystem; ``False``
+            (default): rank 0 alone writes. Sharded (FSDP2) state is always written by every rank.
 
     Example::
 
@@ -260,24 +274,21 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         self.resume = resume
         self.overwrite = overwrite
         self.verify = verify
-        self.preemption = Preemption(preemption_signals)
+        self.preemption = Preemption(
+            preemption_signals,
+            others=_compat.foreign_signal_handlers,
+            stop_error=SIGTERMException,
+        )
         self.async_save = async_save
         self.auto_requeue = auto_requeue
         self.distributed_save = distributed_save
-        self._saver = AsyncCheckpointSaver() if async_save else None  # used on rank 0 only
-        self._ranks = None  # this fit's ranks (setup)
-        self.checkpointer = None
-        self.restored_number = None  # the checkpoint this fit resumed from
-        self.last_saved_number = None
-        self._resume_number = -1
-        self._preloaded = None  # what rank 0 read choosing the resume
-        self._resume_location = None  # where that data lies
+        self._saver = AsyncCheckpointSaver() if async_save else None
+        self._ranks: Ranks | None = None  # this fit's ranks (setup)
+        self._saves: Saves | None = None  # this fit's saves (setup)
+        self.checkpointer: Checkpointer | None = None
+        self.last_saved_number: int | None = None
         self._position = DataPosition()
-        self._classes: dict | None = None  # optimizer/scheduler classes to check at fit start
-        self._fit_started = False
-        self._replay_floor = -1  # step-numbered saves up to this number repeat a replayed epoch
-        self._finished: str | None = None  # why a resumed run has nothing left to train
-        self._resumed_batches = 0
+        self._resumed = _resume.Resumed()  # what the checkpoint this fit resumed from says
         self._reserved = False  # the async saver's staging buffers were requested
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
         _compat.route_last_ckpt_path(_take_last)
@@ -299,6 +310,11 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             checkpoint_file_prefix=self.checkpoint_file_prefix,
         )
 
+    @property
+    def step_numbered(self) -> bool:
+        """Checkpoints are numbered by global step (a step or time trigger is set), not epoch."""
+        return self.triggers.step_numbered
+
     # -- setup and resume ----------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -306,20 +322,18 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             return
         dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
         dirpath = location(trainer.strategy.broadcast(str(dirpath)))
+        ranks = self._ranks = _ranks(trainer)
         # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
-        choice: tuple[int, str | None] = (-1, None)
-        failure: Exception | None = None
-        self._preloaded = None
-        self._resume_location = None
-        if self.resume and trainer.is_global_zero:
-            try:
-                choice = self._choose_resume(dirpath)
-            except Exception as e:  # every rank must reach the broadcast, and learn of it
-                failure = e
-                choice = (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
-        number, error = trainer.strategy.broadcast(choice)
-        if failure is not None:
-            raise failure  # rank 0 keeps the original error (a StorageError naming the URL)
+        chosen = ResumeChoice()
+
+        def choose() -> tuple[int, str | None]:
+            nonlocal chosen
+            chosen = self._choose_resume(dirpath) if self.resume else chosen
+            return chosen.number, _resume.override_problem(chosen, dirpath)
+
+        number, error = ranks.decide(
+            choose, lambda e: (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
+        )
         if error is not None:
             raise CheckpointResumeError(error)
         if self._last_requested and trainer.is_global_zero:
@@ -331,27 +345,59 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             )
         self._last_requested = False
         if trainer.is_global_zero:
-            self.checkpointer = self._make_checkpointer(dirpath)
+            checkpointer = self.checkpointer = self._make_checkpointer(dirpath)
             # this run owns the directory until another one takes over (lightning_bpk.store.lease)
-            self.checkpointer.take_over()
+            checkpointer.take_over()
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:
-            self.checkpointer = self._make_checkpointer(dirpath)
-        self._ranks = Ranks.of(trainer)
+            checkpointer = self.checkpointer = self._make_checkpointer(dirpath)
+        self._saves = Saves(checkpointer, ranks, self._saver, self.storage_options)
         self._position = DataPosition()
         self._position.attach(trainer)
         self._reserved = False
-        self._fit_started = False
-        self._classes = None
+        self._resumed = _resume.Resumed()
         self.preemption.reset()
         self.triggers.due = None
-        self._replay_floor = -1
-        self._finished = None
-        self.restored_number = None
-        self._resume_number = number
-        requeue = slurm.requeue_signal(trainer) if self.auto_requeue else None
+        requeue = _compat.slurm_requeue_signal(trainer) if self.auto_requeue else None
         self.preemption.requeue_signal = requeue
-        self._intercept_resume(trainer)
+        choice = chosen if trainer.is_global_zero else ResumeChoice(number)
+        _resume.intercept(trainer, choice, checkpointer, self.storage_options, self._resumed_from)
+
+    @property
+    def restored_number(self) -> int | None:
+        """The checkpoint this fit resumed from (None: none of ours)."""
+        return self._resumed.number
+
+    def _resumed_from(self, number: int) -> None:
+        self._resumed.number = number
+
+    def _choose_resume(self, dirpath: Any) -> ResumeChoice:
+        """Rank 0, read-only: what to resume from ``dirpath`` and what it read choosing
+        (:func:`lightning_bpk.runtime.resume.choose`; gin's ``override_number`` must name a
+        complete checkpoint)."""
+        store = open_store(dirpath, self.storage_options)
+        store.check()  # unreachable, bad credentials, no bucket: say which
+        return resume.choose(
+            dirpath,
+            self.sentinel_file_identifier,
+            self.checkpoint_file_prefix,
+            trainer_state.REQUIRED_KEYS,
+            verify=self.verify,
+            storage_options=self.storage_options,
+            store=store,
+        )
+
+    def _make_checkpointer(self, dirpath: Any) -> Checkpointer:
+        return Checkpointer(
+            dirpath,
+            self.checkpoint_file_prefix,
+            self.sentinel_file_identifier,
+            # the triggers choose the steps; the checkpointer keeps them all
+            checkpoint_frequency=1 if self.step_numbered else self.checkpoint_frequency,
+            checkpoint_duration=self.checkpoint_duration,
+            keep_every=self.keep_every,
+            storage_options=self.storage_options,
+        )
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -359,85 +405,37 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         # This rank's RNG states and data position, restored now: before configure_optimizers
         # (which may read estimated_stepping_batches, and so build and iterate the data) and
         # before anything else can draw from them.
-        rng = checkpoint.get(trainer_state.RNG_KEY)
-        ranks = checkpoint.get(POSITION_KEY)
+        rng, ranks = checkpoint.get(trainer_state.RNG_KEY), checkpoint.get(POSITION_KEY)
         self._position.resume_from_ranks(ranks, rng, trainer, f"checkpoint {trainer.ckpt_path}")
-        self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
-        if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
-            self._check_classes(trainer)
-        # batches of the current epoch the restored run consumed (0: none, or replayed)
-        where, batches = _resume.restored_at(checkpoint)
-        self._resumed_batches = batches or 0
-        if batches is not None and self.step_numbered and self.restored_number is not None:
-            self._replay_floor = self.restored_number
-        ended = checkpoint.get(FINISHED_KEY)
-        if (
-            ended
-            and self.restored_number is not None
-            and still_finished(trainer, ended, checkpoint)
-        ):
-            self._finished = describe(ended)
-        if trainer.is_global_zero:
-            log.info("restored %s, saved at %s", trainer.ckpt_path, where)
+        self._resumed.loaded(trainer, checkpoint, self.step_numbered)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_started = True
-        self._check_classes(trainer)
-        if self._finished is not None:
-            # Lightning's fit loop stops before its first batch when should_stop is set.
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                log.info(
-                    "the run in %s already finished at checkpoint %s (%s); nothing to train "
-                    "(resume=False or another directory trains again)",
-                    self.checkpointer.base_directory if self.checkpointer else "?",
-                    self.restored_number,
-                    self._finished,
-                )
-
-    def _check_classes(self, trainer: pl.Trainer) -> None:
-        """Refuse other optimizer or scheduler classes (once, at the first chance)."""
-        classes, self._classes = self._classes, None
-        if classes is not None:
-            _resume.check_classes(trainer, classes)
+        base = self.checkpointer.base_directory if self.checkpointer else "?"
+        self._resumed.fit_started(trainer, base)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        error = None
-        if trainer.is_global_zero:
-            try:
-                error = self._check_newer(trainer)
-            except Exception as e:  # every rank must reach the broadcast, and learn of it
-                base = self.checkpointer.base_directory if self.checkpointer else "?"
-                error = f"cannot check {base} before training: {e}"
-        error = trainer.strategy.broadcast(error)
+        checkpointer = self.checkpointer
+        assert self._ranks is not None and checkpointer is not None  # made in setup
+        error = self._ranks.decide(  # rank 0 looks, every rank learns
+            lambda: _resume.save_over_problem(
+                trainer,
+                checkpointer,
+                self.step_numbered,
+                self.overwrite,
+                self.verify,
+                self.storage_options,
+            ),
+            lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
+            reraise=False,
+        )
         if error is not None:
             raise CheckpointResumeError(error)
-        if trainer.is_global_zero and self.restored_number is not None:
-            log.info(
-                "continuing training at epoch %d%s (global step %d) after checkpoint %d",
-                trainer.current_epoch,
-                f", batch {self._resumed_batches}" if self._resumed_batches else "",
-                trainer.global_step,
-                self.restored_number,
-            )
-        if self.restored_number is not None and _compat.resume_swa_mid_epoch(trainer):
-            log.info("StochasticWeightAveraging's SWALR rebuilt for the resumed epoch")
+        self._resumed.train_started(trainer)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
             path = trainer.ckpt_path
             slurm.log_restart(None if path is None else str(path))
         self.preemption.install(_compat.handlers_restored_at_teardown(trainer))
-
-    def _check_newer(self, trainer: pl.Trainer) -> str | None:
-        """Rank 0, before the first step: the checkpoints this run would save over (see
-        :func:`~lightning_bpk.lightning._resume.newer_checkpoints`)."""
-        assert self.checkpointer is not None
-        # the number of this run's first save is at least its starting epoch or global step
-        start = trainer.global_step if self.step_numbered else trainer.current_epoch
-        name = f"global step {start}" if self.step_numbered else f"epoch {start}"
-        return _resume.newer_checkpoints(
-            trainer, self.checkpointer, start, name, self.overwrite, self.verify, self._names()
-        )
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -456,7 +454,8 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         batch_idx: int,
     ) -> None:
         if self._saver is not None and not self._reserved and trainer.global_step > 0:
-            self._reserve_staging(trainer)
+            self._reserved = True  # the first optimizer step's state exists now
+            _save_data.reserve(trainer, self._saver, self.distributed_save)
         triggers, step = self.triggers, trainer.global_step
         assert self._ranks is not None  # made in setup
         rank0_due = trainer.is_global_zero and triggers.rank0_due(step)
@@ -471,23 +470,63 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
             return  # on_train_epoch_end saves, after the validation that follows this batch
         if _compat.validation_follows(trainer):
             return  # on_validation_end saves, so the resumed run does not validate again
-        self._save_due(trainer)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        due = self.triggers.due is not None and not trainer.sanity_checking
-        if due and not epoch_ends_here(trainer):
-            self._save_due(trainer)
-
-    def _save_due(self, trainer: pl.Trainer) -> None:
-        """Save the mid-epoch checkpoint that fell due (and stop, if preempted)."""
-        consumed, self.triggers.due = self.triggers.due, None
-        assert consumed is not None
-        epoch = trainer.current_epoch
-        number = trainer.global_step if self.step_numbered else epoch
-        preempted = self.preemption.agreed
+        number, consumed, preempted = self._due(trainer)
         self._save(trainer, number, consumed=consumed, preempted=preempted, flush=preempted)
         if preempted:
-            self._stop(trainer, f"after batch {consumed - 1} of epoch {epoch}")
+            self._stop(trainer, f"after batch {consumed - 1} of epoch {trainer.current_epoch}")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.triggers.due is None or trainer.sanity_checking or epoch_ends_here(trainer):
+            return
+        number, consumed, preempted = self._due(trainer)
+        self._save(trainer, number, consumed=consumed, preempted=preempted, flush=preempted)
+        if preempted:
+            self._stop(trainer, f"after batch {consumed - 1} of epoch {trainer.current_epoch}")
+
+    def _due(self, trainer: pl.Trainer) -> tuple[int, int, bool]:
+        """The mid-epoch save that fell due: its number, the batches of this epoch it comes
+        after, and whether the ranks agreed on a preemption (then it stops the run)."""
+        consumed, self.triggers.due = self.triggers.due, None
+        assert consumed is not None
+        number = trainer.global_step if self.step_numbered else trainer.current_epoch
+        return number, consumed, self.preemption.agreed
+
+    def _save(
+        self,
+        trainer: pl.Trainer,
+        number: int,
+        consumed: int | None = None,
+        preempted: bool = False,
+        flush: bool = False,
+    ) -> None:
+        """Save checkpoint ``number`` (all ranks call this; rank 0 writes, or every rank its
+        shards; all learn the result: :meth:`lightning_bpk.runtime.saves.Saves.save`).
+        ``consumed``: the batches of this epoch a mid-epoch save comes after (None: the
+        epoch's end); ``flush`` waits for an asynchronous write to be durable."""
+        started = self.triggers.save_started()
+        if number <= self._resumed.replay_floor:
+            return  # this replayed epoch has not yet passed the checkpoint it resumed from
+        ranks, capture = self._ranks, self._position.capture
+        assert ranks is not None and self._saves is not None  # made in setup
+        save = _save_data.collect(
+            trainer,
+            lambda: ranks.gather(capture(consumed or 0, consumed is None)),
+            consumed,
+            self.distributed_save,
+        )
+        retention = self._retention(number, preempted or save.forced)
+        self._saves.save(number, save.records, shards=save.shards, retention=retention, flush=flush)
+        self.last_saved_number = number
+        self.triggers.saved(trainer.global_step, started)
+
+    def _retention(self, number: int, forced: bool) -> Retention | None:
+        """The retention of a save made whatever the frequency (None: an ordinary save)."""
+        assert self.checkpointer is not None
+        if not forced or number % self.checkpointer.checkpoint_frequency == 0:
+            return None
+        # Saved whatever the frequency; the same retention (the last d, the same milestones).
+        f, k = self.checkpoint_frequency, self.keep_every
+        return Retention(1, self.checkpoint_duration, None if k is None else k * f)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -520,7 +559,7 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
     ) -> None:
         self.preemption.on_exception(_compat.handlers_restored_at_teardown(trainer), exception)
         try:
-            self._flush()
+            self._close_saves()
         except CheckpointSaveError as e:  # reported with, not instead of, the training error
             log.error("%s", e)
             exception.add_note(str(e))
@@ -530,4 +569,10 @@ class BurnpackCheckpoint(CheckpointDispatch, Checkpoint):
         self._position.detach(trainer)
         # fit may have failed before Lightning restored anything
         _compat.release_resume_start(trainer)
-        self._flush()  # the last checkpoint is complete when fit returns
+        self._close_saves()  # the last checkpoint is complete when fit returns
+
+    def _close_saves(self) -> None:
+        """Wait for an asynchronous write in flight (raising CheckpointSaveError if it failed),
+        and stop the writer thread."""
+        if self._saves is not None:
+            self._saves.close()

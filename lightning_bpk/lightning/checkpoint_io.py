@@ -62,7 +62,8 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 
 from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.rng import restore_rng
 from lightning_bpk.store import open_parent
 
 __all__ = [
@@ -102,7 +103,7 @@ class BurnpackCheckpointIO(CheckpointIO):
     file is written locally and uploaded as one object, and read back with ranged reads.
 
     ``async_save=True`` writes on a background thread
-    (:class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`): ``save_checkpoint``
+    (:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): ``save_checkpoint``
     returns after copying the tensors into reused staging buffers. ``load_checkpoint`` and
     ``remove_checkpoint`` first wait for the write in flight (ModelCheckpoint removes the old
     file right after saving the new one), and a failed write raises at the next call or at
@@ -157,7 +158,7 @@ class BurnpackCheckpointIO(CheckpointIO):
         loaded = trainer_state.load(path)
         rng = loaded.get(trainer_state.RNG_KEY)
         if rng is not None:
-            trainer_state.restore_rng(rng)
+            restore_rng(rng)
             if _TRAINER_VERSION_KEY not in loaded:  # Fabric's dict: exactly what was saved
                 del loaded[trainer_state.RNG_KEY]
         if state is None:

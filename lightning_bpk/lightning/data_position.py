@@ -11,7 +11,7 @@ positioned in one of three ways, chosen when Lightning sets it up:
 ``stateful`` (a loader with ``state_dict``/``load_state_dict``, such as ``torchdata``'s
 ``StatefulDataLoader``) or ``replay`` (a DataLoader over an iterable dataset without state, read
 again up to the save point; one warning says so): the trackers of
-:mod:`~lightning_bpk.lightning.loaders`, which a Fabric loop's
+:mod:`~lightning_bpk.runtime.loaders`, which a Fabric loop's
 :class:`~lightning_bpk.fabric.ResumableLoader` uses too. The counters continue from the save.
 
 A loader's position is the number of its batches the model consumed in its current pass,
@@ -36,9 +36,10 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from lightning_bpk.errors import CheckpointResumeError
-from lightning_bpk.lightning import _compat, _resample, trainer_state
-from lightning_bpk.lightning._data_warnings import unpositioned_message
-from lightning_bpk.lightning.loaders import (
+from lightning_bpk.lightning import _compat
+from lightning_bpk.runtime import _resample
+from lightning_bpk.runtime._data_warnings import unpositioned_message
+from lightning_bpk.runtime.loaders import (
     REPLAY,
     SAMPLER,
     STATEFUL,
@@ -51,6 +52,7 @@ from lightning_bpk.lightning.loaders import (
     track,
     workers_warning,
 )
+from lightning_bpk.runtime.rng import capture_rng, restore_rng
 
 __all__ = [
     "POSITION_KEY",
@@ -148,7 +150,7 @@ class DataPosition:
             if pending is not None and self._rng is not None:
                 # Building the loader may have drawn from the RNGs (torchdata's RandomSampler
                 # seeds its generator then); the original run did that before the save point.
-                trainer_state.restore_rng(self._rng)
+                restore_rng(self._rng)
         index = count - 1
         pending = self._pending_loaders[index] if index < len(self._pending_loaders) else None
         kind = loader_kind(loader)
@@ -174,7 +176,7 @@ class DataPosition:
 
     def _continue(self, tracker: Tracker, pending: dict) -> dict:
         """A saved mid-epoch position as the loader continues it: in samples when the batch
-        size or world size changed (:func:`~lightning_bpk.lightning.loaders.continuation`)."""
+        size or world size changed (:func:`~lightning_bpk.runtime.loaders.continuation`)."""
         saved_world_size = (self._position or {}).get("world_size")
         continued = continuation(
             tracker, pending, self._group.world_size, saved_world_size, self._where
@@ -217,7 +219,7 @@ class DataPosition:
         it was iterated, so the save point's RNG states are set again before its first batch."""
         rng, self._rng_at_first_batch = self._rng_at_first_batch, None
         if rng is not None:
-            trainer_state.restore_rng(rng)
+            restore_rng(rng)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -256,7 +258,7 @@ class DataPosition:
             "accumulate": self._trainer.accumulate_grad_batches,
             "world_size": self._trainer.world_size,
             "loaders": loaders,
-            "rng": trainer_state.capture_rng(),
+            "rng": capture_rng(),
         }
 
     # -- resuming ----------------------------------------------------------------------------
@@ -266,7 +268,7 @@ class DataPosition:
         self._pending = position
         self._rng = None if position is None else position.get("rng")
         if self._rng is not None:
-            trainer_state.restore_rng(self._rng)
+            restore_rng(self._rng)
 
     def resume_from_ranks(
         self, ranks: Any, rng: dict | None, trainer: pl.Trainer, source: str

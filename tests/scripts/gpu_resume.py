@@ -3,7 +3,7 @@
 ``gpu_resume.py BASE OUT --steps N [--every E] [--kill-at K] [--device D]``: resumes from the latest
 checkpoint in ``BASE`` if there is one (model, Adam state and the RNG states, CUDA's included:
 the data and the dropout masks are drawn on the GPU), trains to step ``N`` saving every ``E``
-steps with :class:`~lightning_bpk.lightning.async_save.AsyncCheckpointSaver`, and writes the
+steps with :class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`, and writes the
 final parameters to ``OUT``. With ``--kill-at K`` it sends itself SIGKILL at step ``K`` instead,
 with a save possibly still in flight: no ``finally``, no atexit. ``tests/test_gpu.py`` checks
 that a killed and resumed run ends bit-identical to an uninterrupted one.
@@ -20,9 +20,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch
 
 from lightning_bpk.checkpointer import Checkpointer
-from lightning_bpk.lightning import trainer_state
-from lightning_bpk.lightning.async_save import AsyncCheckpointSaver
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
+from lightning_bpk.runtime import rng
+from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
         assert loaded is not None
         loaded["model"].apply(net)  # host -> device through the pinned bounce buffers
         loaded["optim"].apply(optimizer, net)
-        trainer_state.restore_rng(loaded["trainer"]["rng"])
+        rng.restore_rng(loaded["trainer"]["rng"])
         start = latest + 1
     with AsyncCheckpointSaver() as saver:
         for step in range(start, args.steps):
@@ -67,7 +67,7 @@ def main() -> None:
                     {
                         "model": ModuleRecord.from_module(net),
                         "optim": OptimizerRecord.from_optimizer(optimizer, net),
-                        "trainer": {"rng": trainer_state.capture_rng()},
+                        "trainer": {"rng": rng.capture_rng()},
                     },
                 )
     torch.save({k: v.cpu() for k, v in net.state_dict().items()}, args.out)

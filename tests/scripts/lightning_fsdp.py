@@ -136,9 +136,9 @@ class Trace:
             self.events.append(f"{what}@{threading.current_thread().name}")
 
     def install(self) -> None:
-        from lightning_bpk.lightning import async_save, sharded
+        from lightning_bpk.runtime import async_save, sharded
 
-        save, snapshot = sharded._save, async_save.AsyncCheckpointSaver.save_sharded
+        save, snapshot = sharded.save, async_save.AsyncCheckpointSaver.save_sharded
         trace = self
 
         def traced_save(checkpointer, number, *args, **kwargs):
@@ -156,7 +156,7 @@ class Trace:
             trace.add(f"snapshot {number}")
             return result
 
-        sharded._save = traced_save
+        sharded.save = traced_save
         async_save.AsyncCheckpointSaver.save_sharded = traced_snapshot
 
     def ask(self, number: int) -> None:

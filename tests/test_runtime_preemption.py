@@ -1,4 +1,4 @@
-"""lightning_bpk.lightning.preemption without a Trainer: real signals raised in this process
+"""lightning_bpk.runtime.preemption without a framework: real signals raised in this process
 (``signal.raise_signal`` runs the Python handler before it returns), the handlers Lightning
 restores at teardown stood in for by the plain dict it keeps them in."""
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_bpk.lightning import preemption as module
-from lightning_bpk.lightning.preemption import PREEMPTION_SIGNALS, Preemption, signal_number
+from lightning_bpk.runtime import preemption as module
+from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption, signal_number
 
 USED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -101,18 +101,23 @@ def test_outside_the_main_thread_nothing_is_installed():
 
 
 def test_the_stop_exits_with_status_0_and_says_where(caplog):
-    preemption = Preemption([signal.SIGTERM])
+    # the Lightning callback stops with Lightning's SIGTERMException, the Fabric manager with
+    # a plain SystemExit: both without code, exit status 0
+    preemption = Preemption([signal.SIGTERM], stop_error=SIGTERMException)
     with caplog.at_level(logging.INFO, logger="lightning_bpk"), pytest.raises(SIGTERMException):
         preemption.stop(True, 7, None, "at the end of epoch 7")
     assert preemption.stopping
     assert "saved checkpoint 7 at the end of epoch 7; stopping (exit status 0)" in caplog.text
     assert SIGTERMException().code is None  # a SystemExit without code: exit status 0
+    with pytest.raises(SystemExit) as stopped:
+        Preemption([signal.SIGTERM]).stop(False, 7, None, "at step 7")
+    assert stopped.value.code is None
 
 
 def test_after_the_stop_a_repeated_signal_cannot_kill_the_exiting_process():
     originals = {int(signal.SIGTERM): signal.SIG_DFL}  # what Lightning's teardown reinstalls
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    preemption = Preemption([signal.SIGTERM])
+    preemption = Preemption([signal.SIGTERM], stop_error=SIGTERMException)
     preemption.install(originals)
     signal.raise_signal(signal.SIGTERM)
     with pytest.raises(SIGTERMException) as stopped:

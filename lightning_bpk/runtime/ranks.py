@@ -3,9 +3,11 @@
 Only global rank 0 writes and only rank 0's clock times saves, but a preemption signal may reach
 any one rank and a failed write is known on rank 0 alone: every rank must take the same decision
 at the same point, or one waits forever in a collective the others never enter. :class:`Ranks`
-is the callback's one door to those collectives (an all-reduce MAX of small integers, a gather
-of picklable values on rank 0), built from the trainer's strategy in ``setup`` or, in tests,
-from any reduce and gather functions.
+is the run's one door to those collectives (an all-reduce MAX of small integers, a gather of
+picklable values on rank 0, a broadcast of rank 0's), the small protocol each integration
+implements with its framework's collectives (the Lightning callback with its strategy's
+``reduce``/``broadcast``, the Fabric manager with ``fabric.all_reduce``/``broadcast``) or, in
+tests, with any functions.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 __all__ = ["Ranks"]
@@ -23,12 +24,22 @@ __all__ = ["Ranks"]
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 # gather(value, out) fills out (a list of world_size, on rank 0; None elsewhere) in rank order
 Gather = Callable[[Any, "list[Any] | None"], None]
+# broadcast(value) -> rank 0's value, on every rank
+Broadcast = Callable[[Any], Any]
 
 
 def _gather_object(value: Any, out: list[Any] | None) -> None:
     import torch.distributed as dist
 
     dist.gather_object(value, out, dst=0)
+
+
+def _broadcast_object(value: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @dataclass(frozen=True)
@@ -43,17 +54,7 @@ class Ranks:
     reduce: Reduce
     device: torch.device
     gather_object: Gather = _gather_object
-
-    @classmethod
-    def of(cls, trainer: pl.Trainer) -> Ranks:
-        """The ranks of ``trainer``'s strategy (its ``reduce`` with MAX, its root device)."""
-        strategy = trainer.strategy
-        return cls(
-            world_size=trainer.world_size,
-            is_global_zero=trainer.is_global_zero,
-            reduce=lambda tensor: strategy.reduce(tensor, reduce_op="max"),
-            device=strategy.root_device,
-        )
+    broadcast: Broadcast = _broadcast_object
 
     def agree(self, value: int) -> int:
         """The maximum of ``value`` over all ranks."""
@@ -74,3 +75,29 @@ class Ranks:
         gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
         self.gather_object(value, gathered)
         return gathered
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        return value if self.world_size == 1 else self.broadcast(value)
+
+    def decide(
+        self,
+        choose: Callable[[], Any],
+        failed: Callable[[Exception], Any],
+        *,
+        reraise: bool = True,
+    ) -> Any:
+        """Rank 0's ``choose()``, on every rank (the other ranks do not call it). Where it
+        raised, every rank gets ``failed(error)`` instead (every rank must reach the broadcast,
+        and learn of the failure), and rank 0 raises the error itself after the broadcast when
+        ``reraise`` (so its message names the original cause)."""
+        value, error = None, None
+        if self.is_global_zero:
+            try:
+                value = choose()
+            except Exception as e:
+                error, value = e, failed(e)
+        value = self.share(value)
+        if error is not None and reraise:
+            raise error
+        return value

@@ -1,5 +1,5 @@
-"""The warnings :mod:`lightning_bpk.lightning.data_position` gives about training data it cannot
-resume exactly: what happens instead, when it is exact anyway, and what makes it exact."""
+"""The warnings about training data a resume cannot position exactly (in a Lightning fit or a
+Fabric loop): what happens instead, when it is exact anyway, and what makes it exact."""
 
 from __future__ import annotations
 

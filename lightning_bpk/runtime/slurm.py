@@ -1,7 +1,7 @@
-"""SLURM auto-requeue for :class:`~lightning_bpk.lightning.callback.BurnpackCheckpoint`.
+"""SLURM auto-requeue, for the Lightning callback and the Fabric manager alike.
 
 Lightning's own SLURM handler saves and runs ``scontrol requeue`` *inside* the signal handler
-(which can deadlock DDP). The callback instead saves at the next batch end on every rank; once
+(which can deadlock DDP). The run instead saves at the next step boundary on every rank; once
 that checkpoint is complete (sentinel written, an asynchronous write flushed), global rank 0
 calls :func:`requeue` exactly once, outside any signal handler, and every rank exits with
 status 0. SLURM starts the job again with ``SLURM_RESTART_COUNT`` > 0, and the new run resumes
@@ -9,9 +9,12 @@ from the newest checkpoint by itself (:func:`log_restart` says so).
 
 This happens only when Lightning runs under SLURM (its ``SLURMEnvironment`` was detected, i.e.
 the script runs under ``srun`` or with ``--ntasks``), that environment's ``auto_requeue`` is on
-(Lightning's default) and so is the callback's ``auto_requeue``, and the signal that stopped
-training was the environment's requeue signal (SIGUSR1 by default, as in Lightning: SIGTERM
-means the scheduler itself is ending the job, by ``scancel`` or its own preemption).
+(Lightning's default) and so is the callback's (or manager's) ``auto_requeue``, and the signal
+that stopped training was the environment's requeue signal (SIGUSR1 by default, as in
+Lightning: SIGTERM means the scheduler itself is ending the job, by ``scancel`` or its own
+preemption). Which signal that is, each integration asks its framework
+(:func:`lightning_bpk.lightning._compat.slurm_requeue_signal`,
+:func:`lightning_bpk.fabric._preemption.requeue_signal`); what follows it is here.
 """
 
 from __future__ import annotations
@@ -22,29 +25,12 @@ import re
 import subprocess
 from collections.abc import Mapping
 
-import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import SLURMEnvironment
-
-from lightning_bpk.lightning import _compat
-
-__all__ = ["job_id", "log_restart", "requeue", "requeue_signal", "restart_count"]
+__all__ = ["job_id", "log_restart", "requeue", "restart_count"]
 
 log = logging.getLogger("lightning_bpk")
 
 # scontrol retries an unreachable controller for its MessageTimeout (10 s by default) itself.
 _SCONTROL_TIMEOUT = 60.0
-
-
-def requeue_signal(trainer: pl.Trainer) -> int | None:
-    """The signal that asks for a requeue, or ``None`` when auto-requeue does not apply.
-
-    Not ``None`` only when Lightning detected SLURM for ``trainer`` with
-    ``SLURMEnvironment(auto_requeue=True)`` (the default).
-    """
-    environment = _compat.cluster_environment(trainer)
-    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-        return environment.requeue_signal
-    return None
 
 
 def job_id(environ: Mapping[str, str] | None = None) -> str:

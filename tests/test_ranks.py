@@ -1,4 +1,4 @@
-"""lightning_bpk.lightning.ranks without a Trainer: one rank with no collective, and two real
+"""lightning_bpk.runtime.ranks without a Trainer: one rank with no collective, and two real
 processes agreeing over a gloo process group."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_bpk.lightning.ranks import Ranks
+from lightning_bpk.runtime.ranks import Ranks
 
 JOIN_TIMEOUT_S = 240  # two fresh interpreters importing torch; a hang fails instead of waiting
 
@@ -25,6 +25,31 @@ def test_a_single_rank_agrees_with_itself_without_a_collective():
     assert ranks.gather({"batches": 3}) == [{"batches": 3}]
     # agree goes through the strategy's reduce even alone (Lightning's is the identity there)
     assert Ranks(1, True, lambda t: t, torch.device("cpu")).agree(5) == 5
+
+
+def test_rank_0_decides_and_a_failure_reaches_every_rank():
+    """``decide``: rank 0's choice for all; where it raised, every rank gets the failure's
+    value and rank 0 raises the error itself after the broadcast (unless told not to)."""
+    told: list[Any] = []  # what each broadcast was given (rank 0's value is what all get)
+
+    def broadcast(value: Any) -> Any:
+        told.append(value)
+        return told[0]
+
+    rank0 = Ranks(2, True, _no_collective, torch.device("cpu"), _no_collective, broadcast)
+    other = Ranks(2, False, _no_collective, torch.device("cpu"), _no_collective, broadcast)
+    assert rank0.decide(lambda: 7, lambda e: -1) == 7
+    assert other.decide(_no_collective, lambda e: -1) == 7  # only rank 0 chooses
+    assert told == [7, None]
+    told.clear()
+
+    def fails() -> int:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        rank0.decide(fails, lambda e: f"failed: {e}")
+    assert told == ["failed: disk gone"]  # what the other ranks receive
+    assert rank0.decide(fails, lambda e: f"failed: {e}", reraise=False) == "failed: disk gone"
 
 
 def _rank(rank: int, store: str, out: str) -> None:

@@ -42,8 +42,9 @@ from typing import Any, Protocol, TypeGuard
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_bpk.lightning import _resample, trainer_state
-from lightning_bpk.lightning._data_warnings import replay_message, workers_message
+from lightning_bpk.runtime import _resample
+from lightning_bpk.runtime._data_warnings import replay_message, workers_message
+from lightning_bpk.runtime.rng import capture_rng, restore_rng
 
 __all__ = [
     "REPLAY",
@@ -116,7 +117,7 @@ def _snapshot(loader: Any, global_rng: bool = True) -> dict:
     sampler: Any = getattr(loader, "sampler", None)
     state: dict[str, Any] = {"generators": [g.get_state() for g in _generators(loader)]}
     if global_rng:
-        state["rng"] = trainer_state.capture_rng()
+        state["rng"] = capture_rng()
     if has_state(sampler):
         state["sampler"] = sampler.state_dict()
     return state
@@ -124,7 +125,7 @@ def _snapshot(loader: Any, global_rng: bool = True) -> dict:
 
 def _apply(loader: Any, snapshot: dict, global_rng: bool = True) -> None:
     if global_rng and "rng" in snapshot:
-        trainer_state.restore_rng(snapshot["rng"])
+        restore_rng(snapshot["rng"])
     _set_states(_generators(loader), snapshot["generators"])
     sampler: Any = getattr(loader, "sampler", None)
     if "sampler" in snapshot and has_state(sampler):
@@ -145,7 +146,7 @@ class LoaderGroup:
     def start_epoch(self, slot: object) -> None:
         if self.epoch_start is not None and self._first in (None, slot):
             self._first = slot
-            trainer_state.restore_rng(self.epoch_start)
+            restore_rng(self.epoch_start)
 
     def started(self) -> None:
         """The epoch's first pull happened: the states are not set again."""
@@ -299,7 +300,7 @@ class _Tracker(_Wrapped):
             order, plan["consumed"], self.group.world_size, self.group.rank, drop_last
         )
         if self.rng is not None:
-            trainer_state.restore_rng(self.rng)
+            restore_rng(self.rng)
         batch_sampler = self.batch_sampler
         yield from _resample.batches(mine, batch_sampler.batch_size, batch_sampler.drop_last)
 
@@ -324,7 +325,7 @@ class _Tracker(_Wrapped):
         # the original run had pulled them (prefetching) before the save.
         following = next(iterator, _END)
         if self.rng is not None:
-            trainer_state.restore_rng(self.rng)  # the save point's states, after the shuffle
+            restore_rng(self.rng)  # the save point's states, after the shuffle
         if following is not _END:
             yield following
             yield from iterator
@@ -351,7 +352,7 @@ class _Replayer(_Wrapped):
             if next(iterator, _END) is _END:
                 break
         if self.rng is not None:
-            trainer_state.restore_rng(self.rng)
+            restore_rng(self.rng)
         return iterator
 
 
@@ -400,7 +401,7 @@ def continuation(
     and epoch for messages).
 
     A ``sampler`` loader whose batch size or world size changed continues in samples (the plan
-    is under ``"resample"``: :mod:`lightning_bpk.lightning._resample`); one of the other kinds
+    is under ``"resample"``: :mod:`lightning_bpk.runtime._resample`); one of the other kinds
     counts in its own batches and is refused (:class:`CheckpointResumeError` naming both
     values). Otherwise ``pending`` comes back as it is.
     """

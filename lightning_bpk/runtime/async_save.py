@@ -69,8 +69,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer, Retention
-from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import Record, StateRecord
+from lightning_bpk.runtime import sharded
 
 __all__ = [
     "AsyncCheckpointSaver",
@@ -433,9 +433,8 @@ class AsyncCheckpointSaver:
         ``state`` is a DCP state dict (nested dicts and lists of ``DTensor`` shards, tensors and
         plain values): each rank's shards are copied into its staging buffers (reused by every
         later save) and the same save as a synchronous one runs on each rank's writer thread
-        (:func:`lightning_bpk.lightning.sharded` ``._save``): every rank writes its file, then
-        global rank
-        0 commits them with ``data`` (its records: schedulers, trainer state; other ranks pass
+        (:func:`lightning_bpk.runtime.sharded.save`): every rank writes its file, then global
+        rank 0 commits them with ``data`` (its records: schedulers, trainer state; other ranks pass
         None) and writes the sentinel last, once every rank's file is durable. The writer
         threads' collectives run over a gloo process group of their own, created at the first
         call, never the training's (collectives of two threads on one group would interleave).
@@ -458,7 +457,7 @@ class AsyncCheckpointSaver:
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
         def save() -> Path | str | None:
-            path = sharded._save(
+            path = sharded.save(
                 checkpointer,
                 iteration_number,
                 shards,

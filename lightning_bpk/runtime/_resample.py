@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_bpk.errors import CheckpointResumeError
-from lightning_bpk.lightning import trainer_state
+from lightning_bpk.runtime.rng import restore_rng
 
 
 def geometry(batch_sampler: Any, world_size: int, resampled: dict | None) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def saved_order(descriptor: dict[str, Any], start: dict[str, Any]) -> list[int]:
         return torch.randperm(n, generator=generator).tolist()
     if descriptor["kind"] == "sequential":
         return list(range(n))
-    trainer_state.restore_rng(start["rng"])  # a RandomSampler seeds itself from these
+    restore_rng(start["rng"])  # a RandomSampler seeds itself from these
     return [int(i) for i in RandomSampler(range(n))]
 
 

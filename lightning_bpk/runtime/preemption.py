@@ -1,15 +1,18 @@
-"""Preemption: a signal only sets a flag; the callback saves at a safe point, then stops.
+"""Preemption: a signal only sets a flag; the run saves at a safe point, then stops.
 
 During training, SIGTERM and SIGUSR1 (:data:`PREEMPTION_SIGNALS`) set a flag on this rank
-(:class:`Preemption`, the callback's one instance); the handlers installed before still run,
-except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP. The
-callback makes the ranks agree on the flag at the next optimizer-step boundary, saves, and calls
-:meth:`Preemption.stop`, which raises Lightning's ``SIGTERMException`` (a ``SystemExit`` without
-code: exit status 0). From then on a repeated signal is ignored until the process has exited,
-so that status stays 0; a later ``fit`` in the same process brings the default handlers back.
+(:class:`Preemption`, one per callback or manager); the handlers installed before still run,
+except those the integration leaves out (``others``: the Lightning callback drops Lightning's
+own SIGTERM notifier, whose in-handler broadcast can deadlock DDP). The integration makes the
+ranks agree on the flag at the next optimizer-step boundary, saves, and calls
+:meth:`Preemption.stop`, which requeues a SLURM job when its requeue signal was agreed
+(:mod:`lightning_bpk.runtime.slurm`) and raises ``stop_error`` (a ``SystemExit`` without code:
+exit status 0; Lightning's ``SIGTERMException`` for the callback). From then on a repeated
+signal is ignored until the process has exited, so that status stays 0; a later run in the same
+process brings the default handlers back.
 
-Nothing here needs a ``Trainer``: the handlers Lightning restores at teardown are passed in as
-the dict it keeps them in.
+Nothing here knows a framework: the handlers to reinstall at the end are passed in as a dict
+(Lightning's teardown keeps them in one; the Fabric manager keeps its own).
 """
 
 from __future__ import annotations
@@ -21,9 +24,7 @@ from collections.abc import Callable, MutableMapping, Sequence
 from types import FrameType
 from typing import Any
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from lightning_bpk.lightning import _compat, slurm
+from lightning_bpk.runtime import slurm
 
 __all__ = ["PREEMPTION_SIGNALS", "Preemption", "signal_number"]
 
@@ -58,10 +59,9 @@ def signal_number(value: object) -> int:
     )
 
 
-def _others(handler: object) -> list[Callable[..., Any]]:
-    """The callables a previously installed handler runs, without Lightning's own ones."""
-    handlers = _compat.composed_signal_handlers(handler)
-    return [h for h in handlers if callable(h) and not _compat.is_lightning_signal_handler(h)]
+def _callables(handler: object) -> list[Callable[..., Any]]:
+    """The callables a previously installed handler runs: itself, if it is one."""
+    return [handler] if callable(handler) else []
 
 
 def _ignore_while_stopping(signum: int, frame: FrameType | None) -> None:
@@ -99,8 +99,16 @@ class Preemption:
     boundary; ``stopping``: the stop after the save is under way.
     """
 
-    def __init__(self, signals: Sequence[int | str]) -> None:
+    def __init__(
+        self,
+        signals: Sequence[int | str],
+        *,
+        others: Callable[[object], list[Callable[..., Any]]] = _callables,
+        stop_error: Callable[[], BaseException] = SystemExit,
+    ) -> None:
         self.signals = tuple(signal_number(v) for v in signals)
+        self._others = others  # the previous handler's callables that still run on a signal
+        self._stop_error = stop_error
         self.requeue_signal: int | None = None
         self.requested = self.requeue_requested = False
         self.agreed = self.requeue_agreed = False
@@ -125,7 +133,7 @@ class Preemption:
         # Never save here: the main thread may be anywhere (inside a collective, a write).
         self.requested = True
         self.requeue_requested |= signum == self.requeue_signal
-        for handler in _others(self._previous.get(signum)):
+        for handler in self._others(self._previous.get(signum)):
             handler(signum, frame)
 
     def install(self, originals: Originals) -> None:
@@ -155,7 +163,7 @@ class Preemption:
     def stop(self, is_global_zero: bool, number: int | None, path: str | None, where: str) -> None:
         """Stop after the preemption save of checkpoint ``number`` at ``path`` (complete and
         flushed on every rank by now): rank 0 requeues the SLURM job if the requeue signal was
-        agreed; every rank raises ``SIGTERMException`` (exit status 0)."""
+        agreed; every rank raises ``stop_error`` (exit status 0)."""
         if is_global_zero:
             if self.requeue_agreed:
                 assert path is not None
@@ -166,7 +174,7 @@ class Preemption:
                 where,
             )
         self.stopping = True
-        raise SIGTERMException()
+        raise self._stop_error()
 
     def keep_ignoring(self, originals: Originals) -> None:
         """After a preemption stop, no further preemption signal may kill the exiting process.
@@ -186,7 +194,7 @@ class Preemption:
     def on_exception(self, originals: Originals, exception: BaseException) -> None:
         """Training ended with ``exception``: our own stop keeps ignoring the signals, any
         other ending restores the handlers."""
-        if self.stopping and isinstance(exception, SIGTERMException):
+        if self.stopping and isinstance(exception, SystemExit):
             self.keep_ignoring(originals)
         else:
             self.restore()
