@@ -37,7 +37,7 @@ from lightning_bpk.checkpointer import (
     list_checkpoints,
     verify_checkpoint,
 )
-from lightning_bpk.checkpointer._view import summarise
+from lightning_bpk.errors import summarise
 from lightning_bpk.layout import SHARDED_INDEX_KEY
 from lightning_bpk.store import Store, location, open_store
 
