@@ -8,6 +8,7 @@ import logging
 import re
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import gin
 import lightning as L
@@ -15,7 +16,11 @@ import pytest
 import torch
 
 from lightning_bpk import _fs
-from lightning_bpk.checkpointer import CheckpointWarning, verify_checkpoint
+from lightning_bpk.checkpointer import (
+    CheckpointWarning,
+    get_latest_checkpoint_number,
+    verify_checkpoint,
+)
 from lightning_bpk.lightning import trainer_state
 from lightning_bpk.lightning.callback import (
     BurnpackCheckpoint,
@@ -452,3 +457,30 @@ def test_a_directory_deleted_mid_run_is_not_reported_as_untouched(
     assert "deleted" in message
     assert "untouched" not in message
     assert "superseded" not in message
+
+
+def test_a_checkpoint_committed_between_the_choice_and_the_take_over_is_resumed(tmp_path):
+    """The old run (a zombie, or the preempted run on its way out) commits checkpoint 2 after
+    the new run chose checkpoint 1 and before it took the directory over. The new run chooses
+    again once it holds the lease and continues from 2, instead of stopping because its saves
+    would replace a newer complete checkpoint (which left both runs exiting 1: the old one
+    fenced at its next save, the new one refused)."""
+    base = tmp_path / "checkpoints"
+    L.seed_everything(0)
+    make_trainer(str(tmp_path), 3, [BurnpackCheckpoint(dirpath=base)]).fit(TinyModel())
+    sentinel = base / "sentinel_checkpoint_complete.2"
+    in_flight = tmp_path / "in-flight"
+    sentinel.rename(in_flight)  # the old run's commit of 2, not landed yet
+
+    class CommittedMeanwhile(BurnpackCheckpoint):
+        def _choose_resume(self, dirpath: Any) -> Any:
+            chosen = super()._choose_resume(dirpath)
+            if in_flight.exists():
+                in_flight.rename(sentinel)  # it lands now, between the choice and the take-over
+            return chosen
+
+    L.seed_everything(0)
+    callback = CommittedMeanwhile(dirpath=base)
+    make_trainer(str(tmp_path), 4, [callback]).fit(TinyModel())
+    assert callback.restored_number == 2
+    assert get_latest_checkpoint_number(base, verify=True) == 3

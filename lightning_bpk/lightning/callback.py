@@ -323,13 +323,21 @@ class BurnpackCheckpoint(Checkpoint):
         dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
         dirpath = location(trainer.strategy.broadcast(str(dirpath)))
         ranks = self._ranks = _ranks(trainer)
-        # Rank 0 chooses before anything is created (read-only); every rank learns the outcome.
+        # Rank 0 chooses before anything is created (read-only), then owns the directory and
+        # chooses again if a run saving there meanwhile committed a newer checkpoint; every
+        # rank learns the outcome.
         chosen = ResumeChoice()
 
         def choose() -> tuple[int, str | None]:
             nonlocal chosen
             chosen = self._choose_resume(dirpath) if self.resume else chosen
-            return chosen.number, _resume.override_problem(chosen, dirpath)
+            problem = _resume.override_problem(chosen, dirpath)
+            if problem is None:
+                self.checkpointer = self._make_checkpointer(dirpath)
+                self.checkpointer.take_over()  # this run owns it (lightning_bpk.store.lease)
+                if self.resume and resume.superseded_by_a_newer(chosen, self.checkpointer):
+                    chosen = self._choose_resume(dirpath)
+            return chosen.number, problem
 
         number, error = ranks.decide(
             choose, lambda e: (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
@@ -344,13 +352,11 @@ class BurnpackCheckpoint(Checkpoint):
                 else f"no complete checkpoint in {dirpath} yet; training starts from scratch",
             )
         self._last_requested = False
-        if trainer.is_global_zero:
-            checkpointer = self.checkpointer = self._make_checkpointer(dirpath)
-            # this run owns the directory until another one takes over (lightning_bpk.store.lease)
-            checkpointer.take_over()
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:
-            checkpointer = self.checkpointer = self._make_checkpointer(dirpath)
+            self.checkpointer = self._make_checkpointer(dirpath)
+        checkpointer = self.checkpointer
+        assert checkpointer is not None  # rank 0's: made choosing
         self._saves = Saves(checkpointer, ranks, self._saver, self.storage_options)
         self._position = DataPosition()
         self._position.attach(trainer)

@@ -38,10 +38,10 @@ from lightning_bpk.checkpointer import (
     verify_checkpoint,
 )
 from lightning_bpk.errors import summarise
-from lightning_bpk.layout import SHARDED_INDEX_KEY
+from lightning_bpk.layout import SHARDED_INDEX_KEY, numbered, sentinel_stem
 from lightning_bpk.store import Store, location, open_store
 
-__all__ = ["ResumeChoice", "choose", "in_the_way"]
+__all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer"]
 
 log = logging.getLogger("lightning_bpk")
 
@@ -107,6 +107,20 @@ def choose(
         return ResumeChoice(override, override=override)
     complete = [e.number for e in list_checkpoints(directory, **names) if e.complete]
     return ResumeChoice(problem=summarise(problems), complete=complete, override=override)
+
+
+def superseded_by_a_newer(choice: ResumeChoice, checkpointer: Checkpointer) -> bool:
+    """Whether the directory held a newer checkpoint than ``choice`` when ``checkpointer``
+    took it over (rank 0, right after :meth:`~lightning_bpk.checkpointer.Checkpointer.
+    take_over`): a run still saving there between the choice, which is read-only, and the
+    take-over (the preempted run on its way out, a zombie) committed it. The choice is then
+    made again (the lease now fences that run), so the new run continues from the newest
+    checkpoint instead of refusing to save over it. An override stands as chosen."""
+    lease = checkpointer.lease
+    if lease is None or choice.override is not None:
+        return False
+    stem = sentinel_stem(checkpointer.sentinel_file_identifier)
+    return any(n > choice.number for _, n in numbered(lease.known, stem))
 
 
 def _identity(path: Any) -> str:
