@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+from lightning_bpk.burnpack._metadata import TensorInfo
 from lightning_bpk.burnpack.base import (
     CHECKSUM_PREFIX,
     BurnpackError,
@@ -56,7 +57,7 @@ from lightning_bpk.burnpack.base import TENSOR_ALIGNMENT as TENSOR_ALIGNMENT
 from lightning_bpk.burnpack.base import _burn_dtype as _burn_dtype
 from lightning_bpk.burnpack.base import _decode_json as _decode_json
 from lightning_bpk.burnpack.base import _torch_dtype as _torch_dtype
-from lightning_bpk.burnpack.reader import Pack, TensorInfo, loads, read, read_into
+from lightning_bpk.burnpack.reader import Pack, loads, read, read_into
 from lightning_bpk.burnpack.writer import (
     BytesLike,
     TensorEntry,

@@ -4,44 +4,42 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import math
 import mmap
 import os
 import stat
 import struct
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import cbor2
 import torch
 import xxhash
 
 from lightning_bpk.burnpack import _parallel
 from lightning_bpk.burnpack._inplace import READ_STEP, Into, damaged, fill, writable_bytes
+from lightning_bpk.burnpack._metadata import (
+    TensorInfo,
+    decode_metadata,
+    parse_descriptor,
+    parse_scalar,
+    parse_string_map,
+)
 from lightning_bpk.burnpack.base import (
     _FORMAT_VERSION,
-    _I64_MAX,
     _MAGIC_BYTES,
-    _MAX_CBOR_DEPTH,
     _MAX_TENSOR_COUNT,
     _MAX_TENSOR_SIZE,
     _QFLOAT,
-    _SIMPLE_DTYPES,
-    _U64_MAX,
     CHECKSUM_PREFIX,
     HEADER_SIZE,
     MAX_FILE_SIZE,
     MAX_METADATA_SIZE,
-    MAX_RANK,
     TENSOR_ALIGNMENT,
     BurnpackError,
     BurnpackIOError,
     ChecksumError,
-    DType,
     HeaderError,
     MagicError,
     MetadataError,
@@ -64,138 +62,6 @@ __all__ = [
     "read",
     "read_into",
 ]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor's descriptor as stored: Burn dtype, shape, offsets relative to the data section."""
-
-    dtype: DType
-    shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
-    param_id: int | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.data_offsets[1] - self.data_offsets[0]
-
-
-class _RejectAllTags(dict):
-    """``semantic_decoders`` for cbor2 that refuses every tag.
-
-    Burn's metadata never contains tags, and cbor2 decodes many tags itself (datetime, bignum,
-    decimal, regex, MIME, sets, shared references) *without* calling ``tag_hook``: a hostile file
-    could otherwise smuggle arbitrary objects (or a ``re.compile``) into the parse.
-    """
-
-    def __getitem__(self, tag: int) -> Callable[..., Any]:
-        def reject(*_: Any) -> Any:
-            raise MetadataError(f"CBOR tag {tag} is not allowed in burnpack metadata")
-
-        return reject
-
-
-_REJECT_ALL_TAGS = _RejectAllTags()
-
-
-def _decode_metadata(blob: memoryview) -> dict:
-    decoder = cbor2.CBORDecoder(
-        io.BytesIO(blob),
-        max_depth=_MAX_CBOR_DEPTH,
-        allow_indefinite=False,
-        allow_duplicate_keys=False,
-        strict_hashable_types=True,  # map keys must be text/bytes: no hash-collision DoS
-        semantic_decoders=_REJECT_ALL_TAGS,
-    )
-    try:
-        top = decoder.decode()
-    except (cbor2.CBORError, ValueError, TypeError, OverflowError, RecursionError) as e:
-        if isinstance(e.__cause__, MetadataError):  # cbor2 wraps errors raised by decoders
-            raise e.__cause__ from None
-        raise MetadataError(f"invalid CBOR metadata: {e}") from None
-    trailing = len(blob) - decoder.fp.tell()
-    if trailing:
-        raise MetadataError(f"{trailing} trailing bytes after the CBOR metadata item")
-    if not isinstance(top, dict):
-        raise MetadataError(f"metadata is a {type(top).__name__}, expected a map")
-    return top
-
-
-_INT = {int}
-
-
-def _is_uint(value: object, limit: int) -> bool:
-    # ``type() is int`` also excludes bool; cbor2 decodes integers as plain ints.
-    return type(value) is int and 0 <= value <= limit
-
-
-def _parse_descriptor(name: object, desc: object) -> TensorInfo:
-    # Hot for packs with many tensors (5,000 in a few ms): error messages are only formatted on
-    # failure, and the common cases are tested first with builtins, not calls.
-    if type(name) is not str:
-        raise MetadataError(f"tensor name {_short(name)} is not a text string")
-    if type(desc) is not dict:
-        raise MetadataError(f"tensor '{name}': descriptor is not a map")
-    dtype: Any = desc.get("dtype")
-    shape, offsets = desc.get("shape"), desc.get("data_offsets")
-    if dtype is None or shape is None or offsets is None:
-        for key in ("dtype", "shape", "data_offsets"):
-            if key not in desc:
-                raise MetadataError(f"tensor '{name}': missing field '{key}'")
-    if (_SIMPLE_DTYPES.get(dtype) if type(dtype) is str else _dtype_info(dtype)) is None:
-        raise MetadataError(f"tensor '{name}': unknown dtype {_short(dtype)}")
-    # torch sizes are int64, so a larger dimension could never be materialized. ``type() is
-    # int`` also excludes bool; cbor2 decodes integers as plain ints.
-    if not (
-        type(shape) is list
-        and len(shape) <= MAX_RANK
-        and (not shape or (set(map(type, shape)) == _INT and min(shape) >= 0))
-        and (not shape or max(shape) <= _I64_MAX)
-    ):
-        raise MetadataError(
-            f"tensor '{name}': shape must be a list of at most {MAX_RANK} dimensions, "
-            f"each in 0..2**63-1, got {_short(shape)}"
-        )
-    if not (type(offsets) is list and len(offsets) == 2 and set(map(type, offsets)) == _INT):
-        offsets = None
-    else:
-        start, end = offsets
-        if not (0 <= start <= _U64_MAX and 0 <= end <= _U64_MAX):
-            offsets = None
-    if offsets is None:
-        raise MetadataError(
-            f"tensor '{name}': data_offsets must be [start, end] as u64, got "
-            f"{_short(desc['data_offsets'])}"
-        )
-    param_id = desc.get("param_id")
-    if param_id is not None and not _is_uint(param_id, _U64_MAX):
-        raise MetadataError(f"tensor '{name}': param_id must be a u64, got {_short(param_id)}")
-    return TensorInfo(dtype, tuple(shape), (start, end), param_id)
-
-
-def _parse_scalar(name: object, value: object) -> Scalar:
-    if not isinstance(name, str):
-        raise MetadataError(f"scalar name {_short(name)} is not a text string")
-    if not isinstance(value, dict) or len(value) != 1:
-        raise MetadataError(f"scalar '{name}': expected a one-entry map like {{'Int': 1}}")
-    ((kind, payload),) = value.items()
-    if kind == "Float" and not isinstance(payload, float):
-        raise MetadataError(f"scalar '{name}': a Float payload must be a CBOR float")
-    if kind == "Bool" and not isinstance(payload, bool):
-        raise MetadataError(f"scalar '{name}': a Bool payload must be true or false")
-    try:
-        return Scalar(kind, payload)
-    except (TypeError, ValueError) as e:
-        raise MetadataError(f"scalar '{name}': {e}") from None
-
-
-def _parse_string_map(value: object) -> dict[str, str]:
-    if not isinstance(value, dict):
-        raise MetadataError("'metadata' must be a map of text to text")
-    for k, v in value.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise MetadataError(f"metadata entry {_short(k)}: keys and values must be text")
-    return value
 
 
 class Pack:
@@ -244,7 +110,7 @@ class Pack:
         self.version = version
         self.metadata_size = meta_size
         self.data_start = data_section_start(meta_size)
-        top = _decode_metadata(buf[HEADER_SIZE : HEADER_SIZE + meta_size])
+        top = decode_metadata(buf[HEADER_SIZE : HEADER_SIZE + meta_size])
         if "tensors" not in top:
             raise MetadataError("missing 'tensors' map")
         raw_tensors = top["tensors"]
@@ -255,12 +121,12 @@ class Pack:
                 f"File contains {len(raw_tensors)} tensors, "
                 f"exceeding maximum of {_MAX_TENSOR_COUNT}"
             )
-        entries = {name: _parse_descriptor(name, d) for name, d in raw_tensors.items()}
-        metadata = _parse_string_map(top.get("metadata", {}))
+        entries = {name: parse_descriptor(name, d) for name, d in raw_tensors.items()}
+        metadata = parse_string_map(top.get("metadata", {}))
         raw_scalars = top.get("scalars", {})
         if not isinstance(raw_scalars, dict):
             raise MetadataError("'scalars' must be a map")
-        self.scalars: dict[str, Scalar] = {k: _parse_scalar(k, v) for k, v in raw_scalars.items()}
+        self.scalars: dict[str, Scalar] = {k: parse_scalar(k, v) for k, v in raw_scalars.items()}
         self.checksums: dict[str, str] = {}
         self.metadata: dict[str, str] = {}
         for k, v in metadata.items():

@@ -99,6 +99,17 @@ def check_classes(trainer: pl.Trainer, classes: dict) -> None:
         )
 
 
+def log_last(directory: Any, number: int) -> None:
+    """Say what ``ckpt_path="last"`` found in ``directory`` (rank 0): it resumes the newest
+    complete checkpoint ``number``, or starts from scratch."""
+    log.info(
+        'ckpt_path="last": %s',
+        f"the newest complete checkpoint in {directory} is {number}"
+        if number >= 0
+        else f"no complete checkpoint in {directory} yet; training starts from scratch",
+    )
+
+
 def override_problem(choice: ResumeChoice, directory: Any) -> str | None:
     """Why gin's ``override_number`` cannot be resumed (None: it can, or none is bound)."""
     if choice.problem is None:

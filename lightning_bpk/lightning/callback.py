@@ -345,12 +345,7 @@ class BurnpackCheckpoint(Checkpoint):
         if error is not None:
             raise CheckpointResumeError(error)
         if self._last_requested and trainer.is_global_zero:
-            log.info(
-                'ckpt_path="last": %s',
-                f"the newest complete checkpoint in {dirpath} is {number}"
-                if number >= 0
-                else f"no complete checkpoint in {dirpath} yet; training starts from scratch",
-            )
+            _resume.log_last(dirpath, number)
         self._last_requested = False
         trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
         if not trainer.is_global_zero:

@@ -39,7 +39,7 @@ from lightning_bpk.checkpointer import (
 )
 from lightning_bpk.errors import summarise
 from lightning_bpk.layout import SHARDED_INDEX_KEY, numbered, sentinel_stem
-from lightning_bpk.store import Store, location, open_store
+from lightning_bpk.store import Store, identity, open_store
 
 __all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer"]
 
@@ -123,12 +123,6 @@ def superseded_by_a_newer(choice: ResumeChoice, checkpointer: Checkpointer) -> b
     return any(n > choice.number for _, n in numbered(lease.known, stem))
 
 
-def _identity(path: Any) -> str:
-    """A checkpoint directory's identity for comparisons: the resolved local path, or the URL."""
-    found = location(path)
-    return str(found.resolve() if isinstance(found, Path) else found)
-
-
 def in_the_way(
     checkpointer: Checkpointer,
     start: int,
@@ -154,11 +148,11 @@ def in_the_way(
         checkpoint_file_prefix=checkpointer.checkpoint_file_prefix,
         storage_options=storage_options,
     )
-    mine = _identity(resumed) if resumed else None
+    mine = identity(resumed) if resumed else None
     newer = [
         e.number
         for e in list_checkpoints(base, **names)
-        if e.complete and e.number >= start and _identity(e.data) != mine
+        if e.complete and e.number >= start and (e.data is None or identity(e.data) != mine)
     ]
     if not newer:
         return []

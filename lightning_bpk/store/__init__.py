@@ -60,6 +60,7 @@ __all__ = [
     "ObjectStore",
     "StorageError",
     "Store",
+    "identity",
     "is_local",
     "join",
     "local_path",
@@ -233,6 +234,17 @@ def location(url: str | os.PathLike[str]) -> Path | str:
             text = fsspec.core.split_protocol(text)[1]
         return Path(text)
     return os.fspath(url).rstrip("/")
+
+
+def identity(url: str | os.PathLike[str]) -> str:
+    """Where ``url`` points, for comparing two names of one place: a local path resolved (links
+    and ``..`` followed), a URL as :func:`location` keeps it.
+
+    >>> identity("s3://bucket/run/") == identity("s3://bucket/run")
+    True
+    """
+    found = location(url)
+    return str(found.resolve() if isinstance(found, Path) else found)
 
 
 def local_path(url: str | os.PathLike[str]) -> Path:
