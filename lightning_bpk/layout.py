@@ -33,31 +33,14 @@ __all__ = [
     "DEFAULT_IDENTIFIER",
     "DEFAULT_PREFIX",
     "MODEL_FILE",
-    "MODEL_KEY",
-    "NUMBER_PATTERN",
-    "OPTIMIZER_KEY",
-    "PARAM_IDS_KEY",
     "RECORD_SUFFIX",
     "RUN_SUBDIRECTORY",
-    "SCHEDULER_KEY",
-    "SHARDED_INDEX_KEY",
-    "SHARDED_PREFIX",
     "TRAINER_FILE",
-    "TRAINER_KEY",
-    "VERSION_MARK",
     "data_name",
-    "data_names",
-    "fresh_data_name",
-    "iteration",
     "member_name_problem",
-    "numbered",
-    "numbered_key",
     "parse_data_name",
     "parse_sentinel_name",
-    "safe_name",
     "sentinel_name",
-    "sentinel_stem",
-    "sharded_index_name",
 ]
 
 DEFAULT_PREFIX = "ckpt"
@@ -92,7 +75,7 @@ RUN`` looks there too)."""
 
 SHARDED_PREFIX = "sharded"
 """The name stem of a sharded (DCP) checkpoint's files: ``sharded.rank-R.ID.bpk`` and the
-index :func:`sharded_index_name`."""
+index (``_sharded_index_name``)."""
 SHARDED_INDEX_KEY = f"{SHARDED_PREFIX}.index"
 """The sharded index's data key in a checkpoint (beside :data:`TRAINER_KEY`)."""
 PARAM_IDS_KEY = "param_ids"
@@ -106,7 +89,7 @@ _DATA_VERSION = re.compile(r"[0-9a-f]{8,32}")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
-def numbered_key(base: str, index: int) -> str:
+def _numbered_key(base: str, index: int) -> str:
     """Key of the ``index``-th optimizer/scheduler record: ``optim``, ``optim-1``, ``optim-2``...
 
     >>> numbered_key(OPTIMIZER_KEY, 0), numbered_key(OPTIMIZER_KEY, 2)
@@ -115,7 +98,7 @@ def numbered_key(base: str, index: int) -> str:
     return base if index == 0 else f"{base}-{index}"
 
 
-def safe_name(value: object, what: str) -> str:
+def _safe_name(value: object, what: str) -> str:
     """``value`` when it is a safe file name (prefix, identifier, data key), else ``ValueError``
     saying what it is for."""
     if not isinstance(value, str) or not _SAFE_NAME.fullmatch(value):
@@ -127,7 +110,7 @@ def safe_name(value: object, what: str) -> str:
     return value
 
 
-def iteration(value: object) -> int:
+def _iteration(value: object) -> int:
     """``value`` when it is an iteration number (an int >= 0), else ``TypeError``/``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"iteration number must be an int, not {type(value).__name__}")
@@ -136,7 +119,7 @@ def iteration(value: object) -> int:
     return value
 
 
-def numbered(names: Iterable[str], stem: str) -> Iterator[tuple[str, int]]:
+def _numbered(names: Iterable[str], stem: str) -> Iterator[tuple[str, int]]:
     """The names ``stem.N`` (canonical N) among ``names``, with their N."""
     compiled = re.compile(re.escape(stem) + r"\." + NUMBER_PATTERN)
     for name in names:
@@ -150,7 +133,7 @@ def data_name(prefix: str, number: int) -> str:
     return f"{prefix}.{number}"
 
 
-def fresh_data_name(prefix: str, number: int) -> str:
+def _fresh_data_name(prefix: str, number: int) -> str:
     """A data name of ``number`` never used before: ``{prefix}.{number}~<16 hex>``."""
     return f"{data_name(prefix, number)}{VERSION_MARK}{secrets.token_hex(8)}"
 
@@ -171,7 +154,7 @@ def parse_data_name(name: str, prefix: str | None) -> int | None:
     return int(number)
 
 
-def data_names(names: Iterable[str], prefix: str) -> dict[int, list[str]]:
+def _data_names(names: Iterable[str], prefix: str) -> dict[int, list[str]]:
     """``{N: [names]}`` of the data names of ``prefix`` among ``names`` (the plain one first)."""
     found: dict[int, list[str]] = {}
     for name in sorted(names):
@@ -181,14 +164,14 @@ def data_names(names: Iterable[str], prefix: str) -> dict[int, list[str]]:
     return found
 
 
-def sentinel_stem(identifier: str) -> str:
+def _sentinel_stem(identifier: str) -> str:
     """The sentinel name without its number: ``sentinel_{identifier}_complete``."""
     return f"sentinel_{identifier}_complete"
 
 
 def sentinel_name(identifier: str, number: int) -> str:
     """The sentinel file name of iteration ``number``."""
-    return f"{sentinel_stem(identifier)}.{number}"
+    return f"{_sentinel_stem(identifier)}.{number}"
 
 
 def parse_sentinel_name(name: str) -> tuple[str, int] | None:
@@ -217,6 +200,6 @@ def member_name_problem(name: object) -> str | None:
     return None
 
 
-def sharded_index_name(prefix: str = SHARDED_PREFIX) -> str:
+def _sharded_index_name(prefix: str = SHARDED_PREFIX) -> str:
     """The file (or object) name of the index inside a sharded checkpoint."""
     return f"{prefix}.index.bpk"

@@ -334,7 +334,7 @@ def test_invalid_iteration_numbers(tmp_path: Path) -> None:
 
 
 def test_check_settings_refuses_what_the_constructor_refuses(tmp_path: Path) -> None:
-    checkpointer.check_settings()  # the defaults
+    checkpointer._check_settings()  # the defaults
     for kwargs in (
         {"checkpoint_duration": 0},
         {"keep_every": 0},
@@ -342,7 +342,7 @@ def test_check_settings_refuses_what_the_constructor_refuses(tmp_path: Path) -> 
         {"checkpoint_file_prefix": "../x"},
     ):
         with pytest.raises(ValueError) as info:
-            checkpointer.check_settings(**kwargs)
+            checkpointer._check_settings(**kwargs)
         with pytest.raises(ValueError, match=re.escape(str(info.value))):
             Checkpointer(tmp_path, **kwargs)
 

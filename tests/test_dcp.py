@@ -31,7 +31,7 @@ from lightning_bpk.dcp import (
     load_full_state_dict,
     read_index,
 )
-from lightning_bpk.layout import sharded_index_name
+from lightning_bpk.layout import _sharded_index_name
 from lightning_bpk.records import ModuleRecord
 from lightning_bpk.store import Store, open_store
 
@@ -94,7 +94,7 @@ def save(path: Path, state: dict) -> None:
 def test_objects_are_stored_as_plain_data_and_the_index_is_json(tmp_path):
     state = {"w": torch.arange(6.0).reshape(2, 3), "meta": {"lr": 0.5, "betas": [0.9, 0.99]}}
     save(tmp_path, state)
-    with burnpack.read(tmp_path / sharded_index_name()) as pack:
+    with burnpack.read(tmp_path / _sharded_index_name()) as pack:
         document = json.loads(pack.metadata[INDEX_KEY])
     assert document["tensors"]["w"]["shape"] == [2, 3]
     for name in os.listdir(tmp_path):

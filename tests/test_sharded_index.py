@@ -40,7 +40,7 @@ from lightning_bpk.dcp import (
 )
 from lightning_bpk.dcp._index import MAX_DEPTH
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.layout import sharded_index_name
+from lightning_bpk.layout import _sharded_index_name
 from lightning_bpk.lightning import sharded
 from lightning_bpk.records.base import RECORD_KIND_KEY
 from lightning_bpk.store import LocalStore, ObjectStore, object_store, open_store
@@ -98,7 +98,7 @@ def write_checkpoint(where: Path | str) -> dict[str, Any]:
 
 
 def _document(where: Path | str) -> dict[str, Any]:
-    with burnpack.loads(_store(where).read(sharded_index_name())) as pack:
+    with burnpack.loads(_store(where).read(_sharded_index_name())) as pack:
         return json.loads(pack.metadata[INDEX_KEY])
 
 
@@ -109,9 +109,9 @@ def _store(where: Path | str) -> ObjectStore | LocalStore:
 def _write_index(where: Path | str, text: str) -> None:
     data = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: text})
     if isinstance(where, Path):
-        (where / sharded_index_name()).write_bytes(data)
+        (where / _sharded_index_name()).write_bytes(data)
     else:
-        object_store(where).put(sharded_index_name(), data)
+        object_store(where).put(_sharded_index_name(), data)
 
 
 def _rename_rank_file(doc: dict[str, Any], name: str) -> None:

@@ -21,7 +21,7 @@ def _draws() -> tuple:
 
 
 def test_rng_states_round_trip_through_a_file(tmp_path):
-    path = trainer_state.save_file({"x": 1}, tmp_path / "c.ckpt")  # captures the RNG states
+    path = trainer_state._save_file({"x": 1}, tmp_path / "c.ckpt")  # captures the RNG states
     expected = _draws()
     saved = trainer_state.load(path)[RNG_KEY]
     _draws()  # move every generator on
@@ -40,7 +40,7 @@ def test_unencodable_hyperparameters_are_dropped_by_name_with_a_warning():
         "epoch": 3,
     }
     with pytest.warns(UserWarning, match="'loss'"):
-        out = trainer_state.storable(checkpoint)
+        out = trainer_state._storable(checkpoint)
     assert out["hyper_parameters"] == {"lr": 0.1, "betas": (0.9, 0.99)}
     assert out[DROPPED_KEY] == ["hparams_type", "hyper_parameters.loss"]
     assert "hparams_type" not in out and checkpoint["hparams_type"] is dict  # input untouched
@@ -48,7 +48,7 @@ def test_unencodable_hyperparameters_are_dropped_by_name_with_a_warning():
 
 def test_other_unencodable_state_raises_naming_its_path(tmp_path):
     with pytest.raises(RecordError, match=r"\['extra'\]\['obj'\]"):
-        trainer_state.save_file({"extra": {"obj": object()}}, tmp_path / "c.ckpt")
+        trainer_state._save_file({"extra": {"obj": object()}}, tmp_path / "c.ckpt")
     assert not (tmp_path / "c.ckpt").exists()
 
 
@@ -121,7 +121,7 @@ def test_single_file_keeps_exact_types(tmp_path):
         "flag": True,
         "big": 2**70,
     }
-    path = trainer_state.save_file(checkpoint, tmp_path / "sub" / "manual")
+    path = trainer_state._save_file(checkpoint, tmp_path / "sub" / "manual")
     assert path == tmp_path / "sub" / "manual"  # exactly the path Lightning asked for
     assert path.read_bytes()[:4] == b"NRUB"
     loaded = trainer_state.load(path)
@@ -154,7 +154,7 @@ def test_cuda_rng_states_are_kept_per_device_and_old_lists_still_load(tmp_path):
     for key, cuda in [("cuda_devices", {"0": states[0], "1": states[1]}), ("cuda", states)]:
         captured = {**rng.capture_rng(), key: cuda}
         expected = torch.rand(3)
-        path = trainer_state.save_file({"rng": captured}, tmp_path / f"{key}.ckpt")
+        path = trainer_state._save_file({"rng": captured}, tmp_path / f"{key}.ckpt")
         loaded = trainer_state.load(path)["rng"]
         by_device = rng._cuda_states(loaded)
         assert sorted(by_device) == [0, 1]

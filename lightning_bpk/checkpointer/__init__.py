@@ -102,9 +102,9 @@ from lightning_bpk.errors import CheckpointLockedError, StorageError
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
+    _iteration,
+    _safe_name,
     data_name,
-    iteration,
-    safe_name,
     sentinel_name,
 )
 from lightning_bpk.store import Store, location, open_store
@@ -116,10 +116,6 @@ __all__ = [
     "CheckpointWarning",
     "Checkpointer",
     "Resume",
-    "Retention",
-    "Staged",
-    "bound_override_number",
-    "check_settings",
     "choose_resume",
     "get_latest_checkpoint_number",
     "list_checkpoints",
@@ -136,9 +132,9 @@ _gin_configurable = _gin.configurable(_GIN_MODULE)
 
 
 def _names(identifier: str, prefix: str | None) -> tuple[str, str | None]:
-    safe_name(identifier, "sentinel_file_identifier")
+    _safe_name(identifier, "sentinel_file_identifier")
     if prefix is not None:
-        safe_name(prefix, "checkpoint_file_prefix")
+        _safe_name(prefix, "checkpoint_file_prefix")
     return identifier, prefix
 
 
@@ -175,7 +171,7 @@ def get_latest_checkpoint_number(
     return latest(store, identifier, prefix, verify, tuple(required_keys))
 
 
-def bound_override_number() -> int | None:
+def _bound_override_number() -> int | None:
     """What gin binds :func:`get_latest_checkpoint_number`'s ``override_number`` to (None:
     nothing), known without touching the filesystem."""
     try:
@@ -206,7 +202,7 @@ def verify_checkpoint(
     """
     identifier, prefix = _names(sentinel_file_identifier, checkpoint_file_prefix)
     store = open_store(base_directory, storage_options)
-    view = CheckpointView(store, iteration(iteration_number), identifier, prefix)
+    view = CheckpointView(store, _iteration(iteration_number), identifier, prefix)
     return view.problems(full=full, required_keys=tuple(required_keys))
 
 
@@ -220,7 +216,7 @@ def _setting(value: object, name: str, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {quote(value)}")
 
 
-def check_settings(
+def _check_settings(
     checkpoint_file_prefix: str = "ckpt",
     sentinel_file_identifier: str = "checkpoint",
     checkpoint_frequency: int = 1,
@@ -237,8 +233,8 @@ def check_settings(
     ...
     ValueError: checkpoint_duration must be an int >= 1, got 0
     """
-    safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
-    safe_name(sentinel_file_identifier, "sentinel_file_identifier")
+    _safe_name(checkpoint_file_prefix, "checkpoint_file_prefix")
+    _safe_name(sentinel_file_identifier, "sentinel_file_identifier")
     _setting(checkpoint_frequency, "checkpoint_frequency")
     _setting(checkpoint_duration, "checkpoint_duration")
     _setting(keep_every, "keep_every", optional=True)
@@ -271,7 +267,7 @@ class Checkpointer:
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
-        check_settings(
+        _check_settings(
             checkpoint_file_prefix,
             sentinel_file_identifier,
             checkpoint_frequency,
@@ -330,13 +326,13 @@ class Checkpointer:
 
     def sentinel_path(self, iteration_number: int) -> Path | str:
         """The sentinel (manifest) of iteration ``iteration_number`` (it may not exist)."""
-        name = sentinel_name(self.sentinel_file_identifier, iteration(iteration_number))
+        name = sentinel_name(self.sentinel_file_identifier, _iteration(iteration_number))
         return location(self.store.url_of(name))
 
     def _view(self, iteration_number: int) -> CheckpointView:
         return CheckpointView(
             self.store,
-            iteration(iteration_number),
+            _iteration(iteration_number),
             self.sentinel_file_identifier,
             self.checkpoint_file_prefix,
         )
@@ -405,7 +401,7 @@ class Checkpointer:
         commits the files other processes already wrote into its prefix with ``data``;
         ``described`` gives the manifest entries of those their writer knows.
         """
-        n = iteration(iteration_number)
+        n = _iteration(iteration_number)
         if retention is None and n % self.checkpoint_frequency != 0:
             if staged is not None:
                 self.discard(staged)
@@ -416,7 +412,7 @@ class Checkpointer:
                 f"not {type(data).__name__}"
             )
         for key in data:
-            safe_name(key, f"checkpoint {n} data key")
+            _safe_name(key, f"checkpoint {n} data key")
         try:
             url = _commit.commit(
                 self._names,
@@ -438,7 +434,7 @@ class Checkpointer:
         """Where other processes write files of checkpoint ``iteration_number`` before
         :meth:`save_checkpoint` with ``staged`` commits them (a sharded save's ranks); checks
         the lease. :meth:`discard` removes them if the save is abandoned."""
-        return _commit.begin(self._names, iteration(iteration_number), self.lease)
+        return _commit.begin(self._names, _iteration(iteration_number), self.lease)
 
     def discard(self, staged: Staged) -> None:
         """Remove the files of an abandoned save (unless a newer run owns the directory)."""
@@ -462,4 +458,4 @@ class Checkpointer:
 
         For a run that starts over on purpose (``BurnpackCheckpoint(overwrite=True)``).
         """
-        _commit.remove(self._names, [iteration(n) for n in numbers], self.lease)
+        _commit.remove(self._names, [_iteration(n) for n in numbers], self.lease)

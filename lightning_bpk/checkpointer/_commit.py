@@ -49,11 +49,11 @@ from lightning_bpk.layout import (
     NUMBER_PATTERN,
     RECORD_SUFFIX,
     VERSION_MARK,
+    _data_names,
+    _fresh_data_name,
+    _sentinel_stem,
     data_name,
-    data_names,
-    fresh_data_name,
     sentinel_name,
-    sentinel_stem,
 )
 from lightning_bpk.records.base import Record, RecordError, StateRecord
 from lightning_bpk.records.files import describe, save_record
@@ -115,13 +115,13 @@ def _stage_at(names: Names, listing: Mapping[str, int | None], n: int) -> Staged
     """Step 3 (and the second half of step 2): where N is staged, under a data name never used
     before. Data of N without a sentinel of N is deleted now; with one (a re-save) it stays
     until the new sentinel replaces the old."""
-    earlier = data_names(listing, names.prefix).get(n, [])
+    earlier = _data_names(listing, names.prefix).get(n, [])
     if sentinel_name(names.identifier, n) not in listing:
         for old in earlier:
             names.store.remove_prefix(old)
     # a fresh name when N had data: the old copy stays whole until the new sentinel, and no
     # upload still landing from a failed save mixes into the new one
-    name = fresh_data_name(names.prefix, n) if earlier else data_name(names.prefix, n)
+    name = _fresh_data_name(names.prefix, n) if earlier else data_name(names.prefix, n)
     key = names.store.staging(name)
     return Staged(n, name, key, names.store.url_of(key))
 
@@ -140,7 +140,7 @@ def _leftovers(names: Names, listing: Iterable[str], keep: str | None) -> list[s
     data = re.escape(names.prefix) + r"\." + NUMBER_PATTERN
     data += f"(?:{re.escape(VERSION_MARK)}[0-9a-f]+)?(?:\\.dcp)?(?:{_fs.SCRATCH_MARK})+"
     # a create-only sentinel is staged as a scratch file written through its own scratch file
-    sentinel = re.escape(sentinel_stem(names.identifier)) + r"\." + NUMBER_PATTERN
+    sentinel = re.escape(_sentinel_stem(names.identifier)) + r"\." + NUMBER_PATTERN
     sentinel += f"(?:{_fs.SCRATCH_MARK})+"
     pattern = re.compile(f"{data}|{sentinel}")
     return [name for name in listing if pattern.fullmatch(name) and name != keep]
@@ -213,7 +213,7 @@ def commit(
         sentinel = sentinel_name(names.identifier, n)
         resave = sentinel in listing
         superseded = [
-            e for e in data_names(listing, names.prefix).get(n, []) if e != staged.name and resave
+            e for e in _data_names(listing, names.prefix).get(n, []) if e != staged.name and resave
         ]
         state = "writing"  # -> "committed", or "unknown" when the sentinel's fate is not known
         try:
@@ -302,7 +302,7 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
         if lease is not None and _sweep_late_writes(names, listing, lease):
             listing = store.list("")
         found = sentinels(listing, names.identifier)
-        data = data_names(listing, names.prefix)
+        data = _data_names(listing, names.prefix)
         doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data))
         store.remove(found[m] for m in sorted(doomed_sentinels))
         for m in sorted(doomed_data):
@@ -374,7 +374,7 @@ def remove(names: Names, numbers: Iterable[int], lease: Lease | None) -> None:
         _check(lease, listing)
         wanted = sorted(set(numbers))
         found = sentinels(listing, names.identifier)
-        data = data_names(listing, names.prefix)
+        data = _data_names(listing, names.prefix)
         store.remove(found[m] for m in wanted if m in found)
         for m in wanted:
             for name in data.get(m, []):

@@ -34,13 +34,13 @@ from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
     DEFAULT_PREFIX,
     RECORD_SUFFIX,
+    _data_names,
+    _numbered,
+    _sentinel_stem,
     data_name,
-    data_names,
-    numbered,
     parse_data_name,
     parse_sentinel_name,
     sentinel_name,
-    sentinel_stem,
 )
 from lightning_bpk.records.base import RecordError, StateRecord, _record_from_pack
 from lightning_bpk.records.files import open_pack
@@ -63,7 +63,7 @@ def has_key(keys: Collection[str], required: str) -> bool:
 
 def sentinels(listing: Mapping[str, int | None], identifier: str) -> dict[int, str]:
     """``{N: name}`` of the sentinel names in a listing."""
-    return {n: name for name, n in numbered(listing, sentinel_stem(identifier))}
+    return {n: name for name, n in _numbered(listing, _sentinel_stem(identifier))}
 
 
 def _read_twice(
@@ -419,7 +419,7 @@ def _entries(
     store: Store, listing: Mapping[str, int | None], identifier: str, prefix: str
 ) -> list[CheckpointEntry]:
     found = sentinels(listing, identifier)
-    data = data_names(listing, prefix)
+    data = _data_names(listing, prefix)
     return [
         CheckpointEntry(
             n,

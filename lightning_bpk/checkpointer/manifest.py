@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from lightning_bpk.layout import (
     RECORD_SUFFIX,
     VERSION_MARK,
+    _safe_name,
     member_name_problem,
     parse_data_name,
-    safe_name,
 )
 
 __all__ = [
@@ -133,7 +133,7 @@ def parse(raw: bytes, iteration: int, prefix: str | None = None) -> Manifest | N
     problem = member_name_problem(data)
     if problem is not None:
         raise ValueError(f"manifest data directory: {problem}")
-    safe_name(data.partition(VERSION_MARK)[0], "manifest data directory")
+    _safe_name(data.partition(VERSION_MARK)[0], "manifest data directory")
     if prefix is not None and parse_data_name(data, prefix) != iteration:
         raise ValueError(f"manifest names data {data!r}, not {f'{prefix}.{iteration}'!r}")
     lease = doc.get("lease")
@@ -147,7 +147,7 @@ def _entries(files: object) -> dict[str, FileEntry]:
         raise ValueError("manifest has no 'files' map")
     entries = {}
     for key, entry in files.items():
-        safe_name(key, "manifest key")
+        _safe_name(key, "manifest key")
         problem = member_name_problem(entry.get("file")) if isinstance(entry, dict) else None
         if problem is not None:
             raise ValueError(f"manifest entry {quote(key)}: {problem}")

@@ -78,7 +78,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.layout import SHARDED_PREFIX, sharded_index_name
+from lightning_bpk.layout import SHARDED_PREFIX, _sharded_index_name
 from lightning_bpk.store import open_store
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def is_sharded(
     """True when ``directory`` (a local path or an object-store URL) holds a committed sharded
     checkpoint: its index exists. Cheap: it needs neither torch.distributed nor the rest of
     this package."""
-    return open_store(directory, storage_options).size(sharded_index_name(prefix)) is not None
+    return open_store(directory, storage_options).size(_sharded_index_name(prefix)) is not None
 
 
 # Importing torch.distributed.checkpoint costs seconds, and the command line and interop only

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from lightning_bpk import burnpack
 from lightning_bpk.burnpack.writer import data_section_start
 from lightning_bpk.dcp import ShardedCheckpointError, _index
-from lightning_bpk.layout import SHARDED_PREFIX, sharded_index_name
+from lightning_bpk.layout import SHARDED_PREFIX, _sharded_index_name
 from lightning_bpk.records.base import RecordError, StateRecord
 from lightning_bpk.store import (
     Mapped,
@@ -137,7 +137,7 @@ def read_index(
     """Parse the index of the sharded checkpoint in ``directory`` (a local directory or an
     object-store URL; ``storage_options`` go to fsspec); raises naming the file."""
     store = open_store(directory, storage_options)
-    name = sharded_index_name(prefix)
+    name = _sharded_index_name(prefix)
     where = store.url_of(name)
     try:
         _index.refuse_links(store, "")
@@ -266,14 +266,14 @@ class _Packs:
             if expected is None:
                 raise ShardedCheckpointError(
                     f"{self.index.where(file)}: not one of the files of the index "
-                    f"{self.index.where(sharded_index_name())}"
+                    f"{self.index.where(_sharded_index_name())}"
                 )
             pack = self._open(file, expected)
             try:
                 if pack.metadata.get(SAVE_ID_KEY) != self.index.save_id:
                     raise ShardedCheckpointError(
                         f"{self.index.where(file)}: belongs to another save than the index "
-                        f"{self.index.where(sharded_index_name())}"
+                        f"{self.index.where(_sharded_index_name())}"
                     )
                 _index.check_rank_file(self.index.placed.get(file, {}), pack)
             except ShardedCheckpointError:

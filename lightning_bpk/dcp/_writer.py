@@ -25,7 +25,7 @@ from torch.futures import Future
 from lightning_bpk import burnpack
 from lightning_bpk.dcp import ShardedCheckpointError, _index
 from lightning_bpk.dcp._packs import INDEX_KEY, SAVE_ID_KEY, servable
-from lightning_bpk.layout import SHARDED_PREFIX, sharded_index_name
+from lightning_bpk.layout import SHARDED_PREFIX, _sharded_index_name
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError, StateRecord
 from lightning_bpk.records.files import Described, describe
 from lightning_bpk.store import Store, location, open_store
@@ -151,7 +151,7 @@ class BurnpackStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        store, index = self._store(), sharded_index_name(self.prefix)
+        store, index = self._store(), _sharded_index_name(self.prefix)
         if self.commit and not store.replaces_in_place and store.size(index) is not None:
             raise ShardedCheckpointError(
                 f"{store.url_of(index)}: a committed checkpoint is there already; on object "
@@ -217,7 +217,7 @@ class BurnpackStorageWriter(StorageWriter):
         document, files = _index.encode(metadata, locations, self.save_id)
         index = burnpack.dumps({}, metadata={RECORD_KIND_KEY: INDEX_KIND, INDEX_KEY: document})
         head_size = burnpack.loads(index).data_start
-        name = sharded_index_name(self.prefix)
+        name = _sharded_index_name(self.prefix)
         self.files = {
             **files,
             name: {

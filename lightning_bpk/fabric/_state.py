@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from lightning_bpk.fabric import _compat
 from lightning_bpk.fabric.loaders import ResumableLoader
-from lightning_bpk.layout import TRAINER_KEY, safe_name
+from lightning_bpk.layout import TRAINER_KEY, _safe_name
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
 from lightning_bpk.runtime.loaders import has_state
 from lightning_bpk.runtime.rng import capture_rng
@@ -98,9 +98,9 @@ def split(state: Mapping[str, Any]) -> Parts:
         obj = _compat.unwrap(value)
         inner = _compat.inner_loader(obj)
         if isinstance(obj, nn.Module):
-            parts.modules[safe_name(key, "state key")] = obj
+            parts.modules[_safe_name(key, "state key")] = obj
         elif isinstance(obj, torch.optim.Optimizer):
-            parts.optimizers[safe_name(key, "state key")] = obj
+            parts.optimizers[_safe_name(key, "state key")] = obj
         elif isinstance(obj, ResumableLoader) or (
             isinstance(inner, DataLoader) and has_state(inner)
         ):

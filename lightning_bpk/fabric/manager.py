@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lightning_bpk import _gin
-from lightning_bpk.checkpointer import Checkpointer, check_settings
+from lightning_bpk.checkpointer import Checkpointer, _check_settings
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.fabric import _sharded, _state
 from lightning_bpk.fabric._preemption import FabricPreemption
@@ -155,7 +155,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
-        check_settings(
+        _check_settings(
             checkpoint_file_prefix, sentinel_file_identifier, 1, checkpoint_duration, keep_every
         )
         if override_number is not None and (

@@ -90,7 +90,7 @@ def check_classes(trainer: pl.Trainer, classes: dict) -> None:
                 saved[len(schedulers) :],
                 len(schedulers),
             )
-    problems = trainer_state.class_mismatches(classes, trainer.optimizers, schedulers)
+    problems = trainer_state._class_mismatches(classes, trainer.optimizers, schedulers)
     if problems:
         raise CheckpointResumeError(
             f"cannot resume from {trainer.ckpt_path}: {'; '.join(problems)}. Resume with the "

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 
-from lightning_bpk.layout import MODEL_KEY, OPTIMIZER_KEY, numbered_key
+from lightning_bpk.layout import MODEL_KEY, OPTIMIZER_KEY, _numbered_key
 from lightning_bpk.lightning import _compat, sharded, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY
 from lightning_bpk.lightning.triggers import FINISHED_KEY, finished
@@ -90,6 +90,6 @@ def reserve(trainer: pl.Trainer, saver: AsyncCheckpointSaver, distributed_save: 
         return
     data: dict[str, Any] = {MODEL_KEY: ModuleRecord.from_module(module)}
     for i, optimizer in enumerate(trainer.optimizers):
-        key = numbered_key(OPTIMIZER_KEY, i)
+        key = _numbered_key(OPTIMIZER_KEY, i)
         data[key] = OptimizerRecord.from_optimizer(optimizer, module)
     saver.reserve(data)

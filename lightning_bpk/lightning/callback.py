@@ -124,7 +124,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk import _gin
-from lightning_bpk.checkpointer import Checkpointer, Retention, check_settings
+from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
 from lightning_bpk.lightning import _compat, _resume, _save_data, trainer_state
@@ -256,7 +256,7 @@ class BurnpackCheckpoint(Checkpoint):
                 "train_time_interval checkpoints are numbered by global step, so leave it at 1"
             )
         # Refused here rather than when fit starts (the Checkpointer checks the same).
-        check_settings(
+        _check_settings(
             checkpoint_file_prefix,
             sentinel_file_identifier,
             checkpoint_frequency,

@@ -131,13 +131,13 @@ class BurnpackCheckpointIO(CheckpointIO):
                 "profiles) instead"
             )
         if self._saver is not None:
-            record = trainer_state.file_record(checkpoint)
-            self._saver.save_record(record, path, trainer_state.write_record)
+            record = trainer_state._file_record(checkpoint)
+            self._saver.save_record(record, path, trainer_state._write_record)
             if self._at_exit is None:  # Fabric has no teardown of its own: drain at exit
                 self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self._saver))
                 atexit.register(self._at_exit)
             return
-        trainer_state.save_file(checkpoint, path)
+        trainer_state._save_file(checkpoint, path)
 
     def load_checkpoint(
         self,

@@ -50,7 +50,7 @@ from lightning_bpk.layout import (
     SCHEDULER_KEY,
     SHARDED_INDEX_KEY,
     TRAINER_KEY,
-    numbered_key,
+    _numbered_key,
 )
 from lightning_bpk.records import (
     LrSchedulerRecord,
@@ -66,26 +66,10 @@ from lightning_bpk.runtime.rng import capture_rng
 from lightning_bpk.store import location
 
 __all__ = [
-    "CLASSES_KEY",
-    "DROPPED_KEY",
-    "HPARAM_KEYS",
-    "HPARAM_TYPE_KEYS",
-    "MODEL_KEY",
-    "OPTIMIZER_KEY",
-    "PREEMPTED_KEY",
-    "REQUIRED_KEYS",
-    "RNG_KEY",
-    "SCHEDULER_KEY",
-    "TRAINER_KEY",
-    "class_mismatches",
-    "file_record",
     "from_records",
     "is_checkpoint_directory",
     "load",
-    "save_file",
-    "storable",
     "to_records",
-    "write_record",
 ]
 
 # What resume cannot do without (the optimizers and schedulers may be none); a sharded
@@ -96,7 +80,7 @@ RNG_KEY = "lightning_bpk_rng"
 DROPPED_KEY = "lightning_bpk_dropped_hyperparameters"
 PREEMPTED_KEY = "lightning_bpk_preempted"
 # Added by load() to a checkpoint directory's dict (never saved): the optimizer and scheduler
-# classes its records were saved from, for :func:`class_mismatches`.
+# classes its records were saved from, for ``_class_mismatches``.
 CLASSES_KEY = "lightning_bpk_classes"
 # Lightning keys holding hyper-parameters (values may be arbitrary user objects) ...
 HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
@@ -109,7 +93,7 @@ _RECORD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 # --- Lightning dict -> storable data --------------------------------------------------------------
 
 
-def storable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+def _storable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     """A shallow copy of Lightning's dict without the hyper-parameters the codec cannot store.
 
     Each dropped one is named in a warning and listed under :data:`DROPPED_KEY`.
@@ -158,7 +142,7 @@ def to_records(
     """
     data: dict[str, Any] = {MODEL_KEY: ModuleRecord.from_module(module)}
     for i, optimizer in enumerate(optimizers):
-        data[numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
+        data[_numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
     return data | _other_records(checkpoint, schedulers)
 
 
@@ -167,8 +151,8 @@ def _other_records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> 
     what a sharded save's rank 0 writes beside the shards of the model and optimizers."""
     data: dict[str, Any] = {}
     for i, scheduler in enumerate(schedulers):
-        data[numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
-    rest = {k: v for k, v in storable(checkpoint).items() if k not in _RECORD_KEYS}
+        data[_numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
+    rest = {k: v for k, v in _storable(checkpoint).items() if k not in _RECORD_KEYS}
     rest[RNG_KEY] = capture_rng()
     data[TRAINER_KEY] = StateRecord(rest)
     return data
@@ -179,8 +163,8 @@ def _other_records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> 
 
 def _numbered(data: Mapping[str, Any], base: str) -> list[Any]:
     items: list[Any] = []
-    while numbered_key(base, len(items)) in data:
-        items.append(data[numbered_key(base, len(items))])
+    while _numbered_key(base, len(items)) in data:
+        items.append(data[_numbered_key(base, len(items))])
     return items
 
 
@@ -213,7 +197,7 @@ def from_records(data: Mapping[str, Any], source: str = "<checkpoint>") -> dict[
     return checkpoint
 
 
-def class_mismatches(
+def _class_mismatches(
     classes: Mapping[str, Sequence[str]],
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[Any],
@@ -252,23 +236,23 @@ def class_mismatches(
 # --- files and directories --------------------------------------------------------------------
 
 
-def save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path | str:
+def _save_file(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path | str:
     """Write Lightning's whole dict (plus RNG states) as one burnpack at exactly ``path``.
 
     Atomic: a scratch file beside ``path`` is fsynced and renamed over it, so a failure leaves
     an existing file as it was. Raises :class:`RecordError` naming what cannot be stored.
     """
-    return write_record(file_record(checkpoint), path)
+    return _write_record(_file_record(checkpoint), path)
 
 
-def file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
-    """The StateRecord :func:`save_file` writes: Lightning's storable dict plus RNG states."""
-    value = storable(checkpoint)
+def _file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
+    """The StateRecord ``_save_file`` writes: Lightning's storable dict plus RNG states."""
+    value = _storable(checkpoint)
     value[RNG_KEY] = capture_rng()
     return StateRecord(value)
 
 
-def write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:
+def _write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:
     """Write ``record`` atomically at exactly ``path`` (a path or URL; no ``.bpk`` suffix rule),
     streamed (:func:`lightning_bpk.records.files.write_record`): the file appears whole or not
     at all. A full disk raises an ``OSError``; other format errors a RecordError."""

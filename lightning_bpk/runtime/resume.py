@@ -31,14 +31,14 @@ from typing import Any
 
 from lightning_bpk.checkpointer import (
     Checkpointer,
-    bound_override_number,
+    _bound_override_number,
     choose_resume,
     get_latest_checkpoint_number,
     list_checkpoints,
     verify_checkpoint,
 )
 from lightning_bpk.errors import summarise
-from lightning_bpk.layout import SHARDED_INDEX_KEY, numbered, sentinel_stem
+from lightning_bpk.layout import SHARDED_INDEX_KEY, _numbered, _sentinel_stem
 from lightning_bpk.store import Store, identity, open_store
 
 __all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer"]
@@ -79,7 +79,7 @@ def choose(
     one, every byte verified as it is read when ``verify`` (falling back past damaged ones),
     sentinels and sizes only otherwise. ``store``: the directory's, if already open."""
     if override is None:
-        override = bound_override_number()
+        override = _bound_override_number()
     names: dict[str, Any] = dict(
         sentinel_file_identifier=identifier,
         checkpoint_file_prefix=prefix,
@@ -119,8 +119,8 @@ def superseded_by_a_newer(choice: ResumeChoice, checkpointer: Checkpointer) -> b
     lease = checkpointer.lease
     if lease is None or choice.override is not None:
         return False
-    stem = sentinel_stem(checkpointer.sentinel_file_identifier)
-    return any(n > choice.number for _, n in numbered(lease.known, stem))
+    stem = _sentinel_stem(checkpointer.sentinel_file_identifier)
+    return any(n > choice.number for _, n in _numbered(lease.known, stem))
 
 
 def in_the_way(

@@ -56,8 +56,8 @@ from lightning_bpk.layout import (
     OPTIMIZER_KEY,
     PARAM_IDS_KEY,
     RECORD_SUFFIX,
-    numbered_key,
-    sharded_index_name,
+    _numbered_key,
+    _sharded_index_name,
 )
 from lightning_bpk.records import param_ids
 from lightning_bpk.records.optimizer import BURN_NAMES
@@ -112,7 +112,7 @@ def dcp_state(
     }
     for i, optimizer in enumerate(optimizers):
         osd = get_optimizer_state_dict(module, optimizer)
-        state[numbered_key(OPTIMIZER_KEY, i)] = _to_ids(osd, optimizer, ids)
+        state[_numbered_key(OPTIMIZER_KEY, i)] = _to_ids(osd, optimizer, ids)
     return state
 
 
@@ -203,7 +203,7 @@ def _write_shards(
         return None
     files = {
         name[: -len(RECORD_SUFFIX)]: FileEntry(
-            INDEX_KIND if name == sharded_index_name() else SHARD_KIND,
+            INDEX_KIND if name == _sharded_index_name() else SHARD_KIND,
             info["size"],
             info["head_size"],
             info["head_xxh3"],
@@ -285,5 +285,5 @@ def load_into(
     set_model_state_dict(module, state[MODEL_KEY])
     ids = param_ids(module)
     for i, optimizer in enumerate(optimizers):
-        ours = state[numbered_key(OPTIMIZER_KEY, i)]
+        ours = state[_numbered_key(OPTIMIZER_KEY, i)]
         set_optimizer_state_dict(module, optimizer, _to_fqns(ours, optimizer, ids))

@@ -34,13 +34,6 @@ from lightning_bpk import _fs
 from lightning_bpk.errors import DirectoryGoneError, StorageError
 
 __all__ = [
-    "ATTEMPTS",
-    "BASE_WAIT",
-    "COMPLETION_WAIT",
-    "MAX_WAIT",
-    "READ_CHUNK",
-    "READ_STREAMS",
-    "UPLOAD_PART",
     "ObjectStore",
     "retry",
 ]

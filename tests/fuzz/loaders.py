@@ -27,7 +27,7 @@ from safetensors.torch import save as safetensors_save
 from lightning_bpk import burnpack, cli, interop
 from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, get_latest_checkpoint_number
 from lightning_bpk.errors import LightningBpkError
-from lightning_bpk.layout import sentinel_name, sharded_index_name
+from lightning_bpk.layout import _sharded_index_name, sentinel_name
 from lightning_bpk.records import ModuleRecord, load_record
 
 
@@ -147,7 +147,7 @@ def _sharded_directory(scratch: Path) -> Path:
     from lightning_bpk.dcp import BurnpackStorageWriter
 
     base = scratch / "sharded"
-    if not (base / sharded_index_name()).exists():
+    if not (base / _sharded_index_name()).exists():
         shutil.rmtree(base, ignore_errors=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # no process group: one rank
@@ -159,7 +159,7 @@ def _dcp_index(blob: bytes, scratch: Path) -> None:
     from lightning_bpk.dcp import load_full_state_dict
 
     base = _sharded_directory(scratch)
-    with _replaced(base / sharded_index_name(), blob):
+    with _replaced(base / _sharded_index_name(), blob):
         load_full_state_dict(base)
 
 
@@ -214,7 +214,7 @@ def _checkpoint_record_seeds(scratch: Path) -> list[Seed]:
 
 
 def _dcp_index_seeds(scratch: Path) -> list[Seed]:
-    return [Seed((_sharded_directory(scratch) / sharded_index_name()).read_bytes())]
+    return [Seed((_sharded_directory(scratch) / _sharded_index_name()).read_bytes())]
 
 
 TARGETS: dict[str, Target] = {
