@@ -13,11 +13,13 @@ saved with more devices than are here restores those that exist.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+from lightning_bpk.errors import CheckpointResumeError
 
 __all__ = ["capture_rng", "restore_rng"]
 
@@ -83,30 +85,61 @@ def restore_rng(states: Mapping[str, Any]) -> None:
     """Set the global RNG states :func:`capture_rng` returned (CUDA only when both have it: on
     each device of this process, see the module docstring, that the states name).
 
+    The states come from a file: each is checked on a generator of its own before any global
+    one is set, so a malformed state is a :class:`~lightning_bpk.errors.CheckpointResumeError`
+    naming the field, and changes nothing.
+
     >>> s = capture_rng(); a = torch.rand(1); restore_rng(s); torch.equal(a, torch.rand(1))
     True
     """
-    torch.set_rng_state(states["torch"])
-    numpy_state = states["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["kind"],
-            numpy_state["keys"],
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            numpy_state["gauss"],
-        )
+    torch_state = _field(states, "torch", _checked_torch)
+    numpy_state = _field(
+        states,
+        "numpy",
+        lambda s: _checked_numpy((s["kind"], s["keys"], s["pos"], s["has_gauss"], s["gauss"])),
     )
-    python_state = states["python"]
-    random.setstate(
-        (
-            python_state["version"],
-            tuple(python_state["state"].tolist()),
-            python_state["gauss_next"],
-        )
+    python_state = _field(
+        states,
+        "python",
+        lambda s: _checked_python((s["version"], tuple(s["state"].tolist()), s["gauss_next"])),
     )
-    saved = _cuda_states(states)
+    saved = _field(states, "cuda", _cuda_states, whole=True)
+    torch.set_rng_state(torch_state)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
     if saved and torch.cuda.is_available():
         for index in _cuda_devices(torch.cuda.device_count(), _own_cuda_device()):
             if index in saved:
                 torch.cuda.set_rng_state(saved[index], index)
+
+
+T = TypeVar("T")
+
+
+def _field(
+    states: Mapping[str, Any], name: str, check: Callable[[Any], T], *, whole: bool = False
+) -> T:
+    """``check(states[name])`` (``whole``: of ``states``), any failure of it a
+    ``CheckpointResumeError`` naming the field."""
+    try:
+        return check(states if whole else states[name])
+    except Exception as e:
+        raise CheckpointResumeError(
+            f"the checkpoint's RNG state is malformed ({name!r}: {type(e).__name__}: "
+            f"{str(e)[:200]}); nothing was restored"
+        ) from e
+
+
+def _checked_torch(state: torch.Tensor) -> torch.Tensor:
+    torch.Generator().set_state(state)  # a state of the wrong size or type is refused here
+    return state
+
+
+def _checked_numpy(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    np.random.RandomState().set_state(state)
+    return state
+
+
+def _checked_python(state: tuple[Any, ...]) -> tuple[Any, ...]:
+    random.Random().setstate(state)
+    return state
