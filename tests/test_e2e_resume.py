@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_bpk import burnpack
 from lightning_bpk.checkpointer import get_latest_checkpoint_number, verify_checkpoint
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, StateRecord
 
@@ -65,6 +66,31 @@ def test_sigkill_mid_epoch_then_resume_is_bit_identical(tmp_path, reference):
         ref_model = params(reference / "ref" / "checkpoints" / f"ckpt.{n}" / "model.bpk")
         run_model = params(checkpoints / f"ckpt.{n}" / "model.bpk")
         assert all(torch.equal(ref_model[k], run_model[k]) for k in ref_model), n
+
+
+def test_a_model_whose_first_tensor_is_empty_is_killed_and_resumes_bit_identically(
+    tmp_path, reference
+):
+    """A module whose first state entry has no elements (``register_buffer("mask",
+    torch.zeros(0))`` declared first): every checkpoint of it verifies and loads (a reader once
+    failed on an empty first tensor, so such a run could never resume), and a SIGKILLed run
+    resumes and ends bit-identical to the run that never stopped (the buffer takes no part in
+    training: the reference's weights are the same)."""
+    kill_step = 2 * BATCHES_PER_EPOCH + 3
+    killed = run(tmp_path / "run", "--empty-buffer", "--kill-at-step", str(kill_step))
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert get_latest_checkpoint_number(checkpoints, verify=True) == 1
+    assert verify_checkpoint(checkpoints, 1) == []
+    resumed = run(tmp_path / "run", "--empty-buffer", "--out", str(tmp_path / "resumed.bpk"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"epoch={EPOCHS} step={EPOCHS * BATCHES_PER_EPOCH} restored=1" in resumed.stdout
+    expected, got = params(reference / "ref.bpk"), params(tmp_path / "resumed.bpk")
+    assert got["mask"].numel() == 0
+    with burnpack.read(checkpoints / "ckpt.3" / "model.bpk") as pack:
+        assert pack.data_order[0] == "mask"  # the empty tensor leads the data section
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
 
 
 def _lines_from(path: Path, step: int) -> list[str]:

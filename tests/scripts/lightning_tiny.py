@@ -123,9 +123,12 @@ class TinyModel(L.LightningModule):
         batch_size: int = BATCH_SIZE,
         augment: bool = False,
         persistent_workers: bool = False,
+        empty_buffer: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters("hidden", "lr")
+        if empty_buffer:  # first in the state dict, so first in each record's data order
+            self.register_buffer("mask", torch.zeros(0))
         self.one_cycle, self.workers = one_cycle, workers
         self.data, self.batch_size, self.augment = data, batch_size, augment
         self.persistent_workers = persistent_workers
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--augment", action="store_true")
     parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--empty-buffer", action="store_true")
     parser.add_argument("--shared-seed", action="store_true")
     parser.add_argument("--ids")
     parser.add_argument("--out")
@@ -330,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         augment=args.augment,
         persistent_workers=args.persistent_workers,
+        empty_buffer=args.empty_buffer,
     )
     if args.ids:
         model.ids_file = Path(args.ids + (f".rank{rank}" if args.devices > 1 else ""))
