@@ -92,7 +92,7 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 def _numbered_key(base: str, index: int) -> str:
     """Key of the ``index``-th optimizer/scheduler record: ``optim``, ``optim-1``, ``optim-2``...
 
-    >>> numbered_key(OPTIMIZER_KEY, 0), numbered_key(OPTIMIZER_KEY, 2)
+    >>> _numbered_key(OPTIMIZER_KEY, 0), _numbered_key(OPTIMIZER_KEY, 2)
     ('optim', 'optim-2')
     """
     return base if index == 0 else f"{base}-{index}"

@@ -481,7 +481,7 @@ def test_an_async_plugin_write_is_drained_by_the_strategy_teardown(tmp_path, mon
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
     fabric.save(tmp_path / "a.ckpt", {"w": torch.arange(1000.0)})
     assert torch.equal(fabric.load(tmp_path / "a.ckpt")["w"], torch.arange(1000.0))
-    monkeypatch.setattr(trainer_state, "write_record", _fail_with_enospc)
+    monkeypatch.setattr(trainer_state, "_write_record", _fail_with_enospc)
     fabric.save(tmp_path / "b.ckpt", {"w": torch.zeros(3)})
     with pytest.raises(OSError, match="No space left"):
         fabric.strategy.teardown()

@@ -228,7 +228,7 @@ def _check_settings(
     What the constructor checks, without touching the filesystem, so a Lightning callback can
     refuse bad settings when it is built rather than when ``fit`` starts.
 
-    >>> check_settings(checkpoint_duration=0)
+    >>> _check_settings(checkpoint_duration=0)
     Traceback (most recent call last):
     ...
     ValueError: checkpoint_duration must be an int >= 1, got 0

@@ -98,7 +98,7 @@ def _storable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
     Each dropped one is named in a warning and listed under :data:`DROPPED_KEY`.
 
-    >>> storable({"hyper_parameters": {"lr": 0.1, "fn": print}})[DROPPED_KEY]
+    >>> _storable({"hyper_parameters": {"lr": 0.1, "fn": print}})[DROPPED_KEY]
     ['hyper_parameters.fn']
     """
     out = dict(checkpoint)
@@ -209,7 +209,7 @@ def _class_mismatches(
     SGD fails at the first step, in AdamW it silently takes Adam's hyper-parameters.
 
     >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    >>> class_mismatches({"optimizers": ["torch.optim.adam.Adam"]}, [opt], [])
+    >>> _class_mismatches({"optimizers": ["torch.optim.adam.Adam"]}, [opt], [])
     ['optimizer 0 was saved as torch.optim.adam.Adam, the module configures torch.optim.sgd.SGD']
     """
     problems = []
