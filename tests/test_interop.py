@@ -502,6 +502,7 @@ _HOSTILE_HEADERS = {
     "a dimension past int64 beside a zero": {"dtype": "F32", "shape": [0, 2**63, 3]},
     "dimensions whose product passes int64": {"dtype": "F32", "shape": [0, 2**62, 4]},
     "a negative dimension": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]},
+    "a string after a huge dimension": {"dtype": "F32", "shape": [2**70, "a"]},
     "offsets of the wrong type": {"dtype": "F32", "shape": [2], "data_offsets": "ab"},
     "an entry that is a list": [1, 2],
 }

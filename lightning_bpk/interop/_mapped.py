@@ -108,7 +108,7 @@ def safetensors_header(
                 and 0 <= begin <= end <= data
             )
             numel, nonzero = 1, 1
-            for n in shape:
+            for n in shape if ok else ():  # only ints: ``numel * "a"`` would repeat a string
                 numel *= n
                 nonzero *= max(n, 1)
             # torch's sizes are int64 even where a 0 makes the tensor empty
