@@ -10,8 +10,8 @@ the same errors and builds the same records. Users import these names from
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, Protocol
 
 from lightning_bpk import burnpack
 from lightning_bpk.errors import LightningBpkError
@@ -22,6 +22,7 @@ __all__ = [
     "RecordChecksumError",
     "RecordError",
     "RecordErrorKind",
+    "Stored",
     "record_from_pack",
 ]
 
@@ -77,6 +78,21 @@ class RecordChecksumError(RecordError, burnpack.ChecksumError):
 
     def __init__(self, problems: str | Iterable[str]) -> None:
         super().__init__("checksum", problems)
+
+
+class Stored(Protocol):
+    """What the record-file reader returns and the writer takes, as a record shows it: its kind
+    tag and its parts as written (every :class:`~lightning_bpk.records.Record`), so ``files``
+    needs no import of the record classes, which save and load through it."""
+
+    @property
+    def kind(self) -> str:
+        """The record's kind tag (a class constant of every record class)."""
+        ...
+
+    def content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], dict[str, str]]:
+        """``(tensors, scalars, metadata)`` exactly as written."""
+        ...
 
 
 KINDS: dict[str, Any] = {}

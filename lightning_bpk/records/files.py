@@ -28,7 +28,7 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
 
@@ -39,14 +39,12 @@ from lightning_bpk.records._kind import (
     RECORD_KIND_KEY,
     RecordChecksumError,
     RecordError,
+    Stored,
     record_from_pack,
 )
 from lightning_bpk.store import Store, join, name_of, open_parent, parent_of
 from lightning_bpk.store import location as as_location
 from lightning_bpk.store.local import RefusedFileError
-
-if TYPE_CHECKING:
-    from lightning_bpk.records.base import Record
 
 __all__ = [
     "HEAD_DAMAGED",
@@ -208,7 +206,7 @@ def open_record(
 
 def read_record(
     location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> Record:
+) -> Stored:
     """The record at a path or URL; ``FileNotFoundError`` when there is none, a
     :class:`RecordError` naming the file for anything unreadable."""
     try:
@@ -216,11 +214,10 @@ def read_record(
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
     with pack:
-        record: Record = record_from_pack(pack)
-        return record
+        return record_from_pack(pack)
 
 
-def save_record(record: Record, store: Store, key: str) -> Described:
+def save_record(record: Stored, store: Store, key: str) -> Described:
     """Write ``record`` as file ``key`` of ``store``, durably and whole (streamed: peak extra
     memory is about the largest tensor, not the file); what a manifest lists of it, computed
     from the bytes as they were written (nothing is read back). A full disk raises an
@@ -261,7 +258,7 @@ def save_pack(
 
 
 def write_record(
-    record: Record,
+    record: Stored,
     location: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
 ) -> Path | str:
