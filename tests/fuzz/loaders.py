@@ -13,6 +13,7 @@ must answer with an exit status, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import shutil
@@ -94,18 +95,18 @@ def _safetensors(blob: bytes, scratch: Path) -> None:
         tensor.sum()
 
 
-def _checkpoint_directory(scratch: Path) -> tuple[Path, str, bytes, bytes]:
-    """A committed checkpoint 0 in ``scratch/run`` (made once per scratch folder) and the names
-    and bytes of its sentinel and model record (the seeds of the checkpoint targets)."""
+@functools.cache
+def _checkpoint_directory(scratch: Path) -> tuple[Path, str]:
+    """A committed checkpoint 0 in ``scratch/run``, made once per scratch folder (each input
+    puts its file back as it was), and its model record's name below it: the seeds of the
+    checkpoint targets are its sentinel and that record."""
     base = scratch / "run"
-    sentinel = sentinel_name("checkpoint", 0)
-    if not (base / sentinel).exists():
-        shutil.rmtree(base, ignore_errors=True)
-        checkpointer = Checkpointer(base)
-        checkpointer.save_checkpoint(0, {"model": ModuleRecord(_tensors()), "trainer": {"step": 3}})
-    manifest = json.loads((base / sentinel).read_bytes())
-    model = base / manifest["data"] / "model.bpk"
-    return base, str(model.relative_to(base)), (base / sentinel).read_bytes(), model.read_bytes()
+    shutil.rmtree(base, ignore_errors=True)
+    Checkpointer(base).save_checkpoint(
+        0, {"model": ModuleRecord(_tensors()), "trainer": {"step": 3}}
+    )
+    manifest = json.loads((base / sentinel_name("checkpoint", 0)).read_bytes())
+    return base, f"{manifest['data']}/model.bpk"
 
 
 @contextlib.contextmanager
@@ -128,14 +129,14 @@ def _load_checkpoint(base: Path) -> None:
 
 
 def _sentinel(blob: bytes, scratch: Path) -> None:
-    base, _, _, _ = _checkpoint_directory(scratch)
+    base, _ = _checkpoint_directory(scratch)
     with _replaced(base / sentinel_name("checkpoint", 0), blob):
         _load_checkpoint(base)
         Checkpointer(base).load_checkpoint(0)
 
 
 def _checkpoint_record(blob: bytes, scratch: Path) -> None:
-    base, model, _, _ = _checkpoint_directory(scratch)
+    base, model = _checkpoint_directory(scratch)
     with _replaced(base / model, blob):
         Checkpointer(base).load_checkpoint(0)
 
@@ -206,11 +207,13 @@ def _safetensors_seeds(scratch: Path) -> list[Seed]:
 
 
 def _sentinel_seeds(scratch: Path) -> list[Seed]:
-    return [Seed(_checkpoint_directory(scratch)[2])]
+    base, _ = _checkpoint_directory(scratch)
+    return [Seed((base / sentinel_name("checkpoint", 0)).read_bytes())]
 
 
 def _checkpoint_record_seeds(scratch: Path) -> list[Seed]:
-    return [_checked(_checkpoint_directory(scratch)[3])]
+    base, model = _checkpoint_directory(scratch)
+    return [_checked((base / model).read_bytes())]
 
 
 def _dcp_index_seeds(scratch: Path) -> list[Seed]:
