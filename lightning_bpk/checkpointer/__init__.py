@@ -87,6 +87,7 @@ import torch
 
 from lightning_bpk import _gin
 from lightning_bpk.checkpointer import _commit
+from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.checkpointer._commit import Retention, Staged
 from lightning_bpk.checkpointer._view import (
     CheckpointEntry,
@@ -246,7 +247,9 @@ class Checkpointer:
 
     ``save_checkpoint(N, data)`` writes only when ``N % checkpoint_frequency == 0`` and then
     garbage-collects everything older than ``N - checkpoint_frequency * checkpoint_duration``,
-    sparing multiples of ``keep_every * checkpoint_frequency`` when ``keep_every`` is set.
+    sparing multiples of ``keep_every * checkpoint_frequency`` when ``keep_every`` is set, and
+    with ``best`` (:class:`~lightning_bpk.checkpointer._best.BestK`) the k best by a metric: a
+    save records its value with ``retention=checkpointer.retention.scored(value)``.
     See the module docstring for the layout and the crash-safety argument.
 
     >>> import tempfile
@@ -264,6 +267,8 @@ class Checkpointer:
         checkpoint_duration: int = 4,
         keep_every: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        *,
+        best: BestK | None = None,
     ) -> None:
         if not base_directory:
             raise ValueError("No path provided to Checkpointer.")
@@ -281,6 +286,9 @@ class Checkpointer:
         self.checkpoint_frequency = checkpoint_frequency
         self.checkpoint_duration = checkpoint_duration
         self.keep_every = keep_every
+        # The best-k rule kept beside Dopamine's (lightning_bpk.checkpointer._best); a save
+        # passes its metric as retention=checkpointer.retention.scored(value).
+        self.best = best
         # Set by take_over(): then every commit and garbage collection first checks that no
         # newer run took over the directory (lightning_bpk.store.lease).
         self.lease: Lease | None = None
@@ -305,7 +313,9 @@ class Checkpointer:
     @property
     def retention(self) -> Retention:
         """This checkpointer's retention settings, what a save collects garbage with."""
-        return Retention(self.checkpoint_frequency, self.checkpoint_duration, self.keep_every)
+        return Retention(
+            self.checkpoint_frequency, self.checkpoint_duration, self.keep_every, self.best
+        )
 
     @property
     def _names(self) -> _commit.Names:

@@ -29,8 +29,10 @@ data that step 2 or the garbage collection of a later save removes. A failure in
 raises and removes what this save wrote (never after losing the lease); every other
 checkpoint, including an earlier save of the same N, stays as it was.
 
-The retention is Dopamine's, kept literally (:mod:`lightning_bpk.checkpointer` says how and why);
-checkpoints newer than N are never touched, and a failure warns: the save stands.
+The retention is Dopamine's, kept literally (:mod:`lightning_bpk.checkpointer` says how and why),
+and with a best-k rule (:mod:`lightning_bpk.checkpointer._best`) also keeps the k best by the
+metric each manifest records; checkpoints newer than N are never touched, and a failure warns:
+the save stands.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_bpk import _fs
+from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.checkpointer._view import CheckpointView, CheckpointWarning, sentinels
-from lightning_bpk.checkpointer.manifest import FileEntry, Manifest, encode
+from lightning_bpk.checkpointer.manifest import FileEntry, Manifest, Metric, encode
 from lightning_bpk.errors import StorageError
 from lightning_bpk.layout import (
     NUMBER_PATTERN,
@@ -63,18 +66,37 @@ from lightning_bpk.store.lease import Lease
 
 @dataclass(frozen=True)
 class Retention:
-    """Dopamine's retention settings: ``frequency`` f, ``duration`` d, ``keep_every`` k."""
+    """Dopamine's retention settings: ``frequency`` f, ``duration`` d, ``keep_every`` k; and
+    ``best``, the best-k rule kept beside them (:mod:`lightning_bpk.checkpointer._best`), with
+    ``score``, the monitored value of the checkpoint a save commits (recorded in its manifest;
+    None: not logged). :meth:`scored` gives the retention of one save."""
 
     frequency: int
     duration: int
     keep_every: int | None = None
+    best: BestK | None = None
+    score: float | None = None
 
-    def doomed(self, n: int, sentinels: set[int], data: set[int]) -> tuple[set[int], set[int]]:
-        """After saving ``n``, given the numbers with a sentinel and with data: the sentinels to
-        delete (first) and the data to delete (then); see the module docstring."""
+    def scored(self, value: float | None) -> Retention:
+        """This retention for a save whose monitored metric is ``value``."""
+        return replace(self, score=None if value is None else float(value))
+
+    def doomed(
+        self,
+        n: int,
+        sentinels: set[int],
+        data: set[int],
+        metrics: Mapping[int, Metric | None] | None = None,
+    ) -> tuple[set[int], set[int]]:
+        """After saving ``n``, given the numbers with a sentinel and with data (and the metric
+        each complete one's manifest records, for ``best``): the sentinels to delete (first)
+        and the data to delete (then); see the module docstring."""
         f, d, k = self.frequency, self.duration, self.keep_every
         complete = sorted((m for m in sentinels if m in data and m <= n), reverse=True)
         kept = set(complete[:d]) | {n}
+        if self.best is not None:
+            values = {m: self.best.value_of((metrics or {}).get(m)) for m in complete}
+            kept |= self.best.kept(values)
         doomed = {
             m
             for m in sentinels | data
@@ -225,7 +247,9 @@ def commit(
                 _check(lease)  # files gone because the directory is (DirectoryGoneError)?
                 raise
             _check(lease)
-            manifest = encode(n, Manifest(staged.name, files, _generation(lease)))
+            best = retention.best
+            metric = None if best is None else best.metric(retention.score)
+            manifest = encode(n, Manifest(staged.name, files, _generation(lease), metric))
             state = "unknown"
             try:
                 # a re-save replaces (one atomic write: the old manifest or the new, never neither)
@@ -303,7 +327,11 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
             listing = store.list("")
         found = sentinels(listing, names.identifier)
         data = _data_names(listing, names.prefix)
-        doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data))
+        metrics = None
+        if retention.best is not None:
+            complete = [m for m in found if m in data and m <= n]
+            metrics = recorded_metrics(store, names.identifier, listing, complete)
+        doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data), metrics)
         store.remove(found[m] for m in sorted(doomed_sentinels))
         for m in sorted(doomed_data):
             for name in data[m]:
@@ -325,6 +353,21 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
             CheckpointWarning,
             stacklevel=3,
         )
+
+
+def recorded_metrics(
+    store: Store, identifier: str, listing: Mapping[str, int | None], numbers: Iterable[int]
+) -> dict[int, Metric | None]:
+    """The metric the manifest of each checkpoint of ``numbers`` records (None: none, or a
+    sentinel that cannot be read: such a checkpoint is never among the best)."""
+    metrics: dict[int, Metric | None] = {}
+    for m in numbers:
+        try:
+            manifest = CheckpointView(store, m, identifier, None, listing).read_manifest()
+        except (ValueError, OSError):
+            manifest = None
+        metrics[m] = None if manifest is None else manifest.metric
+    return metrics
 
 
 def _generation(lease: Lease | None) -> int | None:

@@ -3,7 +3,8 @@
 A sentinel is written last and says "iteration N is complete": format tag and version, the
 iteration, the data directory's name (``ckpt.7``, or ``ckpt.7~<hex>`` for a re-save), the
 generation of the lease its writer held (:mod:`lightning_bpk.store.lease`; absent without one,
-and in older manifests) and, per
+and in older manifests), the monitored metric of a checkpointer that keeps the best checkpoints
+(:class:`Metric`: its name, value and mode; absent otherwise) and, per
 data key, its file's record kind, size and the xxh3-64 of its head (header and CBOR metadata up
 to the data section). The head holds the per-tensor xxh3 checksums every record file carries,
 so the few-KiB head digest pins every byte that matters without reading the tensors back (a
@@ -24,6 +25,7 @@ saying what is wrong; names read from a manifest are checked by
 from __future__ import annotations
 
 import json
+import math
 import re
 import reprlib
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ __all__ = [
     "MAX_SENTINEL_SIZE",
     "FileEntry",
     "Manifest",
+    "Metric",
     "encode",
     "parse",
     "quote",
@@ -77,12 +80,54 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Metric:
+    """The monitored metric of one checkpoint, as its manifest records it: ``name``, ``value``
+    (``None``: the metric was not logged when it was saved; NaN and infinities are kept as they
+    were) and ``mode`` (``"min"`` or ``"max"``: which way is better)."""
+
+    name: str
+    value: float | None
+    mode: str
+
+
+# JSON has no NaN or infinities: they are written as these strings
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _encode_value(value: float | None) -> float | str | None:
+    if value is None or math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _metric(doc: object) -> Metric | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise ValueError(f"manifest metric {quote(doc)} is not a map")
+    name, value, mode = doc.get("name"), doc.get("value"), doc.get("mode")
+    if isinstance(value, str) and value in _NON_FINITE:
+        value = _NON_FINITE[value]
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if (
+        not isinstance(name, str)
+        or not name
+        or mode not in ("min", "max")
+        or not (value is None or isinstance(value, float))
+    ):
+        raise ValueError(f"manifest metric {quote(doc)} is malformed")
+    return Metric(name, value, mode)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What a sentinel says: the data directory's name and its files by data key."""
 
     data: str  # data directory name, e.g. "ckpt.7"
     files: dict[str, FileEntry]  # data key -> entry, in save order
     lease: int | None = None  # the writer's lease generation (None: it held none)
+    metric: Metric | None = None  # the monitored metric (None: the checkpointer monitors none)
 
 
 def encode(iteration: int, manifest: Manifest) -> bytes:
@@ -99,6 +144,13 @@ def encode(iteration: int, manifest: Manifest) -> bytes:
     }
     if manifest.lease is not None:
         doc["lease"] = manifest.lease
+    if manifest.metric is not None:
+        metric = manifest.metric
+        doc["metric"] = {
+            "name": metric.name,
+            "value": _encode_value(metric.value),
+            "mode": metric.mode,
+        }
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
@@ -139,7 +191,7 @@ def parse(raw: bytes, iteration: int, prefix: str | None = None) -> Manifest | N
     lease = doc.get("lease")
     if lease is not None and not (_is_count(lease) and lease > 0):
         raise ValueError(f"manifest lease {quote(lease)} is not a generation number")
-    return Manifest(data, _entries(doc.get("files")), lease)
+    return Manifest(data, _entries(doc.get("files")), lease, _metric(doc.get("metric")))
 
 
 def _entries(files: object) -> dict[str, FileEntry]:

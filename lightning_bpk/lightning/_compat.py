@@ -4,8 +4,9 @@ Lightning offers no public hook for what the callback needs in a few spots: buil
 checkpoint dict exactly as Lightning does, loading our checkpoint when ``fit`` got no
 ``ckpt_path`` (Lightning chooses the path before any callback runs), telling Lightning's own
 signal handlers from a user's and choosing what its teardown reinstalls, the cluster
-environment it detected (SLURM), ``ckpt_path="last"`` where no ModelCheckpoint has a file, the
-Timer's ``max_time``, and what StochasticWeightAveraging misses on a mid-epoch resume. Each
+environment it detected (SLURM), ``ckpt_path="last"``/``"best"`` where no ModelCheckpoint has a
+file, whether validation has run, an MLflow logger's ``log_model``, the Timer's ``max_time``,
+and what StochasticWeightAveraging misses on a mid-epoch resume. Each
 function here wraps one such touch; ``tests/test_lightning_compat.py`` checks each against the
 installed Lightning, so an upgrade that moves one fails there, by name, instead of somewhere
 inside a training run.
@@ -224,41 +225,76 @@ def timer_duration(timer: Callback) -> float | None:
     return None if duration is None else float(duration)
 
 
-# Who takes ckpt_path="last" when Lightning finds no "last" file (route_last_ckpt_path).
-_LAST_TAKERS: list[Callable[[pl.Trainer], bool]] = []
+def validation_has_run(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop's validation has run (``ModelCheckpoint`` then raises for a
+    missing monitored metric instead of warning)."""
+    return bool(trainer.fit_loop.epoch_loop.val_loop._has_run)
+
+
+def mlflow_log_model(logger: object) -> bool | str:
+    """An ``MLFlowLogger``'s ``log_model`` setting (``False`` for any other logger)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    if not isinstance(logger, MLFlowLogger):
+        return False
+    mode: bool | str = logger._log_model
+    return mode
+
+
+# Who answers ckpt_path="last" when Lightning finds no "last" file, and who reads its best
+# checkpoints before Lightning resolves "best" (route_ckpt_path).
+_LAST_TAKERS: list[Callable[[pl.Trainer, bool], Any]] = []
+_BEST_READERS: list[Callable[[pl.Trainer], None]] = []
 _NO_LAST = "there is no last checkpoint available"
 
 
-def route_last_ckpt_path(take: Callable[[pl.Trainer], bool]) -> None:
-    """Let ``take(trainer)`` answer ``fit(ckpt_path="last")`` when Lightning finds no "last"
-    checkpoint of its own (no ModelCheckpoint or OnExceptionCheckpoint file); installed once per
-    process, for every trainer. Not for validate/test/predict: the callback resumes in fit only.
+def route_ckpt_path(
+    take_last: Callable[[pl.Trainer, bool], Any], read_best: Callable[[pl.Trainer], None]
+) -> None:
+    """Let callbacks answer ``ckpt_path="last"`` and ``"best"``; installed once per process,
+    for every trainer.
 
-    Lightning resolves ``"last"`` in ``fit`` before any callback runs, and where it finds none
-    it warns "No checkpoint will be loaded" and goes on with ``ckpt_path=None``. When ``take``
-    returns True (a callback will resume from its own newest checkpoint, and says so), that
-    warning, which would contradict it, is not shown; every other warning is.
+    Lightning resolves ``ckpt_path`` in ``fit``/``validate``/``test``/``predict`` before any
+    callback runs. ``read_best(trainer)`` runs first when it will resolve ``"best"`` (given, or
+    the default of an evaluation called without a model), so a callback can read its best
+    checkpoint from its directory; Lightning then reads ``best_model_path`` itself. Where
+    Lightning finds no ``"last"`` file of its own (no ModelCheckpoint or OnExceptionCheckpoint
+    file), it warns "No checkpoint will be loaded" and goes on with ``ckpt_path=None``;
+    ``take_last(trainer, fitting)`` is asked then: while fitting, True when a callback will
+    resume from its own newest checkpoint (and says so), and that warning, which would
+    contradict it, is not shown; otherwise the path to load (None: none, and the warning
+    stays). Every other warning is shown.
     """
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
     from lightning.pytorch.trainer.states import TrainerFn
 
-    if take not in _LAST_TAKERS:
-        _LAST_TAKERS.append(take)
+    if take_last not in _LAST_TAKERS:
+        _LAST_TAKERS.append(take_last)
+    if read_best not in _BEST_READERS:
+        _BEST_READERS.append(read_best)
     original = _CheckpointConnector._parse_ckpt_path
     if getattr(original, "_lightning_bpk_routed", False):
         return
 
     def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, **kwargs: Any) -> Any:
-        if ckpt_path != "last" or state_fn != TrainerFn.FITTING:  # validate/test: Lightning's
+        fitting = state_fn == TrainerFn.FITTING
+        if ckpt_path == "best" or (ckpt_path is None and not fitting):
+            for read in list(_BEST_READERS):
+                read(self.trainer)
+        if ckpt_path != "last":
             return original(self, state_fn, ckpt_path, **kwargs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             path = original(self, state_fn, ckpt_path, **kwargs)
-        taken = path is None and any(t(self.trainer) for t in list(_LAST_TAKERS))
+        taken: Any = None
+        for take in list(_LAST_TAKERS) if path is None else []:
+            taken = take(self.trainer, fitting)
+            if taken:
+                break
         for w in caught:
             if not (taken and _NO_LAST in str(w.message)):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        return path
+        return path if fitting or not taken else taken
 
     _parse_ckpt_path._lightning_bpk_routed = True  # type: ignore[attr-defined]
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign,assignment]

@@ -164,14 +164,16 @@ def save_over_problem(
 def intercept(
     trainer: pl.Trainer,
     choice: ResumeChoice,
-    checkpointer: Checkpointer,
+    checkpointer: Checkpointer | None,
     storage_options: Mapping[str, Any] | None,
     resumed: Callable[[int], None],
 ) -> None:
     """Make the trainer's next ``resume_start`` load ``choice`` when ``fit`` got no
     ``ckpt_path`` (calling ``resumed(number)``): what rank 0 read choosing it, once, or what
     every rank reads now (a sharded checkpoint: each rank its part). A ``ckpt_path`` that is a
-    checkpoint directory of ours is read here too; any other goes Lightning's way."""
+    checkpoint directory of ours is read here too, in ``fit``, ``validate``, ``test`` and
+    ``predict`` (there with no choice: ``ResumeChoice()`` and no ``checkpointer``); any other
+    goes Lightning's way."""
     preloaded = [choice.data]
 
     def resume_start(
@@ -179,6 +181,7 @@ def intercept(
     ) -> tuple[Any, dict[str, Any]] | None:
         path = checkpoint_path
         if path is None and choice.number >= 0:
+            assert checkpointer is not None  # a choice comes with its checkpointer
             path = choice.location or checkpointer.checkpoint_path(choice.number)
         ours = checkpoint_path is None and path is not None
         if not ours and (path is None or not trainer_state.is_checkpoint_directory(path)):

@@ -125,9 +125,10 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
+from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
-from lightning_bpk.lightning import _compat, _resume, _save_data, trainer_state
+from lightning_bpk.lightning import _best, _compat, _resume, _save_data, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
     FINISHED_KEY,
@@ -136,6 +137,7 @@ from lightning_bpk.lightning.triggers import (
 )
 from lightning_bpk.runtime import resume, slurm
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.best import Standing
 from lightning_bpk.runtime.cadence import SaveTriggers
 from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption
 from lightning_bpk.runtime.ranks import Ranks
@@ -167,18 +169,8 @@ def _ranks(trainer: pl.Trainer) -> Ranks:
     )
 
 
-def _take_last(trainer: pl.Trainer) -> bool:
-    """``fit(ckpt_path="last")`` where Lightning found no file of its own: a BurnpackCheckpoint
-    that resumes takes it as "its newest complete checkpoint" (and says which, in setup)."""
-    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
-    takers = [c for c in callbacks if isinstance(c, BurnpackCheckpoint) and c.resume]
-    for callback in takers:
-        callback._last_requested = True
-    return bool(takers)
-
-
 @_gin.configurable("lightning_bpk")
-class BurnpackCheckpoint(Checkpoint):
+class BurnpackCheckpoint(_best.BestModels, Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
 
     Args:
@@ -191,6 +183,12 @@ class BurnpackCheckpoint(Checkpoint):
         checkpoint_duration: keep the last this many saved checkpoints.
         keep_every: also keep every ``keep_every``-th saved checkpoint forever (milestones).
             These five go to the :class:`~lightning_bpk.checkpointer.Checkpointer`.
+        monitor: also keep the ``save_top_k`` best checkpoints by this logged metric (as
+            ``ModelCheckpoint``): a checkpoint stays while it is among them or the rules above
+            keep it; its value is recorded in its manifest (:mod:`lightning_bpk.lightning._best`
+            for the attributes, ``"best"``, NaN and a missing metric).
+        mode: ``"min"`` or ``"max"``: which way ``monitor`` is better.
+        save_top_k: how many best checkpoints to keep (-1: all, 0: none beyond the rules above).
         resume: continue from the newest complete checkpoint in ``dirpath`` when ``fit`` gets no
             ``ckpt_path`` (gin: ``get_latest_checkpoint_number.override_number`` picks another;
             one that is not complete stops ``setup`` with :class:`CheckpointResumeError`).
@@ -247,8 +245,16 @@ class BurnpackCheckpoint(Checkpoint):
         auto_requeue: bool = True,
         storage_options: dict[str, Any] | None = None,
         distributed_save: bool = False,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
     ) -> None:
         super().__init__()
+        if monitor is None and save_top_k != 1:
+            raise ValueError(f"save_top_k={save_top_k!r} keeps the best by a metric: set monitor")
+        rule = None if monitor is None else BestK(monitor, mode, save_top_k)
+        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self._standing = Standing(rule)
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
         if self.step_numbered and checkpoint_frequency != 1:
             raise ValueError(
@@ -291,7 +297,7 @@ class BurnpackCheckpoint(Checkpoint):
         self._resumed = _resume.Resumed()  # what the checkpoint this fit resumed from says
         self._reserved = False  # the async saver's staging buffers were requested
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
-        _compat.route_last_ckpt_path(_take_last)
+        _compat.route_ckpt_path(_best.take_last, _best.read_before_best)
 
     # The trigger and signal settings live with the objects that act on them.
     every_n_train_steps = property(lambda self: self.triggers.every_n_train_steps)
@@ -318,7 +324,8 @@ class BurnpackCheckpoint(Checkpoint):
     # -- setup and resume ----------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit":  # validate/test/predict: a ckpt_path of ours loads without the plugin
+            _resume.intercept(trainer, ResumeChoice(), None, self.storage_options, lambda n: None)
             return
         dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
         dirpath = location(trainer.strategy.broadcast(str(dirpath)))
@@ -352,6 +359,7 @@ class BurnpackCheckpoint(Checkpoint):
             self.checkpointer = self._make_checkpointer(dirpath)
         checkpointer = self.checkpointer
         assert checkpointer is not None  # rank 0's: made choosing
+        self._read_standing(checkpointer)
         self._saves = Saves(checkpointer, ranks, self._saver, self.storage_options)
         self._position = DataPosition()
         self._position.attach(trainer)
@@ -398,11 +406,14 @@ class BurnpackCheckpoint(Checkpoint):
             checkpoint_duration=self.checkpoint_duration,
             keep_every=self.keep_every,
             storage_options=self.storage_options,
+            best=self._standing.rule,
         )
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if trainer.state.fn != "fit":
+            return  # evaluating a checkpoint: nothing of a run to resume
         # This rank's RNG states and data position, restored now: before configure_optimizers
         # (which may read estimated_stepping_batches, and so build and iterate the data) and
         # before anything else can draw from them.
@@ -509,6 +520,7 @@ class BurnpackCheckpoint(Checkpoint):
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         ranks, capture = self._ranks, self._position.capture
         assert ranks is not None and self._saves is not None  # made in setup
+        value = self._monitored(trainer)
         save = _save_data.collect(
             trainer,
             lambda: ranks.gather(capture(consumed or 0, consumed is None)),
@@ -516,8 +528,11 @@ class BurnpackCheckpoint(Checkpoint):
             self.distributed_save,
         )
         retention = self._retention(number, preempted or save.forced)
+        if self.monitor is not None:  # the metric goes into the manifest
+            retention = (retention or self._saves.checkpointer.retention).scored(value)
         self._saves.save(number, save.records, shards=save.shards, retention=retention, flush=flush)
         self.last_saved_number = number
+        self._saved(trainer, number, value, later=self._saver is not None and not flush)
         self.triggers.saved(trainer.global_step, started)
 
     def _retention(self, number: int, forced: bool) -> Retention | None:
@@ -527,7 +542,8 @@ class BurnpackCheckpoint(Checkpoint):
             return None
         # Saved whatever the frequency; the same retention (the last d, the same milestones).
         f, k = self.checkpoint_frequency, self.keep_every
-        return Retention(1, self.checkpoint_duration, None if k is None else k * f)
+        rule = self._standing.rule
+        return Retention(1, self.checkpoint_duration, None if k is None else k * f, rule)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -571,6 +587,7 @@ class BurnpackCheckpoint(Checkpoint):
         # fit may have failed before Lightning restored anything
         _compat.release_resume_start(trainer)
         self._close_saves()  # the last checkpoint is complete when fit returns
+        self._announce_saved(trainer)
 
     def _close_saves(self) -> None:
         """Wait for an asynchronous write in flight (raising CheckpointSaveError if it failed),

@@ -1,0 +1,218 @@
+"""The callback as Lightning's ``Checkpoint`` citizen: ``ModelCheckpoint``'s attributes, the
+``ckpt_path`` names ``"best"`` and ``"last"``, and the loggers.
+
+:class:`BestModels` gives :class:`~lightning_bpk.lightning.BurnpackCheckpoint` the attributes
+Lightning and the loggers read from a checkpoint callback (``best_model_path``,
+``best_model_score``, ``best_k_models``, ``kth_best_model_path``, ``kth_value``,
+``last_model_path``, ``current_score``), each path a ``ckpt.N`` directory (or its URL), from the
+run layer's :class:`~lightning_bpk.runtime.best.Standing`: read from the manifests at ``setup``
+(so correct after a resume), then followed save by save. Without ``monitor`` the best model is
+the last, as ``ModelCheckpoint(monitor=None)`` has it.
+
+``ckpt_path="best"`` (also the default of ``validate``/``test``/``predict`` called without a
+model after ``fit``) is Lightning's own: it reads ``best_model_path``, read from the directory
+first when this process has not fitted. ``ckpt_path="last"`` where no ``ModelCheckpoint`` file
+exists is the newest complete checkpoint of the directory (in ``fit``, the callback resumes it
+itself: :mod:`lightning_bpk.lightning.callback`). A ``ckpt.N`` directory is loaded without the IO
+plugin (:func:`lightning_bpk.lightning._resume.intercept`).
+
+After each checkpoint is committed, every logger's ``after_save_checkpoint(callback)`` runs (with
+``async_save``, once the write is durable: at the next save or at the end of ``fit``). Lightning's
+MLflow logger logs only files it finds at those paths; for an ``MLFlowLogger`` with
+``log_model`` set, each committed local checkpoint directory is logged as the artifacts
+``ckpt.N/<key>.bpk`` (``log_model="all"``: every one; ``True``: the best ones, at the end).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.layout import RUN_SUBDIRECTORY
+from lightning_bpk.lightning import _compat, trainer_state
+from lightning_bpk.runtime.best import Standing, metric_value
+from lightning_bpk.store import join, location, open_store
+
+log = logging.getLogger("lightning_bpk")
+
+
+def _text(path: Path | str | None) -> str:
+    return "" if path is None else str(path)
+
+
+def _tensor(value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.tensor(value)
+
+
+class BestModels:
+    """``ModelCheckpoint``'s attributes and the logger calls, for a checkpoint callback that
+    sets ``monitor``, ``mode``, ``save_top_k``, ``_standing`` (module docstring)."""
+
+    monitor: str | None
+    mode: str
+    save_top_k: int
+    resume: bool
+    dirpath: Any
+    storage_options: dict[str, Any] | None
+    checkpoint_file_prefix: str
+    sentinel_file_identifier: str
+    _standing: Standing
+    _current_score: float | None = None
+    _announce: bool = False  # an asynchronous save the loggers have not heard of yet
+    _last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+    _standing_read = False
+
+    @property
+    def best_model_path(self) -> str:
+        """The best checkpoint's directory (without ``monitor``: the last); ``""``: none."""
+        standing = self._standing
+        return _text(standing.path(standing.last if self.monitor is None else standing.best))
+
+    @property
+    def best_model_score(self) -> torch.Tensor | None:
+        """The best checkpoint's value of ``monitor`` (None: nothing monitored or saved)."""
+        return _tensor(self._standing.value(self._standing.best))
+
+    @property
+    def best_k_models(self) -> dict[str, torch.Tensor]:
+        """The k best checkpoints' directories and values, best first."""
+        return {str(p): torch.tensor(v) for p, v in self._standing.paths().items()}
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """The worst of the k best (the next better checkpoint displaces it)."""
+        return _text(self._standing.path(self._standing.kth))
+
+    @property
+    def kth_value(self) -> torch.Tensor | None:
+        """The value of :attr:`kth_best_model_path`."""
+        return _tensor(self._standing.value(self._standing.kth))
+
+    @property
+    def last_model_path(self) -> str:
+        """The newest checkpoint saved (or found at ``setup``)."""
+        return _text(self._standing.path(self._standing.last))
+
+    @property
+    def current_score(self) -> torch.Tensor | None:
+        """The value of ``monitor`` the last save of this fit recorded."""
+        return _tensor(self._current_score)
+
+    def _directory(self, trainer: pl.Trainer) -> Any:
+        return self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
+
+    def _read_standing(self, checkpointer: Checkpointer) -> None:
+        """Read the best and last checkpoints from ``checkpointer``'s directory."""
+        self._standing.load(checkpointer)
+        self._standing_read = True
+
+    def _monitored(self, trainer: pl.Trainer) -> float | None:
+        """The value of ``monitor`` for the save being made, as ``ModelCheckpoint`` finds it
+        (``callback_metrics``, plus ``epoch`` and ``step``). Missing: a
+        ``MisconfigurationException`` once validation has run (``ModelCheckpoint``'s error),
+        before that a warning, and the checkpoint is not among the best."""
+        if self.monitor is None:
+            return None
+        candidates: dict[str, Any] = dict(trainer.callback_metrics)
+        candidates.setdefault("epoch", trainer.current_epoch)
+        candidates.setdefault("step", trainer.global_step)
+        if self.monitor not in candidates:
+            message = (
+                f"BurnpackCheckpoint(monitor={self.monitor!r}) could not find the monitored key "
+                f"in the logged metrics: {sorted(candidates)}. HINT: did you call "
+                f"self.log({self.monitor!r}, value) in the LightningModule?"
+            )
+            if _compat.validation_has_run(trainer):
+                raise MisconfigurationException(message)
+            rank_zero_warn(message)
+            return None
+        return metric_value(candidates[self.monitor])
+
+    def _saved(self, trainer: pl.Trainer, number: int, value: float | None, later: bool) -> None:
+        """Checkpoint ``number`` was saved with ``value``; the loggers hear of it now, or
+        (``later``: written in the background) once it is durable (:meth:`_announce_saved`)."""
+        self._current_score = value
+        self._standing.saved(number, value)
+        self._announce_saved(trainer)
+        self._announce = later
+        if not later:
+            _tell_loggers(trainer, self)
+
+    def _announce_saved(self, trainer: pl.Trainer) -> None:
+        """Tell the loggers of the asynchronous save that is durable now (if any)."""
+        if self._announce:
+            self._announce = False
+            _tell_loggers(trainer, self)
+
+
+def _tell_loggers(trainer: pl.Trainer, callback: BestModels) -> None:
+    """Every logger's ``after_save_checkpoint``; MLflow's also gets the directories."""
+    for logger in trainer.loggers:
+        logger.after_save_checkpoint(callback)  # type: ignore[arg-type]
+        mode = _compat.mlflow_log_model(logger)
+        if mode:
+            _mlflow_log_directories(logger, callback, every=mode == "all")
+
+
+def _mlflow_log_directories(logger: Any, callback: BestModels, every: bool) -> None:
+    """Log the committed local checkpoint directories MLflow's own scan skips (it logs files):
+    the last (``every``) or the best ones, each once, as ``ckpt.N/<key>.bpk``."""
+    logged: set[str] = vars(logger).setdefault("_lightning_bpk_logged", set())
+    paths = [callback.last_model_path] if every else list(callback.best_k_models)
+    for path in paths:
+        if not path or path in logged or not Path(path).is_dir():
+            continue  # an object-store URL: MLflow logs local files only
+        logger.experiment.log_artifacts(logger.run_id, path, artifact_path=Path(path).name)
+        logged.add(path)
+
+
+def take_last(trainer: pl.Trainer, fitting: bool) -> Any:
+    """``ckpt_path="last"`` where Lightning found no file of its own: while fitting, whether a
+    callback that resumes takes it as its newest complete checkpoint (it says which, in setup);
+    otherwise the newest complete checkpoint of the first callback's directory (None: none)."""
+    callbacks: list[Any] = [c for c in trainer.callbacks if isinstance(c, BestModels)]  # type: ignore[attr-defined]
+    if fitting:
+        takers = [c for c in callbacks if c.resume]
+        for callback in takers:
+            callback._last_requested = True
+        return bool(takers)
+    for callback in callbacks:
+        directory = callback._directory(trainer)
+        number = get_latest_checkpoint_number(
+            directory,
+            sentinel_file_identifier=callback.sentinel_file_identifier,
+            checkpoint_file_prefix=callback.checkpoint_file_prefix,
+            storage_options=callback.storage_options,
+            required_keys=trainer_state.REQUIRED_KEYS,
+        )
+        if number >= 0:
+            return str(_checkpointer(callback, directory).checkpoint_path(number))
+    return None
+
+
+def read_before_best(trainer: pl.Trainer) -> None:
+    """Before Lightning resolves ``ckpt_path="best"``: each callback that has not read its
+    directory yet (no ``fit`` in this process) reads its best and last checkpoints."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, BestModels) and not callback._standing_read:
+            directory = callback._directory(trainer)
+            if open_store(directory, callback.storage_options).list(""):
+                callback._read_standing(_checkpointer(callback, directory))
+
+
+def _checkpointer(callback: BestModels, directory: Any) -> Checkpointer:
+    """A checkpointer of ``callback``'s settings over ``directory``, for reading."""
+    return Checkpointer(
+        directory,
+        callback.checkpoint_file_prefix,
+        callback.sentinel_file_identifier,
+        storage_options=callback.storage_options,
+        best=callback._standing.rule,
+    )
