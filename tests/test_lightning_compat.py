@@ -202,13 +202,17 @@ def test_timer_duration_is_max_time_in_seconds(tmp_path: Path) -> None:
     assert compat.timer_duration(Timer(duration=None)) is None
 
 
-def _take_marked(trainer: L.Trainer) -> bool:
+def _take_marked(trainer: L.Trainer, fitting: bool) -> object:
     return getattr(trainer, "_test_takes_last", False)
 
 
-def test_route_last_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Path) -> None:
-    compat.route_last_ckpt_path(_take_marked)
-    compat.route_last_ckpt_path(_take_marked)  # once per process, whoever asks again
+def _read_marked(trainer: L.Trainer) -> None:
+    trainer._test_read_best = True  # type: ignore[attr-defined]
+
+
+def test_route_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Path) -> None:
+    compat.route_ckpt_path(_take_marked, _read_marked)
+    compat.route_ckpt_path(_take_marked, _read_marked)  # once per process, whoever asks again
     for takes in (False, True):
         trainer = make_trainer(str(tmp_path / str(takes)), 1, [], limit_train_batches=1)
         trainer._test_takes_last = takes  # type: ignore[attr-defined]
@@ -218,8 +222,30 @@ def test_route_last_ckpt_path_drops_only_the_contradicting_warning(tmp_path: Pat
         shown = [str(w.message) for w in caught if "no last checkpoint" in str(w.message)]
         assert len(shown) == (0 if takes else 1), shown
         assert trainer.ckpt_path is None and trainer.global_step == 1
-    # outside fit, "last" stays Lightning's alone (the callback restores nothing there)
+    # outside fit, "last" is the path the taker gives (none: Lightning's warning stays)
+    trainer.save_checkpoint(tmp_path / "given.ckpt")
+    trainer._test_takes_last = str(tmp_path / "given.ckpt")  # type: ignore[attr-defined]
+    trainer.validate(TinyModel(), ckpt_path="last")
+    assert trainer.ckpt_path == str(tmp_path / "given.ckpt")
+    trainer._test_takes_last = None  # type: ignore[attr-defined]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.validate(TinyModel(), ckpt_path="last")
     assert [w for w in caught if "no last checkpoint" in str(w.message)]
+    # "best" is read first, then resolved by Lightning (its default ModelCheckpoint's file)
+    trainer.validate(TinyModel(), ckpt_path="best")
+    assert trainer._test_read_best  # type: ignore[attr-defined]
+
+
+def test_validation_has_run_and_mlflow_log_model(tmp_path: Path, monkeypatch) -> None:
+    from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+
+    trainer = make_trainer(str(tmp_path), 1, [], limit_train_batches=1)
+    assert not compat.validation_has_run(trainer)
+    trainer.fit(TinyModel())
+    assert compat.validation_has_run(trainer)
+    assert compat.mlflow_log_model(CSVLogger(str(tmp_path))) is False
+    pytest.importorskip("mlflow", reason="mlflow is in the dev requirements")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    assert compat.mlflow_log_model(MLFlowLogger(tracking_uri=uri, log_model="all")) == "all"

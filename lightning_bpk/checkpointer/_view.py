@@ -28,7 +28,13 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from lightning_bpk import _device, burnpack
-from lightning_bpk.checkpointer.manifest import MAX_SENTINEL_SIZE, FileEntry, Manifest, parse
+from lightning_bpk.checkpointer.manifest import (
+    MAX_SENTINEL_SIZE,
+    FileEntry,
+    Manifest,
+    Metric,
+    parse,
+)
 from lightning_bpk.errors import StorageError, summarise
 from lightning_bpk.layout import (
     DEFAULT_IDENTIFIER,
@@ -439,6 +445,7 @@ class CheckpointReport:
     entry: CheckpointEntry
     problems: list[str] | None
     size: int
+    metric: Metric | None = None  # the monitored metric its manifest records (None: none)
 
 
 def report_checkpoints(
@@ -458,9 +465,12 @@ def report_checkpoints(
     for entry in _entries(store, listing, identifier, prefix):
         view = CheckpointView(store, entry.number, identifier, prefix, listing)
         name = None if entry.data is None else str(entry.data).rpartition("/")[2]
+        metric = None
         if entry.complete:
             with contextlib.suppress(OSError, ValueError):
-                name = view.data_name(view.read_manifest())
+                manifest = view.read_manifest()
+                name = view.data_name(manifest)
+                metric = None if manifest is None else manifest.metric
         problems = (
             view.problems(full=True, required_keys=required_keys)
             if verify and entry.complete
@@ -470,7 +480,7 @@ def report_checkpoints(
         if name is not None and name in listing:
             size = listing[name] or sum(s or 0 for s in view.data(name)[0].values())
             entry = CheckpointEntry(entry.number, location(store.url_of(name)), entry.sentinel)
-        reports.append(CheckpointReport(entry, problems, size))
+        reports.append(CheckpointReport(entry, problems, size, metric))
     return reports
 
 

@@ -1,7 +1,8 @@
 """``ls`` and ``verify``: the checkpoints of a directory (``ckpt.N`` and their sentinels), or
 files and checkpoint sets.
 
-A checkpoint is complete when its sentinel is there; ``ls`` and ``verify`` read every byte of
+A checkpoint is complete when its sentinel is there; ``ls`` shows the metric its manifest
+records (a run that keeps the best by a metric), and ``ls`` and ``verify`` read every byte of
 each complete one (its manifest's checksums, the data keys a resume needs, a sharded index's
 names and geometry), and report damage with :data:`~lightning_bpk.cli.EXIT_FOUND`. A run
 directory stands for its ``checkpoints/``; a URL is read in place.
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from typing import Any
 
 from lightning_bpk import burnpack
 from lightning_bpk.checkpointer._view import report_checkpoints
+from lightning_bpk.checkpointer.manifest import Metric
 from lightning_bpk.cli._locations import is_safetensors, mtime
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, progress, size_text, table
 from lightning_bpk.cli._sharded import index_problems, verify_sharded
@@ -65,6 +68,7 @@ def _rows(
                 "time": mtime(entry.sentinel or entry.data),  # type: ignore[arg-type]
                 "path": str(entry.data or entry.sentinel),
                 "problems": problems,
+                "metric": _metric_row(report.metric),
             }
         )
     return rows
@@ -75,6 +79,25 @@ def _is_directory(target: str) -> bool:
     its parent's listing says."""
     parent, name = open_parent(target)
     return parent.list("").get(name, -1) is None  # a directory lists as None
+
+
+def _metric_row(metric: Metric | None) -> dict[str, Any] | None:
+    """The recorded metric as JSON has it: NaN and infinities as the manifest writes them
+    (``"nan"``, ``"inf"``, ``"-inf"``), a save without the metric as ``null``."""
+    if metric is None:
+        return None
+    value = metric.value
+    shown = str(value) if value is not None and not math.isfinite(value) else value
+    return {"name": metric.name, "value": shown, "mode": metric.mode}
+
+
+def _metric_text(metric: dict[str, Any] | None) -> str:
+    """``score=0.2 (min)``; ``score=- (min)`` when the save had no value; ``-`` without one."""
+    if metric is None:
+        return "-"
+    value = metric["value"]
+    shown = "-" if value is None else (f"{value:.6g}" if isinstance(value, float) else value)
+    return f"{metric['name']}={shown} ({metric['mode']})"
 
 
 def _yes_no(value: bool | None) -> str:
@@ -106,6 +129,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         ]
         for r in rows
     ]
+    if any(r["metric"] for r in rows):  # kept by the best-k rule too: the recorded metric
+        rows_text[0].append("metric")
+        for row, r in zip(rows_text[1:], rows, strict=True):
+            row.append(_metric_text(r["metric"]))
     text = table(rows_text) if rows else f"{store.url}: no checkpoints"
     if store.url != str(location(args.dir)):  # a run directory's checkpoints/
         text = f"{store.url}:\n{text}"
