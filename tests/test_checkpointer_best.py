@@ -102,9 +102,11 @@ def test_on_an_object_store_too() -> None:
 
 
 def test_keep_all_keep_none(tmp_path: Path) -> None:
-    _save_all(Checkpointer(tmp_path / "all", checkpoint_duration=1, best=BestK("s", "min", -1)), [3, 2, None, 1])
+    every = Checkpointer(tmp_path / "all", checkpoint_duration=1, best=BestK("s", "min", -1))
+    _save_all(every, [3, 2, None, 1])
     assert _complete(tmp_path / "all") == [0, 1, 3]
-    _save_all(Checkpointer(tmp_path / "none", checkpoint_duration=1, best=BestK("s", "min", 0)), [3, 2, 1, 4])
+    none = Checkpointer(tmp_path / "none", checkpoint_duration=1, best=BestK("s", "min", 0))
+    _save_all(none, [3, 2, 1, 4])
     assert _complete(tmp_path / "none") == [3]
 
 
@@ -118,7 +120,8 @@ def test_the_manifest_records_the_metric_nan_and_infinities_as_json_strings() ->
         assert metric.value == value or (math.isnan(metric.value) and math.isnan(value))
     assert parse(encode(3, Manifest("ckpt.3", files)), 3).metric is None
     doc = json.loads(encode(3, Manifest("ckpt.3", files, None, Metric("m", 1.0, "max"))))
-    for bad in ({"name": "m", "value": "x", "mode": "max"}, {"name": "m", "value": 1, "mode": "up"}):
+    bads = ({"name": "m", "value": "x", "mode": "max"}, {"name": "m", "value": 1, "mode": "up"})
+    for bad in bads:
         doc["metric"] = bad
         with pytest.raises(ValueError, match="manifest metric"):
             parse(json.dumps(doc).encode(), 3)
