@@ -511,3 +511,25 @@ def test_slurm_requeue_applies_with_slurm_auto_requeue_only():
     finally:
         preemption.restore()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_the_best_by_a_metric_passed_to_save_are_kept_across_a_restart(tmp_path):
+    scores = {1: 0.5, 2: 0.3, 3: 0.9, 4: 0.2, 5: 0.6, 6: 0.4, 7: 0.1, 8: 0.8}
+    options = dict(checkpoint_duration=1, monitor="loss", save_top_k=2)
+    for steps in (range(1, 5), range(5, 9)):  # a restart: a new manager over the directory
+        fabric = make_fabric()
+        model, optimizer = model_and_optimizer(fabric)
+        manager = CheckpointManager(fabric, tmp_path, **options)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        manager.restore(state)
+        for step in steps:
+            state["step"] = step
+            manager.save(step, state, metric=torch.tensor(scores[step]))
+        manager.close()
+    kept = sorted(e.number for e in list_checkpoints(tmp_path) if e.complete)
+    assert kept == [4, 7, 8]  # the two best (0.1, 0.2) and the newest
+    assert (manager.best_step, manager.best_k_steps) == (7, [7, 4])
+    again = CheckpointManager(make_fabric(), tmp_path, **options)
+    assert again.best_k_steps == [7, 4]  # read back from the manifests
+    with pytest.raises(ValueError, match="set monitor"):
+        CheckpointManager(make_fabric(), tmp_path / "other", save_top_k=3)

@@ -34,10 +34,12 @@ due (the run layer's :class:`~lightning_bpk.runtime.cadence.SaveTriggers`; rank 
 decides, every rank follows), and on a preemption signal (SIGTERM, SIGUSR1: a flag only, the
 ranks agree at the step boundary, save, wait for the write, requeue a SLURM job, then exit
 with status 0). Retention is Dopamine's: the ``checkpoint_duration`` newest, plus every
-``keep_every``-th save. ``async_save`` writes on a background thread
-(:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): the loop waits for a copy
-into reused buffers only. The manager owns its directory (:meth:`Checkpointer.take_over`): a run
-started later in the same directory takes it over, and this one stops at its next save.
+``keep_every``-th save, and with ``monitor`` also the ``save_top_k`` best by the ``metric=``
+given to each save (:attr:`CheckpointManager.best_step`). ``async_save`` writes on a
+background thread (:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): the loop
+waits for a copy into reused buffers only. The manager owns its directory
+(:meth:`Checkpointer.take_over`): a run started later in the same directory takes it over, and
+this one stops at its next save.
 
 **Sharded models** (``ModelParallelStrategy`` with FSDP2 or tensor parallelism, which refuses
 any ``CheckpointIO`` plugin): every rank writes its own shards through the burnpack DCP writer
@@ -60,6 +62,7 @@ import torch
 
 from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, _check_settings
+from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.fabric import _sharded, _state
 from lightning_bpk.fabric._preemption import FabricPreemption
@@ -67,6 +70,7 @@ from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, TRAINER_KEY
 from lightning_bpk.records import ModuleRecord, StateRecord
 from lightning_bpk.runtime import resume
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.best import Standing, metric_value
 from lightning_bpk.runtime.cadence import SaveTriggers
 from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS
 from lightning_bpk.runtime.ranks import Ranks
@@ -132,6 +136,11 @@ class CheckpointManager:
         checkpoint_file_prefix: data directories are ``{prefix}.{step}``.
         sentinel_file_identifier: sentinels are ``sentinel_{identifier}_complete.{step}``.
         storage_options: passed to fsspec for a URL ``directory``.
+        monitor: also keep the ``save_top_k`` best checkpoints by the metric passed to
+            :meth:`save` / :meth:`save_if_due` as ``metric=`` (the Lightning callback's rule:
+            :mod:`lightning_bpk.checkpointer._best`); recorded in each manifest.
+        mode: ``"min"`` or ``"max"``: which way ``monitor`` is better.
+        save_top_k: how many best checkpoints to keep (-1: all, 0: none beyond Dopamine's).
     """
 
     def __init__(
@@ -153,8 +162,15 @@ class CheckpointManager:
         checkpoint_file_prefix: str = DEFAULT_PREFIX,
         sentinel_file_identifier: str = DEFAULT_IDENTIFIER,
         storage_options: Mapping[str, Any] | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
     ) -> None:
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
+        if monitor is None and save_top_k != 1:
+            raise ValueError(f"save_top_k={save_top_k!r} keeps the best by a metric: set monitor")
+        self.monitor = monitor
+        self._standing = Standing(None if monitor is None else BestK(monitor, mode, save_top_k))
         _check_settings(
             checkpoint_file_prefix, sentinel_file_identifier, 1, checkpoint_duration, keep_every
         )
@@ -180,6 +196,7 @@ class CheckpointManager:
             checkpoint_duration,
             None if keep_every is None else keep_every * step,
         )
+        self._standing.load(self.checkpointer)  # the best so far, from the manifests
         self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
         self._saves = Saves(self.checkpointer, self._ranks, self._saver, self.storage_options)
         self._reserved = False  # the async saver's staging buffers were requested
@@ -198,6 +215,7 @@ class CheckpointManager:
                 checkpoint_duration=duration,
                 keep_every=keep,
                 storage_options=self.storage_options,
+                best=self._standing.rule,
             )
 
         made: list[Checkpointer] = []
@@ -213,6 +231,17 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, {self.checkpointer!r})"
+
+    @property
+    def best_k_steps(self) -> list[int]:
+        """The kept checkpoints among the ``save_top_k`` best by ``monitor``, best first."""
+        return self._standing.best_k()
+
+    @property
+    def best_step(self) -> int | None:
+        """The best checkpoint by ``monitor`` (None: nothing monitored, or none saved with it);
+        ``checkpointer.checkpoint_path(best_step)`` is where it lies."""
+        return self._standing.best
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -321,12 +350,17 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------------
 
     def save_if_due(
-        self, step: int, state: Mapping[str, Any], filter: _state.Filters | None = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        filter: _state.Filters | None = None,
+        *,
+        metric: Any = None,
     ) -> bool:
         """Call after every optimizer step (on every rank, with the step just taken): saves
         ``state`` as checkpoint ``step`` when the cadence falls due, and on an agreed preemption
         signal saves, waits for the write, requeues a SLURM job and exits with status 0
-        (``SystemExit``). Returns whether it saved."""
+        (``SystemExit``). ``metric``: as for :meth:`save`. Returns whether it saved."""
         if self._saver is not None and not self._reserved:
             self._reserve(state, filter or {})
         triggers = self.triggers
@@ -340,7 +374,7 @@ class CheckpointManager:
         if not (self.preemption.agreed or timed or triggers.step_due(step)):
             return False
         preempted = self.preemption.agreed
-        self.save(step, state, filter, flush=preempted)
+        self.save(step, state, filter, flush=preempted, metric=metric)
         if preempted:
             path = None
             if self.fabric.is_global_zero:
@@ -366,12 +400,15 @@ class CheckpointManager:
         filter: _state.Filters | None = None,
         *,
         flush: bool = False,
+        metric: Any = None,
     ) -> None:
         """Save ``state`` (what you would pass to ``fabric.save``) as checkpoint ``step`` now,
         on every rank. ``filter`` maps state keys to ``fn(name, value) -> bool`` selecting a
         module's tensors (an adapter's, say) or a dict's entries, as ``fabric.save``'s does; a
         filtered module restores with the tensors it lacks left as they are. ``flush`` waits
-        for an asynchronous write. Raises :class:`~lightning_bpk.errors.CheckpointSaveError`
+        for an asynchronous write. ``metric``: the value of ``monitor`` for this checkpoint (a
+        number or a one-element tensor, the same on every rank; None: not among the best, with
+        a warning). Raises :class:`~lightning_bpk.errors.CheckpointSaveError`
         on every rank if it failed (every earlier checkpoint stays as it was)."""
         parts = _state.split(state)
         filters = dict(filter or {})
@@ -388,8 +425,16 @@ class CheckpointManager:
             return data
 
         shards = None if sharded is None else _sharded.shards(parts, sharded)
+        value, retention = metric_value(metric), None
+        if self._standing.rule is not None:  # the metric goes into the manifest
+            retention = self.checkpointer.retention.scored(value)
+            if value is None and self.fabric.is_global_zero:
+                log.warning("checkpoint %d: no metric= for monitor=%r given", step, self.monitor)
         # a sharded save runs on this thread: the saver is rank 0's alone
-        self._saves.save(step, records, shards=shards, flush=flush, background=False)
+        self._saves.save(
+            step, records, shards=shards, flush=flush, background=False, retention=retention
+        )
+        self._standing.saved(step, value)
         self.last_saved_step = step
         self.triggers.saved(step, started)
 
