@@ -594,6 +594,51 @@ def test_model_checkpoint_with_the_io_plugin_writes_objects(bucket, tmp_path):
     assert io.load_checkpoint(f"{url}/last.ckpt")["epoch"] == 1
 
 
+def test_model_checkpoint_with_the_io_plugin_and_storage_options(bucket, tmp_path, proxy):
+    """The plugin's storage_options reach every write and read (here: an endpoint of their own,
+    the proxy); a write that never reaches the store leaves the previous object whole."""
+    url = f"s3://{bucket}/mc-options"
+    seen = proxy.add("before", "PUT", r"\.ckpt$", times=1000, run=lambda: None)
+    io = BurnpackCheckpointIO(storage_options=_through(proxy))
+    callback = ModelCheckpoint(dirpath=url, save_last=True, save_top_k=1, monitor="val_loss")
+    trainer = make_trainer(str(tmp_path), 2, [callback], plugins=[io])
+    trainer.fit(TinyModel())
+    assert seen.hits >= 3  # epoch 0, epoch 1, last: each through the options' endpoint
+    names = _keys(url)
+    assert "last.ckpt" in names and len(names) == 2, names  # top-1 plus last
+    trainer.validate(ckpt_path="best")  # read back through the plugin
+    assert trainer.ckpt_path == callback.best_model_path
+    before = io.load_checkpoint(f"{url}/last.ckpt")["global_step"]
+    proxy.clear()
+    cut = proxy.add("reset", "PUT", r"/last\.ckpt$", times=1000)
+    with pytest.raises(OSError):
+        io.save_checkpoint({"epoch": 9, "global_step": 99}, f"{url}/last.ckpt")
+    proxy.clear()
+    assert cut.hits >= 1
+    assert io.load_checkpoint(f"{url}/last.ckpt")["global_step"] == before
+
+
+def test_best_k_in_the_bucket_killed_and_resumed(bucket, tmp_path):
+    """BurnpackCheckpoint(monitor=...) into s3://, SIGKILLed, run again: the bucket holds
+    exactly the two best by the metric (read back from the manifests) and the last, as
+    ModelCheckpoint chooses on the same metric sequence; ``ls`` shows the metrics."""
+    url = f"s3://{bucket}/best"
+    command = [sys.executable, SCRIPTS / "best_run.py", "--root", tmp_path, "--dirpath", url]
+    killed = start_process([*command, "--kill-at-epoch", "5"], cwd=tmp_path)
+    assert finish_process(killed, timeout=RUN_TIMEOUT).returncode == -signal.SIGKILL
+    resumed = start_process([*command, "--model-checkpoint"], cwd=tmp_path)
+    resumed = finish_process(resumed, timeout=RUN_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [line] = [x for x in resumed.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["restored"] == 4 and result["best_k"] == [3, 1] and result["last"] == 7
+    # the ModelCheckpoint of the resumed run saw epochs 5.. only: the best of those
+    assert sorted(result["model_checkpoint"]) == [5, 6]
+    assert [(e.number, e.complete) for e in list_checkpoints(url)] == [
+        (7, True), (3, True), (1, True)
+    ]  # fmt: skip
+
+
 # --- real processes -----------------------------------------------------------------------------
 
 

@@ -57,11 +57,13 @@ import functools
 import logging
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 
 from lightning_bpk.lightning import trainer_state
+from lightning_bpk.records import files
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 from lightning_bpk.runtime.rng import restore_rng
 from lightning_bpk.store import open_parent
@@ -100,7 +102,13 @@ class BurnpackCheckpointIO(CheckpointIO):
     [{'state': {0: {}}}]
 
     Paths may be URLs (``ModelCheckpoint(dirpath="s3://bucket/run")`` with this plugin): each
-    file is written locally and uploaded as one object, and read back with ranged reads.
+    file is written through the :class:`~lightning_bpk.store.Store` of its directory, as one
+    object that appears whole or not at all (a failed upload leaves the previous object), and
+    read back with ranged reads. ``storage_options`` go to fsspec for every path this plugin
+    writes, reads or removes (credentials, an endpoint); ``trainer.save_checkpoint(...,
+    storage_options=...)`` overrides them for that save. ``ModelCheckpoint``'s own look at its
+    ``dirpath`` (does it exist, what is in it) goes through fsspec with its defaults, so the
+    environment or an fsspec configuration must reach the store too.
 
     ``async_save=True`` writes on a background thread
     (:class:`~lightning_bpk.runtime.async_save.AsyncCheckpointSaver`): ``save_checkpoint``
@@ -110,8 +118,11 @@ class BurnpackCheckpointIO(CheckpointIO):
     ``teardown``.
     """
 
-    def __init__(self, async_save: bool = False) -> None:
+    def __init__(
+        self, async_save: bool = False, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__()
+        self.storage_options = None if storage_options is None else dict(storage_options)
         self._saver = AsyncCheckpointSaver() if async_save else None
         self._at_exit: Any = None  # the exit-time drain, registered at the first async save
 
@@ -123,21 +134,18 @@ class BurnpackCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
     ) -> None:
         """Write ``checkpoint`` atomically as one burnpack file at ``path`` (a path or a URL:
-        a local scratch file uploaded as one object)."""
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by "
-                f"{type(self).__name__}; configure the store through fsspec (environment, "
-                "profiles) instead"
-            )
+        one object, through the store); ``storage_options``: this save's, instead of the
+        plugin's."""
+        options = self.storage_options if storage_options is None else dict(storage_options)
+        record = trainer_state._file_record(checkpoint)
+        write = functools.partial(files.write_record, storage_options=options)
         if self._saver is not None:
-            record = trainer_state._file_record(checkpoint)
-            self._saver.save_record(record, path, trainer_state._write_record)
+            self._saver.save_record(record, path, write)
             if self._at_exit is None:  # Fabric has no teardown of its own: drain at exit
                 self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self._saver))
                 atexit.register(self._at_exit)
             return
-        trainer_state._save_file(checkpoint, path)
+        write(record, path)
 
     def load_checkpoint(
         self,
@@ -155,7 +163,7 @@ class BurnpackCheckpointIO(CheckpointIO):
         updated with the loaded entries and returned.
         """
         self._wait()
-        loaded = trainer_state.load(path)
+        loaded = trainer_state.load(path, self.storage_options)
         rng = loaded.get(trainer_state.RNG_KEY)
         if rng is not None:
             restore_rng(rng)
@@ -169,7 +177,7 @@ class BurnpackCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint file (or a checkpoint directory); a missing path is fine."""
         self._wait()  # never delete an old checkpoint before the new one is durable
-        store, name = open_parent(path)
+        store, name = open_parent(path, self.storage_options)
         store.remove_prefix(name)
 
     def teardown(self) -> None:
