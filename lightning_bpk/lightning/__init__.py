@@ -12,7 +12,9 @@ hooks and composes its collaborators, each testable without a Trainer:
   save over), in the callback's words;
 - ``_save_data``: what one save holds, taken from the trainer (Lightning's own dict, this
   package's additions, the records or the shards);
-- ``triggers``: when the epoch-end save is the one to make, and whether the run finished.
+- ``triggers``: when the epoch-end save is the one to make, and whether the run finished;
+- ``_best``: ``ModelCheckpoint``'s attributes (``best_model_path``...), the ``ckpt_path`` names
+  ``"best"`` and ``"last"`` outside ``fit``, and the loggers told of each commit.
 
 Beside them: :mod:`~lightning_bpk.lightning.trainer_state` (Lightning's checkpoint dict as
 records; no storage I/O of its own), :mod:`~lightning_bpk.lightning.checkpoint_io` (the
