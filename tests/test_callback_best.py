@@ -213,3 +213,44 @@ def test_a_real_mlflow_logger_records_each_checkpoint(tmp_path: Path, monkeypatc
     local = Path(client.download_artifacts(logger.run_id, "ckpt.2", str(tmp_path / "dl")))
     downloaded = ModuleRecord.load(local / "model.bpk").tensors
     assert downloaded.keys() == _weights_of(directory / "ckpt.2").keys()
+
+
+def test_with_async_save_loggers_hear_of_each_checkpoint_once_durable(tmp_path, monkeypatch):
+    """The loggers hear of an asynchronous save once it is committed (at the next save, the
+    last one when fit ends); MLflow's log_model=True logs the best directories at the end."""
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is in the dev requirements")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    directory = tmp_path / "checkpoints"
+    told: list[tuple[str, list[int]]] = []
+
+    class Recording(MLFlowLogger):
+        def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+            # the checkpoint it is told of, and what is committed then
+            told.append((Path(checkpoint_callback.last_model_path).name, _complete(tmp_path)))
+            super().after_save_checkpoint(checkpoint_callback)
+
+    uri = (tmp_path / "mlruns").as_uri()
+    logger = Recording(experiment_name="async", tracking_uri=uri, log_model=True)
+    callback = _callback(tmp_path, async_save=True, checkpoint_duration=4)  # none removed
+    make_trainer(str(tmp_path), 4, [callback], logger=logger).fit(ScoredModel())
+    assert [name for name, _ in told] == [f"ckpt.{n}" for n in range(4)]
+    assert all(n in numbers for n, (_, numbers) in enumerate(told))  # each one committed
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    assert sorted(a.path for a in client.list_artifacts(logger.run_id)) == ["ckpt.1", "ckpt.3"]
+    assert callback.best_model_path == str(directory / "ckpt.3")
+
+
+def test_overwrite_leaves_no_removed_checkpoint_among_the_best(tmp_path: Path) -> None:
+    make_trainer(str(tmp_path), 4, [_callback(tmp_path)]).fit(ScoredModel())
+    assert _complete(tmp_path) == [1, 3]
+    again = _callback(tmp_path, resume=False, overwrite=True)
+    trainer = make_trainer(str(tmp_path), 1, [again])
+    trainer.fit(ScoredModel())
+    assert _complete(tmp_path) == [0]
+    assert (
+        list(again.best_k_models)
+        == [again.best_model_path]
+        == [str(tmp_path / "checkpoints" / "ckpt.0")]
+    )

@@ -138,34 +138,37 @@ class BestModels:
     def _saved(self, trainer: pl.Trainer, number: int, value: float | None, later: bool) -> None:
         """Checkpoint ``number`` was saved with ``value``; the loggers hear of it now, or
         (``later``: written in the background) once it is durable (:meth:`_announce_saved`)."""
+        self._announce_saved(trainer)  # the one before: durable now (this save waited for it)
         self._current_score = value
         self._standing.saved(number, value)
-        self._announce_saved(trainer)
         self._announce = later
         if not later:
             _tell_loggers(trainer, self)
 
-    def _announce_saved(self, trainer: pl.Trainer) -> None:
-        """Tell the loggers of the asynchronous save that is durable now (if any)."""
+    def _announce_saved(self, trainer: pl.Trainer, final: bool = False) -> None:
+        """Tell the loggers of the asynchronous save that is durable now (if any); ``final``
+        (the end of ``fit``, every save durable): MLflow's ``log_model=True`` logs the best."""
         if self._announce:
             self._announce = False
             _tell_loggers(trainer, self)
+        for logger in trainer.loggers if final else ():
+            if _compat.mlflow_log_model(logger) is True:
+                _mlflow_log_directories(logger, list(self.best_k_models) or [self.best_model_path])
 
 
 def _tell_loggers(trainer: pl.Trainer, callback: BestModels) -> None:
-    """Every logger's ``after_save_checkpoint``; MLflow's also gets the directories."""
+    """Every logger's ``after_save_checkpoint``; MLflow's with ``log_model="all"`` also gets
+    the directory."""
     for logger in trainer.loggers:
         logger.after_save_checkpoint(callback)  # type: ignore[arg-type]
-        mode = _compat.mlflow_log_model(logger)
-        if mode:
-            _mlflow_log_directories(logger, callback, every=mode == "all")
+        if _compat.mlflow_log_model(logger) == "all":
+            _mlflow_log_directories(logger, [callback.last_model_path])
 
 
-def _mlflow_log_directories(logger: Any, callback: BestModels, every: bool) -> None:
-    """Log the committed local checkpoint directories MLflow's own scan skips (it logs files):
-    the last (``every``) or the best ones, each once, as ``ckpt.N/<key>.bpk``."""
+def _mlflow_log_directories(logger: Any, paths: list[str]) -> None:
+    """Log committed local checkpoint directories, which MLflow's own scan skips (it logs
+    files), each once, as ``ckpt.N/<key>.bpk``."""
     logged: set[str] = vars(logger).setdefault("_lightning_bpk_logged", set())
-    paths = [callback.last_model_path] if every else list(callback.best_k_models)
     for path in paths:
         if not path or path in logged or not Path(path).is_dir():
             continue  # an object-store URL: MLflow logs local files only

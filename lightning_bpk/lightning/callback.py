@@ -442,6 +442,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         )
         if error is not None:
             raise CheckpointResumeError(error)
+        self._read_standing(checkpointer)  # without what overwrite=True removed
         self._resumed.train_started(trainer)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
@@ -587,7 +588,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         # fit may have failed before Lightning restored anything
         _compat.release_resume_start(trainer)
         self._close_saves()  # the last checkpoint is complete when fit returns
-        self._announce_saved(trainer)
+        self._announce_saved(trainer, final=stage == "fit")
 
     def _close_saves(self) -> None:
         """Wait for an asynchronous write in flight (raising CheckpointSaveError if it failed),
