@@ -79,7 +79,7 @@ def test_a_resume_continues_the_ranking_from_the_manifests(tmp_path: Path) -> No
     _save_all(Checkpointer(tmp_path, checkpoint_duration=1, best=rule), values[4:], start=4)
     assert _complete(tmp_path) == [3, 6, 7]
     standing = Standing(rule)
-    standing.load(Checkpointer(tmp_path, checkpoint_duration=1, best=rule))
+    standing.attach(Checkpointer(tmp_path, checkpoint_duration=1, best=rule))
     assert (standing.best_k(), standing.best, standing.kth, standing.last) == ([6, 3], 6, 3, 7)
 
 

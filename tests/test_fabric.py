@@ -29,7 +29,7 @@ from lightning_bpk.fabric import (
 )
 from lightning_bpk.interop import save_module_record
 from lightning_bpk.lightning import trainer_state
-from lightning_bpk.records import ModuleRecord, OptimizerRecord
+from lightning_bpk.records import ModuleRecord, OptimizerRecord, files
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `srun` command")
 
@@ -481,14 +481,14 @@ def test_an_async_plugin_write_is_drained_by_the_strategy_teardown(tmp_path, mon
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[io])
     fabric.save(tmp_path / "a.ckpt", {"w": torch.arange(1000.0)})
     assert torch.equal(fabric.load(tmp_path / "a.ckpt")["w"], torch.arange(1000.0))
-    monkeypatch.setattr(trainer_state, "_write_record", _fail_with_enospc)
+    monkeypatch.setattr(files, "write_record", _fail_with_enospc)  # the plugin's writer
     fabric.save(tmp_path / "b.ckpt", {"w": torch.zeros(3)})
     with pytest.raises(OSError, match="No space left"):
         fabric.strategy.teardown()
     assert not (tmp_path / "b.ckpt").exists()
 
 
-def _fail_with_enospc(record, path):
+def _fail_with_enospc(record, path, storage_options=None):
     raise OSError(28, "No space left on device (injected)", str(path))
 
 

@@ -196,7 +196,7 @@ class CheckpointManager:
             checkpoint_duration,
             None if keep_every is None else keep_every * step,
         )
-        self._standing.load(self.checkpointer)  # the best so far, from the manifests
+        self._standing.attach(self.checkpointer)  # the best so far, from the manifests
         self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
         self._saves = Saves(self.checkpointer, self._ranks, self._saver, self.storage_options)
         self._reserved = False  # the async saver's staging buffers were requested

@@ -109,8 +109,9 @@ class BestModels:
         return self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
 
     def _read_standing(self, checkpointer: Checkpointer) -> None:
-        """Read the best and last checkpoints from ``checkpointer``'s directory."""
-        self._standing.load(checkpointer)
+        """Follow the best and last checkpoints of ``checkpointer``'s directory (read when first
+        asked: a resume lists nothing more)."""
+        self._standing.attach(checkpointer)
         self._standing_read = True
 
     def _monitored(self, trainer: pl.Trainer) -> float | None:

@@ -15,6 +15,8 @@ Lightning: torch and the layers below only.
   the in-place load;
 - ``async_save``: the background writer;
 - ``cadence``: when a step, time or ``"auto"`` save falls due;
+- ``best``: the standing of a run's checkpoints, the k best by a metric and the last (the
+  core's best-k rule applied to the metrics the manifests record);
 - ``preemption`` and ``slurm``: signals set a flag, the run saves and exits 0, and requeues a
   SLURM job;
 - ``loaders`` (with ``_resample`` and ``_data_warnings``): a data loader's position in its

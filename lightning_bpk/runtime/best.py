@@ -6,8 +6,9 @@ What is kept is decided by the retention rule of the core
 (:class:`~lightning_bpk.checkpointer._best.BestK`, beside Dopamine's rule, applied by every
 save's garbage collection) from the metric each manifest records; this is the same rule applied
 to the same values, so the standing names exactly the checkpoints the directory keeps as the best.
-:meth:`Standing.load` reads it from the directory (at a resume: exact whatever run saved them),
-:meth:`Standing.saved` follows each save.
+:meth:`Standing.attach` points it at a directory, read at the first question or save (so a
+resume costs no extra listing; exact whatever run saved them), and :meth:`Standing.saved`
+follows each save.
 """
 
 from __future__ import annotations
@@ -45,47 +46,59 @@ class Standing:
 
     def __init__(self, rule: BestK | None) -> None:
         self.rule = rule
-        self.values: dict[int, float | None] = {}  # candidates kept in the directory
-        self.last: int | None = None  # the newest checkpoint saved (or found at a resume)
+        self._values: dict[int, float | None] = {}  # candidates kept in the directory
+        self._last: int | None = None  # the newest checkpoint saved (or found at a resume)
         self._paths: dict[int, Path | str] = {}
         self._checkpointer: Checkpointer | None = None
+        self._unread = False  # attached, not read yet
 
-    def load(self, checkpointer: Checkpointer) -> None:
-        """Read the standing from ``checkpointer``'s directory: every complete checkpoint's
-        recorded metric (one listing, one read of each sentinel; read-only)."""
+    def attach(self, checkpointer: Checkpointer) -> None:
+        """From now on, the standing of ``checkpointer``'s directory: read at the first
+        question or save (:meth:`_read`), not now."""
         self._checkpointer = checkpointer
         self._paths = {}
+        self._unread = True
+
+    def _read(self) -> None:
+        """Read the standing from the directory, once after :meth:`attach`: every complete
+        checkpoint's recorded metric (one listing, one read of each sentinel; read-only)."""
+        checkpointer = self._checkpointer
+        if not self._unread or checkpointer is None:
+            return
+        self._unread = False
         store = checkpointer.store
         listing = store.list("")
         found = sentinels(listing, checkpointer.sentinel_file_identifier)
         data = _data_names(listing, checkpointer.checkpoint_file_prefix)
         complete = sorted(m for m in found if m in data)
-        self.last = complete[-1] if complete else None
-        self.values = {}
+        self._last = complete[-1] if complete else None
+        self._values = {}
         if self.rule is not None:
             metrics = recorded_metrics(
                 store, checkpointer.sentinel_file_identifier, listing, complete
             )
-            self.values = {m: self.rule.value_of(metric) for m, metric in metrics.items()}
+            self._values = {m: self.rule.value_of(metric) for m, metric in metrics.items()}
             self._prune()
 
     def saved(self, number: int, value: float | None) -> None:
         """Checkpoint ``number`` was saved with the monitored ``value`` (None: not logged)."""
-        self.last = number
+        self._read()
+        self._last = number
         self._paths.pop(number, None)  # a re-save lies elsewhere
         if self.rule is not None:
-            self.values[number] = value
+            self._values[number] = value
             self._prune()
 
     def _prune(self) -> None:
         """Forget the checkpoints no longer among the k best (the retention removes them)."""
         assert self.rule is not None
-        kept = self.rule.kept(self.values)
-        self.values = {m: v for m, v in self.values.items() if m in kept}
+        kept = self.rule.kept(self._values)
+        self._values = {m: v for m, v in self._values.items() if m in kept}
 
     def best_k(self) -> list[int]:
         """The k best checkpoints, best first."""
-        return [] if self.rule is None else self.rule.ranked(self.values)
+        self._read()
+        return [] if self.rule is None else self.rule.ranked(self._values)
 
     @property
     def best(self) -> int | None:
@@ -99,9 +112,16 @@ class Standing:
         ranked = self.best_k()
         return ranked[-1] if ranked else None
 
+    @property
+    def last(self) -> int | None:
+        """The newest checkpoint saved (or found in the directory)."""
+        self._read()
+        return self._last
+
     def value(self, number: int | None) -> float | None:
         """The recorded value of checkpoint ``number`` (None: unknown)."""
-        return None if number is None else self.values.get(number)
+        self._read()
+        return None if number is None else self._values.get(number)
 
     def path(self, number: int | None) -> Path | str | None:
         """Where checkpoint ``number``'s data lies (a ``ckpt.N`` directory, or its URL)."""
@@ -115,7 +135,7 @@ class Standing:
         """The k best checkpoints' data, best first, with their values."""
         result: dict[Path | str, float] = {}
         for m in self.best_k():
-            path, value = self.path(m), self.values[m]
+            path, value = self.path(m), self._values[m]
             if path is not None and value is not None:  # ranked: it has a value
                 result[path] = value
         return result
