@@ -5,9 +5,9 @@
 Lightning and the loggers read from a checkpoint callback (``best_model_path``,
 ``best_model_score``, ``best_k_models``, ``kth_best_model_path``, ``kth_value``,
 ``last_model_path``, ``current_score``), each path a ``ckpt.N`` directory (or its URL), from the
-run layer's :class:`~lightning_bpk.runtime.best.Standing`: read from the manifests at ``setup``
-(so correct after a resume), then followed save by save. Without ``monitor`` the best model is
-the last, as ``ModelCheckpoint(monitor=None)`` has it.
+run layer's :class:`~lightning_bpk.runtime.best.Standing`: read from the manifests when first
+asked after ``setup`` (so correct after a resume), then followed save by save. Without
+``monitor`` the best model is the last, as ``ModelCheckpoint(monitor=None)`` has it.
 
 ``ckpt_path="best"`` (also the default of ``validate``/``test``/``predict`` called without a
 model after ``fit``) is Lightning's own: it reads ``best_model_path``, read from the directory
@@ -25,7 +25,6 @@ MLflow logger logs only files it finds at those paths; for an ``MLFlowLogger`` w
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,6 @@ from lightning_bpk.layout import RUN_SUBDIRECTORY
 from lightning_bpk.lightning import _compat, trainer_state
 from lightning_bpk.runtime.best import Standing, metric_value
 from lightning_bpk.store import join, location, open_store
-
-log = logging.getLogger("lightning_bpk")
 
 
 def _text(path: Path | str | None) -> str:
@@ -106,6 +103,7 @@ class BestModels:
         return _tensor(self._current_score)
 
     def _directory(self, trainer: pl.Trainer) -> Any:
+        """Where the checkpoints go: ``dirpath``, else ``{default_root_dir}/checkpoints``."""
         return self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
 
     def _read_standing(self, checkpointer: Checkpointer) -> None:

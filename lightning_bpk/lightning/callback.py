@@ -127,7 +127,7 @@ from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
 from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.lightning import _best, _compat, _resume, _save_data, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
@@ -143,7 +143,7 @@ from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption
 from lightning_bpk.runtime.ranks import Ranks
 from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.runtime.saves import Saves
-from lightning_bpk.store import join, location, open_store
+from lightning_bpk.store import location, open_store
 
 __all__ = [
     "FINISHED_KEY",
@@ -327,8 +327,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         if stage != "fit":  # validate/test/predict: a ckpt_path of ours loads without the plugin
             _resume.intercept(trainer, ResumeChoice(), None, self.storage_options, lambda n: None)
             return
-        dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
-        dirpath = location(trainer.strategy.broadcast(str(dirpath)))
+        dirpath = location(trainer.strategy.broadcast(str(self._directory(trainer))))
         ranks = self._ranks = _ranks(trainer)
         # Rank 0 chooses before anything is created (read-only), then owns the directory and
         # chooses again if a run saving there meanwhile committed a newer checkpoint; every
