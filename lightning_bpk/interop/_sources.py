@@ -155,10 +155,7 @@ def _open_bpk(pack: burnpack.Pack, where: Location) -> Iterator[Source]:
         order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
         metadata = {k: v for k, v in pack.metadata.items() if k != RECORD_KIND_KEY}
         yield Source(
-            {
-                n: (pack.entries[n].shape, burnpack._torch_dtype(pack.entries[n].dtype))
-                for n in order
-            },
+            {n: pack.entries[n].torch_spec() for n in order},
             {n: pid for n in order if (pid := pack.entries[n].param_id) is not None},
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
@@ -170,7 +167,7 @@ def _open_bpk(pack: burnpack.Pack, where: Location) -> Iterator[Source]:
 
 def _bpk_span(pack: burnpack.Pack, name: str, where: Location) -> Span:
     info = pack.entries[name]
-    stored = _stored_dtype(info.dtype)
+    stored = info.carried or _stored_dtype(info.dtype)
     if stored is None:  # refused before: quantized tensors have no torch dtype
         raise RecordError("validation", f"{where}: tensor '{name}' is quantized (QFloat)")
     start, end = info.data_offsets

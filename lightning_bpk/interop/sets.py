@@ -43,7 +43,7 @@ from lightning_bpk.interop._index import (
     find_set,
     set_kind,
 )
-from lightning_bpk.interop._mapped import ST_BOOL
+from lightning_bpk.interop._mapped import st_name
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.formats import (
     Content,
@@ -184,7 +184,11 @@ def write_set(
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
+    """The safetensors name of a dtype, else torch's (``complex128`` has no safetensors name)."""
+    try:
+        return st_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
 
 
 def describe_source(
