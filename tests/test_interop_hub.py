@@ -7,6 +7,9 @@ back to the checkpoint's names and tensors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -328,3 +331,46 @@ def test_a_base_model_checkpoint_loads_into_the_head_model(saved, tmp_path):
         load_into_shards(tmp_path / "base", sharded, rules_for(sharded))
         norm = sharded.state_dict()["model.norm.weight"].to_local()
         assert torch.equal(norm, theirs["model.norm.weight"][8:])
+
+
+TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv-transformers4"
+_LOAD_WITH_4X = """
+import sys, torch, transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+source, out = sys.argv[1], sys.argv[2]
+model, info = transformers.AutoModelForCausalLM.from_pretrained(source, output_loading_info=True)
+assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+ids = torch.arange(12).reshape(2, 6) % 30
+with torch.no_grad():
+    torch.save(model.eval()(input_ids=ids).logits, out)
+"""
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "2KB"])
+def test_transformers_4_loads_what_save_pretrained_writes(saved, tmp_path, max_shard_size):
+    """transformers 4.x (``make transformers4`` installs it beside, in its own folder) refuses a
+    safetensors file without ``"format": "pt"``; it loads ours, one file or a set."""
+    assert (TRANSFORMERS4 / "transformers").is_dir(), f"run `make transformers4` ({TRANSFORMERS4})"
+    _, cls, root = saved["mixtral"]  # 4.x names experts one by one: the legacy layout
+    theirs = cls.from_pretrained(root / "single").eval()
+    rules = rules_for(theirs)
+    target = tmp_path / "out"
+    if max_shard_size is None:
+        target.mkdir()
+        save_pretrained(theirs, target / "model.safetensors", rules)
+    else:
+        index = save_pretrained(theirs, target, rules, max_shard_size=max_shard_size)
+        assert len(json.loads(index.read_text())["weight_map"]) > 0
+        assert len(list(target.glob("model-*.safetensors"))) > 1
+    (target / "config.json").write_bytes((root / "single" / "config.json").read_bytes())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TRANSFORMERS4), *sys.path[1:]]))
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITH_4X, str(target), str(tmp_path / "logits.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    torch.testing.assert_close(logits, _outputs(theirs))

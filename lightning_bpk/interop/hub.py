@@ -263,12 +263,13 @@ def save_pretrained(
     unmatched: Iterable[str] = (),
     ties: Mapping[str, str] | None = None,
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Path | str:
     """Save ``model`` in its checkpoint's layout: the rules a load applied undone
     (``unmatched``, what the load returned, are left out), and each tied tensor written once,
     under its tie's name, as ``save_pretrained`` writes it. One ``.safetensors``/``.bpk`` file,
-    or with ``max_shard_size`` (bytes) a set in the new directory ``path`` (returns its index).
+    or with ``max_shard_size`` (bytes, or ``"5GB"`` as transformers spells it) a set in the new
+    directory ``path`` (returns its index). transformers 4.x loads what this writes.
     """
     ties = tied_weights(model) if ties is None else dict(ties)
     applied = remapper.applied(unmatched)

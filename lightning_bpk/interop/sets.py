@@ -132,12 +132,15 @@ def write_set(
     content: Content,
     directory: str | os.PathLike[str],
     *,
-    max_shard_size: int,
+    max_shard_size: int | str,
     suffix: str = ".safetensors",
     progress: Progress | None = None,
 ) -> Path | str:
     """Write ``content`` as a sharded set in the new directory ``directory`` (see the module
-    docs); returns the index's path."""
+    docs); returns the index's path. ``max_shard_size`` is bytes, or a size as transformers
+    spells it (``"5GB"``, ``"500MB"``, ``"2GiB"``: :func:`parse_size`)."""
+    if isinstance(max_shard_size, str):
+        max_shard_size = parse_size(max_shard_size)
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, not {max_shard_size}")
     if suffix not in (".safetensors", ".bpk"):
