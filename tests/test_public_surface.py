@@ -262,6 +262,7 @@ _INTEROP_REMAP = {
 }
 _INTEROP_SETS = {"describe_set", "is_set", "read_any", "write_set"}
 _INTEROP_SHARDS = {"ShardedLoad", "load_into_shards"}
+_INTEROP_LAZY = {"LazyTensors", "TensorSlice", "open_tensors"}
 
 MEANT = {
     "lightning_bpk.burnpack": _BURNPACK_BASE | _BURNPACK_READER | _BURNPACK_WRITER,
@@ -304,6 +305,7 @@ MEANT = {
         | _INTEROP_REMAP
         | _INTEROP_SETS
         | _INTEROP_SHARDS
+        | _INTEROP_LAZY
     ),
     "lightning_bpk.interop.adapters": _INTEROP_ADAPTERS,
     "lightning_bpk.interop.rules": _INTEROP_RULES,
@@ -315,6 +317,7 @@ MEANT = {
     "lightning_bpk.interop.remap": _INTEROP_REMAP,
     "lightning_bpk.interop.sets": _INTEROP_SETS,
     "lightning_bpk.interop.shards": _INTEROP_SHARDS,
+    "lightning_bpk.interop.lazy": _INTEROP_LAZY,
 }
 
 

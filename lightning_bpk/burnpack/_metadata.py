@@ -17,9 +17,9 @@ from lightning_bpk.burnpack.base import (
     _I64_MAX,
     _MAX_CBOR_DEPTH,
     _SIMPLE_DTYPES,
+    _TORCH_DTYPE_KEY,
     _U64_MAX,
     MAX_RANK,
-    TORCH_DTYPE_KEY,
     DType,
     MetadataError,
     Scalar,
@@ -36,7 +36,7 @@ __all__ = ["TensorInfo", "decode_metadata", "parse_descriptor", "parse_scalar", 
 class TensorInfo:
     """A tensor's descriptor as stored: Burn dtype, shape, offsets relative to the data section,
     and, for a tensor Burn has no dtype for, the torch dtype it is read as (``carried``: its
-    Burn ``dtype`` is a stand-in of the same bytes; see :data:`~.base.TORCH_DTYPE_KEY`)."""
+    Burn ``dtype`` is a stand-in of the same bytes, named by the descriptor key ``torch_dtype``)."""
 
     dtype: DType
     shape: tuple[int, ...]
@@ -150,13 +150,13 @@ def parse_descriptor(name: object, desc: object) -> TensorInfo:
     param_id = desc.get("param_id")
     if param_id is not None and not _is_uint(param_id, _U64_MAX):
         raise MetadataError(f"tensor '{name}': param_id must be a u64, got {_short(param_id)}")
-    carried = desc.get(TORCH_DTYPE_KEY)
+    carried = desc.get(_TORCH_DTYPE_KEY)
     if carried is None:
         return TensorInfo(dtype, tuple(shape), (start, end), param_id)
     spec = _carried_spec(carried, dtype, tuple(shape))
     if spec is None:
         raise MetadataError(
-            f"tensor '{name}': {TORCH_DTYPE_KEY} {_short(carried)} is not a torch dtype stored "
+            f"tensor '{name}': {_TORCH_DTYPE_KEY} {_short(carried)} is not a torch dtype stored "
             f"as {_short(dtype)} with shape {_short(shape)}"
         )
     return TensorInfo(dtype, tuple(shape), (start, end), param_id, spec[0])

@@ -16,7 +16,6 @@ from lightning_bpk.errors import LightningBpkError
 
 __all__ = [
     "CHECKSUM_PREFIX",
-    "TORCH_DTYPE_KEY",
     "BurnpackError",
     "BurnpackIOError",
     "ChecksumError",
@@ -265,7 +264,7 @@ _TORCH_TO_BURN: dict[torch.dtype, DType] = {
 
 # torch dtypes Burn has no name for, *carried* in a Burn dtype of the same bytes: the descriptor
 # names the Burn dtype (what Burn reads: the raw bits, or a complex tensor's real and imaginary
-# parts as a trailing dimension of 2) and adds :data:`TORCH_DTYPE_KEY` with the torch dtype's
+# parts as a trailing dimension of 2) and adds ``_TORCH_DTYPE_KEY`` with the torch dtype's
 # name, which Burn ignores (serde skips unknown descriptor keys) and this reader honours.
 _CARRIED: dict[torch.dtype, tuple[str, bool]] = {  # torch dtype -> (Burn dtype, complex)
     torch.float8_e4m3fn: ("U8", False),
@@ -279,7 +278,7 @@ _CARRIED: dict[torch.dtype, tuple[str, bool]] = {  # torch dtype -> (Burn dtype,
     torch.complex128: ("F64", True),
 }
 _CARRIED_BY_NAME = {str(d).removeprefix("torch."): d for d in _CARRIED}
-TORCH_DTYPE_KEY = "torch_dtype"
+_TORCH_DTYPE_KEY = "torch_dtype"
 """The descriptor key naming the torch dtype of a tensor Burn has no dtype for (``float8_*``,
 ``float4_e2m1fn_x2``, ``complex*``): the tensor is stored in a Burn dtype of the same bytes."""
 

@@ -27,13 +27,13 @@ from lightning_bpk.burnpack.base import (
     _I64_MAX,
     _MAGIC_BYTES,
     _QFLOAT,
+    _TORCH_DTYPE_KEY,
     _TORCH_TO_BURN,
     _U32_MAX,
     _U64_MAX,
     CHECKSUM_PREFIX,
     HEADER_SIZE,
     TENSOR_ALIGNMENT,
-    TORCH_DTYPE_KEY,
     BurnpackError,
     BurnpackIOError,
     DType,
@@ -107,7 +107,7 @@ class TensorEntry:
     def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
         """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU.
         A dtype Burn has none for (fp8, fp4, complex) is stored in one of the same bytes and
-        named in the descriptor (:data:`~lightning_bpk.burnpack.base.TORCH_DTYPE_KEY`)."""
+        named in the descriptor (key ``torch_dtype``)."""
         dtype, torch_name = _carrier(tensor.dtype)
         shape = (*tensor.shape, 2) if tensor.dtype.is_complex else tuple(tensor.shape)
         return cls(
@@ -243,7 +243,7 @@ class _Plan:
             if p.entry.param_id is not None:
                 desc["param_id"] = p.entry.param_id
             if p.entry.torch_dtype is not None:
-                desc[TORCH_DTYPE_KEY] = p.entry.torch_dtype
+                desc[_TORCH_DTYPE_KEY] = p.entry.torch_dtype
             descriptors[p.name] = desc
         top: dict[str, Any] = {"tensors": descriptors}
         metadata = dict(self.metadata)

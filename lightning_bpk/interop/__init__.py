@@ -22,6 +22,8 @@
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
   sharded set with its index, :func:`is_set`, :func:`describe_set`;
+- :mod:`~lightning_bpk.interop.lazy`: :func:`open_tensors`, a file or set opened as
+  ``safetensors.safe_open`` opens one, whose slices read only their own bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 
@@ -29,8 +31,9 @@ The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and `
 ``_patterns``, both <- ``remap``; ``_mapped`` (a file read through its store: errors, the
 safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
-``_dims`` <- ``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a
-private name of another.
+``_ranges`` (boxes of stored tensors read in byte ranges), ``_dims`` <- ``shards``; ``_ranges``
+<- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private
+name of another.
 """
 
 from lightning_bpk.interop._plan import tied_weights
@@ -47,6 +50,7 @@ from lightning_bpk.interop.formats import (
     write_content,
 )
 from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
+from lightning_bpk.interop.lazy import LazyTensors, TensorSlice, open_tensors
 from lightning_bpk.interop.loading import load_remapped
 from lightning_bpk.interop.ops import (
     Chunk,
@@ -83,6 +87,7 @@ __all__ = [
     "ConversionOps",
     "Interleave",
     "KeyRemapper",
+    "LazyTensors",
     "MergeModulelist",
     "PermuteForRope",
     "PrefixChange",
@@ -94,6 +99,7 @@ __all__ = [
     "ShardedLoad",
     "Split",
     "SplitModulelist",
+    "TensorSlice",
     "Transpose",
     "Unstack",
     "WeightConverter",
@@ -107,6 +113,7 @@ __all__ = [
     "load_into_shards",
     "load_module_record",
     "load_remapped",
+    "open_tensors",
     "read_any",
     "read_content",
     "record_remapped",
