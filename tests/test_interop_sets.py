@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 from torch import nn
@@ -301,3 +302,29 @@ def test_a_torch_save_file_at_a_url_is_read_through_its_store(tmp_path):
     fsspec.filesystem("memory").pipe(url, buffer.getvalue())
     content = read_content(url)
     assert all(torch.equal(content.tensors[n], t) for n, t in state.items())
+
+
+def test_a_set_keeps_its_shards_metadata(tmp_path):
+    """transformers writes ``{"format": "pt"}`` (and a user what they like) into every shard:
+    reading the set keeps what the shards share, and writing it again puts it in each shard."""
+    root = tmp_path / "hf"
+    root.mkdir()
+    weight_map = {}
+    for k, names in enumerate((["a", "b"], ["c"])):
+        shard = f"model-{k + 1:05d}-of-00002.safetensors"
+        tensors = {n: torch.full((2,), float(i)) for i, n in enumerate(names)}
+        meta = {"format": "pt", "note": "shared", "part": str(k)}
+        safetensors.torch.save_file(tensors, root / shard, metadata=meta)
+        weight_map.update(dict.fromkeys(names, shard))
+    index = {"metadata": {"total_size": 24}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    content = read_any(root)
+    assert content.metadata["format"] == "pt" and content.metadata["note"] == "shared"
+    assert "part" not in content.metadata  # differs between shards: each keeps its own
+    again = write_set(content, tmp_path / "again", max_shard_size=8, suffix=".bpk")
+    for shard in sorted(again.parent.glob("*.bpk")):
+        assert read_content(shard).metadata["note"] == "shared"
+    back = write_set(read_any(again), tmp_path / "back", max_shard_size=8)
+    for shard in sorted(back.parent.glob("*.safetensors")):
+        with safetensors.safe_open(shard, framework="pt") as f:
+            assert f.metadata()["format"] == "pt" and f.metadata()["note"] == "shared"
