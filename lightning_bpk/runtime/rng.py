@@ -38,7 +38,7 @@ def capture_rng() -> dict[str, Any]:
         # torch.load(weights_only=True)) refuse numpy arrays
         "numpy": {
             "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": pos,
             "has_gauss": has_gauss,
             "gauss": gauss,
@@ -151,7 +151,7 @@ def _numpy_keys(keys: Any) -> Any:
     if not isinstance(keys, torch.Tensor):
         return keys
     values = keys.numpy()
-    if values.size and not (0 <= values.min() and values.max() < 2**32):
+    if values.size and not (values.min() >= 0 and values.max() < 2**32):
         raise ValueError("numpy keys outside 0..2**32-1")
     return values.astype(np.uint32)
 
