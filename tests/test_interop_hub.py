@@ -21,6 +21,8 @@ from lightning_bpk.interop import (
     KeyRemapper,
     PrefixChange,
     RemapError,
+    apply_remapped,
+    load_module_record,
     load_remapped,
     record_remapped,
     rules_for,
@@ -212,6 +214,40 @@ def test_tied_weights_come_from_the_declarations_and_stay_strict(saved, model_ty
     )
 
 
+@pytest.mark.parametrize("loader", ["load_remapped", "apply_remapped"])
+def test_a_tied_head_the_file_holds_with_other_values_is_untied_and_used(saved, tmp_path, loader):
+    """As transformers does: a tied config whose file holds a different ``lm_head.weight``
+    gets its own head; the same values keep the tie; a file without it loads from the tie
+    through either loader."""
+    config, cls, root = saved["qwen2-tied"]
+    state = _checkpoint(root / "single")
+    head = torch.randn_like(state["model.embed_tokens.weight"])
+
+    def load(path):
+        torch.manual_seed(1)
+        ours = cls(config)
+        rules = rules_for(ours)
+        if loader == "load_remapped":
+            load_remapped(path, ours, rules)
+        else:
+            apply_remapped(load_module_record(path), ours, rules)
+        return ours
+
+    safetensors.torch.save_file({**state, "lm_head.weight": head}, tmp_path / "other.safetensors")
+    with pytest.warns(UserWarning, match="different values for 'lm_head.weight'.*untied"):
+        ours = load(tmp_path / "other.safetensors")
+    assert torch.equal(ours.lm_head.weight, head)
+    assert torch.equal(ours.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    same = {**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}
+    safetensors.torch.save_file(same, tmp_path / "same.safetensors")
+    ours = load(tmp_path / "same.safetensors")
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # still tied
+    ours = load(root / "single")  # the head omitted: from its tie, with either loader
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert torch.equal(ours.lm_head.weight, state["model.embed_tokens.weight"])
+
+
 def test_save_back_undoes_only_what_the_load_applied(saved, tmp_path):
     """NomicBert's checkpoint has emb_ln.weight: the legacy LayerNorm.gamma renaming never
     applies at load, so saving must not apply its inverse (emb_ln.gamma)."""
@@ -253,6 +289,12 @@ def test_without_transformers_the_table_is_used(monkeypatch):
     assert str(rules_for(cls(config))) == str(rules_for("mixtral"))
     with pytest.raises(RemapError, match=r"no rules for model type .gpt2.*covered: llava"):
         rules_for("gpt2")
+
+
+def test_an_unknown_model_type_is_refused_with_the_closest_known_ones():
+    with pytest.raises(RemapError, match=r"unknown model type 'mixtrall'.*did you mean 'mixtral'"):
+        rules_for("mixtrall")
+    assert str(rules_for("gpt2")) == str(rules_for("gpt2"))  # known, even without own rules
 
 
 def test_prefix_change_renames_as_transformers():

@@ -36,7 +36,7 @@ safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
 name of another.
 """
 
-from lightning_bpk.interop._plan import tied_weights
+from lightning_bpk.interop._ties import tied_weights
 from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
 from lightning_bpk.interop.conversions import PrefixChange, WeightConverter, WeightRenaming
 from lightning_bpk.interop.formats import (

@@ -439,7 +439,32 @@ def _read_content(loc: Path | str, options: Options) -> Content:
         from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
         return record_content(module_record(loc, storage_options=options))
+    loc = _directory_file(loc, options)
     return _READERS[file_kind(Path(name_of(loc)))](loc, options)
+
+
+def _directory_file(loc: Path | str, options: Options) -> Path | str:
+    """The file a directory stands for: a checkpoint directory's model file, else its one
+    file of a known suffix (a model downloaded into a folder); ``loc`` itself when it is not
+    a directory. A directory with none, or several, is a ``RecordError`` listing them."""
+    store = open_store(loc, options)
+    if store.size("") is not None:
+        return loc
+    entries = store.list("")
+    if not entries:
+        return loc  # nothing there: the reader names the missing file
+    if entries.get(CHECKPOINT_MODEL_FILE) is not None:
+        return join(loc, CHECKPOINT_MODEL_FILE)
+    known = _BPK_SUFFIXES + _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES
+    found = sorted(
+        n for n, size in entries.items() if size is not None and Path(n).suffix.lower() in known
+    )
+    if len(found) != 1:
+        what = f"{len(found)} files of a known suffix ({', '.join(found)})" if found else "none"
+        raise RecordError(
+            "io", f"{loc}: a directory read as one file must hold one model file; it holds {what}"
+        )
+    return join(loc, found[0])
 
 
 def write_content(

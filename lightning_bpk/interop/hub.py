@@ -31,6 +31,7 @@ tie and require every other one.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from collections.abc import Iterable, Mapping
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from lightning_bpk.interop import conversions, ops
-from lightning_bpk.interop._plan import tied_weights
+from lightning_bpk.interop._ties import tied_weights
 from lightning_bpk.interop.formats import record_content, save_module_record
 from lightning_bpk.interop.remap import KeyRemapper, record_remapped
 from lightning_bpk.interop.rules import Items, RemapError, Rule, trace_step
@@ -173,6 +174,7 @@ def rules_for(model: nn.Module | str, *, legacy: bool = True) -> KeyRemapper:
         if _have_transformers():
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
+            _check_model_type(model)
             theirs = list(get_checkpoint_conversion_mapping(model) or [])
             if legacy:
                 theirs += get_checkpoint_conversion_mapping("legacy") or []
@@ -190,6 +192,18 @@ def rules_for(model: nn.Module | str, *, legacy: bool = True) -> KeyRemapper:
     if prefix:
         rules.append(BaseModelPrefix(prefix, model.state_dict().keys()))
     return KeyRemapper(rules)
+
+
+def _check_model_type(model_type: str) -> None:
+    """RemapError naming an unknown model type (``"mixtrall"``) and the closest known ones:
+    transformers answers it with its legacy rules alone, which would load nothing right."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise RemapError(f"unknown model type {model_type!r} (not in transformers' registry){hint}")
 
 
 def _is_pretrained(model: nn.Module) -> bool:

@@ -42,9 +42,9 @@ from lightning_bpk.interop._plan import (
     plan,
     run_tasks,
     tie,
-    tied_weights,
 )
 from lightning_bpk.interop._sources import open_source
+from lightning_bpk.interop._ties import tied_weights, untied_while
 from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.records._params import load_tensor, owning_module
 from lightning_bpk.records.base import RecordError
@@ -98,33 +98,38 @@ def load_remapped(
         )
         if problems:
             raise RecordError("validation", [f"{path}: {p}" for p in problems])
-        into = destinations(module, planned.result.tensors, adapter)
-        shards = [n for n, t in into.items() if isinstance(t, DTensor)]
-        if shards:
-            raise RecordError(
-                "validation",
-                [f"{path}: '{n}' is a DTensor shard: load with load_into_shards" for n in shards],
-            )
-        cast = dtype_policy == "cast_to_module"
+        stored = set(planned.result.tensors) - set(planned.tied)
+        with untied_while(module, stored if adapter is None else (), ties, path):
+            into = destinations(module, planned.result.tensors, adapter)
+            shards = [n for n, t in into.items() if isinstance(t, DTensor)]
+            if shards:
+                raise RecordError(
+                    "validation",
+                    [
+                        f"{path}: '{n}' is a DTensor shard: load with load_into_shards"
+                        for n in shards
+                    ],
+                )
+            cast = dtype_policy == "cast_to_module"
 
-        def task(group: list[str]) -> None:
-            items = group_items(source, group, source.read)
-            loaded = tie(remapper.load(items).tensors, planned.tied)
-            for name, (tensor, pid) in loaded.items():
-                if name not in into:
-                    continue  # unused (allowed), or a tied tensor loaded under its first name
-                target = into[name]
-                if adapter is not None:
-                    tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
-                if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
-                    load_tensor(target, tensor, pid, cast)
+            def task(group: list[str]) -> None:
+                items = group_items(source, group, source.read)
+                loaded = tie(remapper.load(items).tensors, planned.tied)
+                for name, (tensor, pid) in loaded.items():
+                    if name not in into:
+                        continue  # unused (allowed), or a tied tensor loaded under its first name
+                    target = into[name]
+                    if adapter is not None:
+                        tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
+                    if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
+                        load_tensor(target, tensor, pid, cast)
 
-        try:
-            if source.verify is not None:  # checksums first: a damaged file changes nothing
-                run_tasks(source.verify, list(source.specs), workers)
-            run_tasks(task, planned.groups, workers)
-        except burnpack.BurnpackError as e:
-            raise RecordError.from_format_error(e) from e
+            try:
+                if source.verify is not None:  # checksums first: a damaged file changes nothing
+                    run_tasks(source.verify, list(source.specs), workers)
+                run_tasks(task, planned.groups, workers)
+            except burnpack.BurnpackError as e:
+                raise RecordError.from_format_error(e) from e
     return planned.result.unmatched
 
 

@@ -59,10 +59,10 @@ from lightning_bpk.interop._plan import (
     plan,
     run_tasks,
     tie,
-    tied_weights,
 )
 from lightning_bpk.interop._ranges import Box, RangedFiles
 from lightning_bpk.interop._sources import Source, open_source
+from lightning_bpk.interop._ties import tied_weights
 from lightning_bpk.interop.remap import KeyRemapper
 from lightning_bpk.interop.rules import Items, RemapError
 from lightning_bpk.records._params import load_tensor, set_param_id
