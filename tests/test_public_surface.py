@@ -263,6 +263,7 @@ _INTEROP_REMAP = {
 _INTEROP_SETS = {"describe_set", "is_set", "read_any", "write_set"}
 _INTEROP_SHARDS = {"ShardedLoad", "load_into_shards"}
 _INTEROP_LAZY = {"LazyTensors", "TensorSlice", "open_tensors"}
+_INTEROP_QUANT = {"Fp8Dequantize", "Fp8Quantize", "Mxfp4Dequantize"}
 
 MEANT = {
     "lightning_bpk.burnpack": _BURNPACK_BASE | _BURNPACK_READER | _BURNPACK_WRITER,
@@ -306,6 +307,7 @@ MEANT = {
         | _INTEROP_SETS
         | _INTEROP_SHARDS
         | _INTEROP_LAZY
+        | _INTEROP_QUANT
     ),
     "lightning_bpk.interop.adapters": _INTEROP_ADAPTERS,
     "lightning_bpk.interop.rules": _INTEROP_RULES,
@@ -318,6 +320,7 @@ MEANT = {
     "lightning_bpk.interop.sets": _INTEROP_SETS,
     "lightning_bpk.interop.shards": _INTEROP_SHARDS,
     "lightning_bpk.interop.lazy": _INTEROP_LAZY,
+    "lightning_bpk.interop.quant": _INTEROP_QUANT | {"E2M1_VALUES", "FP8_E4M3_MAX"},
 }
 
 

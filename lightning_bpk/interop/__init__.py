@@ -22,14 +22,17 @@
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
   sharded set with its index, :func:`is_set`, :func:`describe_set`;
+- :mod:`~lightning_bpk.interop.quant`: quantized checkpoints as ops of a converter,
+  :class:`Fp8Dequantize` <-> :class:`Fp8Quantize` (block-scaled FP8) and
+  :class:`Mxfp4Dequantize` (gpt_oss);
 - :mod:`~lightning_bpk.interop.lazy`: :func:`open_tensors`, a file or set opened as
   ``safetensors.safe_open`` opens one, whose slices read only their own bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 
 The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
-``_patterns``, both <- ``remap``; ``_mapped`` (a file read through its store: errors, the
-safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
+``_patterns``, both <- ``remap``; ``ops`` <- ``quant``; ``_mapped`` (a file read through its
+store: errors, the safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
 ``_ranges`` (boxes of stored tensors read in byte ranges), ``_dims`` <- ``shards``; ``_ranges``
 <- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private
@@ -62,6 +65,7 @@ from lightning_bpk.interop.ops import (
     SplitModulelist,
     Transpose,
 )
+from lightning_bpk.interop.quant import Fp8Dequantize, Fp8Quantize, Mxfp4Dequantize
 from lightning_bpk.interop.remap import (
     KeyRemapper,
     RemapResult,
@@ -85,10 +89,13 @@ __all__ = [
     "Concatenate",
     "Content",
     "ConversionOps",
+    "Fp8Dequantize",
+    "Fp8Quantize",
     "Interleave",
     "KeyRemapper",
     "LazyTensors",
     "MergeModulelist",
+    "Mxfp4Dequantize",
     "PermuteForRope",
     "PrefixChange",
     "PyTorchToBurnAdapter",
