@@ -270,6 +270,7 @@ MEANT = {
     "lightning_bpk.burnpack.base": _BURNPACK_BASE,
     "lightning_bpk.burnpack.reader": _BURNPACK_READER,
     "lightning_bpk.burnpack.writer": _BURNPACK_WRITER,
+    "lightning_bpk.burnpack.qfloat": {"decode", "encode", "scheme"},
     "lightning_bpk.state": {"Content", "PathHook", "ScalarHook", "StateError", "decode", "encode"},
     "lightning_bpk.records": {
         "Adapter",
