@@ -223,7 +223,7 @@ _BURNPACK_WRITER = {
     "size",
     "write",
 }
-_INTEROP_ADAPTERS = {"BurnToPyTorchAdapter", "PyTorchToBurnAdapter"}
+_INTEROP_ADAPTERS = {"BurnToPyTorchAdapter", "HalfPrecisionAdapter", "PyTorchToBurnAdapter"}
 _INTEROP_RULES = {"Item", "Items", "RemapError", "Rule", "trace_step"}
 _INTEROP_OPS = {
     "Chunk",
@@ -264,6 +264,7 @@ _INTEROP_SETS = {"describe_set", "is_set", "read_any", "write_set"}
 _INTEROP_SHARDS = {"ShardedLoad", "load_into_shards"}
 _INTEROP_LAZY = {"LazyTensors", "TensorSlice", "open_tensors"}
 _INTEROP_QUANT = {"Fp8Dequantize", "Fp8Quantize", "Mxfp4Dequantize"}
+_INTEROP_SELECT = {"KeyFilter", "Renumber"}
 
 MEANT = {
     "lightning_bpk.burnpack": _BURNPACK_BASE | _BURNPACK_READER | _BURNPACK_WRITER,
@@ -309,6 +310,7 @@ MEANT = {
         | _INTEROP_SHARDS
         | _INTEROP_LAZY
         | _INTEROP_QUANT
+        | _INTEROP_SELECT
     ),
     "lightning_bpk.interop.adapters": _INTEROP_ADAPTERS,
     "lightning_bpk.interop.rules": _INTEROP_RULES,
@@ -322,6 +324,7 @@ MEANT = {
     "lightning_bpk.interop.shards": _INTEROP_SHARDS,
     "lightning_bpk.interop.lazy": _INTEROP_LAZY,
     "lightning_bpk.interop.quant": _INTEROP_QUANT | {"E2M1_VALUES", "FP8_E4M3_MAX"},
+    "lightning_bpk.interop.select": _INTEROP_SELECT,
 }
 
 

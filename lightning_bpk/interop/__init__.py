@@ -22,6 +22,8 @@
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
   sharded set with its index, :func:`is_set`, :func:`describe_set`;
+- :mod:`~lightning_bpk.interop.select`: Burn's store filters as rules, :class:`KeyFilter`
+  (regex and full paths) and :class:`Renumber` (layer indices made contiguous);
 - :mod:`~lightning_bpk.interop.quant`: quantized checkpoints as ops of a converter,
   :class:`Fp8Dequantize` <-> :class:`Fp8Quantize` (block-scaled FP8) and
   :class:`Mxfp4Dequantize` (gpt_oss);
@@ -31,8 +33,9 @@
   import (``weights_only=True``), checkpoint export.
 
 The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
-``_patterns``, both <- ``remap``; ``ops`` <- ``quant``; ``_mapped`` (a file read through its
-store: errors, the safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
+``_patterns``, both <- ``remap``; ``ops`` <- ``quant``; ``rules`` <- ``select``; ``_mapped`` (a
+file read through its store: errors, the safetensors header) <- ``formats`` <- ``_index``
+(finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
 ``_ranges`` (boxes of stored tensors read in byte ranges), ``_dims`` <- ``shards``; ``_ranges``
 <- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private
@@ -40,7 +43,11 @@ name of another.
 """
 
 from lightning_bpk.interop._ties import tied_weights
-from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
+from lightning_bpk.interop.adapters import (
+    BurnToPyTorchAdapter,
+    HalfPrecisionAdapter,
+    PyTorchToBurnAdapter,
+)
 from lightning_bpk.interop.conversions import PrefixChange, WeightConverter, WeightRenaming
 from lightning_bpk.interop.formats import (
     SAFETENSORS_INFO_KEY,
@@ -77,6 +84,7 @@ from lightning_bpk.interop.remap import (
     record_remapped,
 )
 from lightning_bpk.interop.rules import RemapError, Rule
+from lightning_bpk.interop.select import KeyFilter, Renumber
 from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
@@ -91,7 +99,9 @@ __all__ = [
     "ConversionOps",
     "Fp8Dequantize",
     "Fp8Quantize",
+    "HalfPrecisionAdapter",
     "Interleave",
+    "KeyFilter",
     "KeyRemapper",
     "LazyTensors",
     "MergeModulelist",
@@ -102,6 +112,7 @@ __all__ = [
     "RemapError",
     "RemapResult",
     "Rename",
+    "Renumber",
     "Rule",
     "ShardedLoad",
     "Split",

@@ -27,6 +27,7 @@ user's own :class:`~lightning_bpk.interop.rules.Rule` subclass) makes the whole 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -121,8 +122,15 @@ def load_remapped(
                     target = into[name]
                     if adapter is not None:
                         tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
-                    if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
+                    if tuple(tensor.shape) == tuple(target.shape):
                         load_tensor(target, tensor, pid, cast)
+                    else:  # validate=False: skipped, and said so below
+                        skipped.append(
+                            f"{name!r}: {list(tensor.shape)} in the file, "
+                            f"{list(target.shape)} in the module"
+                        )
+
+            skipped: list[str] = []  # list.append is atomic: the tasks share it
 
             try:
                 if source.verify is not None:  # checksums first: a damaged file changes nothing
@@ -130,6 +138,12 @@ def load_remapped(
                 run_tasks(task, planned.groups, workers)
             except burnpack.BurnpackError as e:
                 raise RecordError.from_format_error(e) from e
+            if skipped:
+                warnings.warn(
+                    f"{path}: validate=False skipped {len(skipped)} shape mismatches, which "
+                    f"keep the module's values: {'; '.join(sorted(skipped))}",
+                    stacklevel=2,
+                )
     return planned.result.unmatched
 
 

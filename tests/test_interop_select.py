@@ -1,0 +1,104 @@
+"""Burn's store adapters: key filters, layer renumbering, half precision, and shape mismatches
+a relaxed load skips (never silently)."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from lightning_bpk.interop import (
+    HalfPrecisionAdapter,
+    KeyFilter,
+    KeyRemapper,
+    PyTorchToBurnAdapter,
+    RemapError,
+    Renumber,
+    load_remapped,
+    save_pretrained,
+)
+from lightning_bpk.records import ModuleRecord, RecordError
+
+
+def _stack(n: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(n))
+    model.head = nn.Linear(2, 1)
+    return model
+
+
+def test_a_key_filter_loads_only_what_it_keeps(tmp_path):
+    source = _stack(3)
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(dict(source.state_dict()), path)
+    target = _stack(3, seed=1)
+    before = target.head.weight.detach().clone()
+    keep = KeyRemapper([KeyFilter(regex=[r"^layers\.[01]\."], full_paths=["layers.2.bias"])])
+    with pytest.raises(RecordError, match=r"head\.weight"):  # filtered out: missing, strictly
+        load_remapped(path, target, keep)
+    load_remapped(path, target, keep, allow_partial=True)
+    assert torch.equal(target.layers[1].weight, source.layers[1].weight)
+    assert torch.equal(target.layers[2].bias, source.layers[2].bias)
+    assert not torch.equal(target.layers[2].weight, source.layers[2].weight)
+    assert torch.equal(target.head.weight, before)
+    saved = safetensors.torch.load_file(save_pretrained(target, tmp_path / "s.safetensors", keep))
+    assert sorted(saved) == [
+        "layers.0.bias", "layers.0.weight", "layers.1.bias", "layers.1.weight", "layers.2.bias",
+    ]  # fmt: skip
+
+
+def test_renumber_loads_pruned_layers_into_contiguous_ones(tmp_path):
+    source = _stack(6)
+    state = {
+        k: v
+        for k, v in source.state_dict().items()
+        if not k.startswith(("layers.1.", "layers.3.", "layers.4."))
+    }
+    path = tmp_path / "pruned.safetensors"
+    safetensors.torch.save_file(state, path)
+    target = _stack(3, seed=1)
+    with pytest.raises(RecordError, match=r"layers\.1\.weight"):
+        load_remapped(path, target)  # without renumbering: layers.5 is unused, layers.1 missing
+    load_remapped(path, target, KeyRemapper([Renumber(r"^layers\.(\d+)\.")]))
+    for new, old in enumerate((0, 2, 5)):
+        assert torch.equal(target.layers[new].weight, source.layers[old].weight)
+    with pytest.raises(RemapError, match="exactly one group"):
+        Renumber(r"layers\.\d+")
+
+
+def test_half_precision_adapter_halves_what_is_recorded():
+    net = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+    adapter = HalfPrecisionAdapter(PyTorchToBurnAdapter())
+    record = ModuleRecord.from_module(net, adapter=adapter)
+    assert record.tensors["0.weight"].dtype == torch.float16
+    assert record.tensors["0.weight"].shape == (3, 2)  # Burn's [in, out], then halved
+    assert "1.gamma" in record.tensors
+    back = ModuleRecord.from_bytes(record.to_bytes()).apply(
+        nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)), adapter=adapter
+    )
+    assert back[0].weight.dtype == torch.float32
+    torch.testing.assert_close(back[0].weight, net[0].weight, rtol=1e-3, atol=1e-3)
+    ints = ModuleRecord.from_module(nn.BatchNorm1d(2), adapter=HalfPrecisionAdapter())
+    assert ints.tensors["num_batches_tracked"].dtype == torch.int64  # only float32 is halved
+
+
+def test_a_relaxed_load_names_every_shape_mismatch_it_skips(tmp_path):
+    source = _stack(2)
+    state = dict(source.state_dict())
+    state["head.weight"] = torch.ones(1, 3)
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(state, path)
+    target = _stack(2, seed=1)
+    before = target.head.weight.detach().clone()
+    with pytest.raises(RecordError, match=r"head\.weight"):
+        load_remapped(path, target)
+    with pytest.warns(
+        UserWarning,
+        match=r"skipped 1 shape mismatches.*'head.weight': \[1, 3\] in "
+        r"the file, \[1, 2\] in the module",
+    ):
+        load_remapped(path, target, validate=False)
+    assert torch.equal(target.head.weight, before)
+    assert torch.equal(target.layers[0].weight, source.layers[0].weight)
