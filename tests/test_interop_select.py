@@ -102,3 +102,30 @@ def test_a_relaxed_load_names_every_shape_mismatch_it_skips(tmp_path):
         load_remapped(path, target, validate=False)
     assert torch.equal(target.head.weight, before)
     assert torch.equal(target.layers[0].weight, source.layers[0].weight)
+
+
+def test_a_relaxed_load_returns_what_it_applied_skipped_left_missing_unused_and_cast(tmp_path):
+    source = _stack(2)
+    state = {k: v.double() for k, v in source.state_dict().items() if k != "layers.1.bias"}
+    state["head.weight"] = torch.ones(1, 3, dtype=torch.float64)
+    state["extra.w"] = torch.ones(1, dtype=torch.float64)
+    path = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(state, path)
+    target = _stack(2, seed=1)
+    with pytest.warns(UserWarning, match="skipped 1 shape mismatches"):
+        result = load_remapped(
+            path,
+            target,
+            allow_partial=True,
+            allow_unused=True,
+            validate=False,
+            dtype_policy="cast_to_module",
+        )
+    assert result == []  # no rule went unmatched: still the list it always was
+    assert result.skipped == ["head.weight"]
+    assert result.missing == ["layers.1.bias"]
+    assert result.unused == ["extra.w"]
+    assert result.applied == ["head.bias", "layers.0.bias", "layers.0.weight", "layers.1.weight"]
+    assert result.cast == result.applied  # float64 in the file, float32 in the module
+    assert target.layers[0].weight.dtype == torch.float32
+    assert "skipped=1" in repr(result)

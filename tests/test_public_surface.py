@@ -249,7 +249,7 @@ _INTEROP_FORMATS = {
     "write_content",
 }
 _INTEROP_HUB = {"COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"}
-_INTEROP_LOADING = {"load_remapped"}
+_INTEROP_LOADING = {"LoadResult", "load_remapped"}
 _INTEROP_REMAP = {
     "KeyRemapper",
     "RemapResult",

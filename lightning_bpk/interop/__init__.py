@@ -61,7 +61,7 @@ from lightning_bpk.interop.formats import (
 )
 from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
 from lightning_bpk.interop.lazy import LazyTensors, TensorSlice, open_tensors
-from lightning_bpk.interop.loading import load_remapped
+from lightning_bpk.interop.loading import LoadResult, load_remapped
 from lightning_bpk.interop.ops import (
     Chunk,
     Concatenate,
@@ -104,6 +104,7 @@ __all__ = [
     "KeyFilter",
     "KeyRemapper",
     "LazyTensors",
+    "LoadResult",
     "MergeModulelist",
     "Mxfp4Dequantize",
     "PermuteForRope",

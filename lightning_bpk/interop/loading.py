@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -46,7 +47,7 @@ from lightning_bpk.interop._plan import (
 )
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop._ties import tied_weights, untied_while
-from lightning_bpk.interop.remap import KeyRemapper
+from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.records._params import load_tensor, owning_module
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import Adapter
@@ -65,12 +66,13 @@ def load_remapped(
     dtype_policy: str = "from_record",
     ties: Mapping[str, str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> list[str]:
+) -> LoadResult:
     """Load a ``.bpk``, ``.safetensors`` or ``torch.save`` file, or a checkpoint set (an index
     or a directory: see :mod:`lightning_bpk.interop`), local or at a URL, into ``module``
     through ``remapper`` (then ``adapter``), on up to ``workers`` threads (see the module docs);
-    returns the rules that matched nothing. Same result, checks and options as
-    ``apply_remapped(load_module_record(path), module, remapper, ...)``.
+    returns the rules that matched nothing, as a :class:`LoadResult` that also says what a
+    relaxed load applied, skipped, left missing or unused, and cast. Same checks and options
+    as ``apply_remapped(load_module_record(path), module, remapper, ...)``.
 
     ``ties`` maps a module tensor name to the one it is tied to (default: the module's own tie
     declarations, see :func:`~lightning_bpk.interop.hub.tied_weights`); a tied tensor the file
@@ -125,12 +127,12 @@ def load_remapped(
                     if tuple(tensor.shape) == tuple(target.shape):
                         load_tensor(target, tensor, pid, cast)
                     else:  # validate=False: skipped, and said so below
-                        skipped.append(
+                        skipped[name] = (
                             f"{name!r}: {list(tensor.shape)} in the file, "
                             f"{list(target.shape)} in the module"
                         )
 
-            skipped: list[str] = []  # list.append is atomic: the tasks share it
+            skipped: dict[str, str] = {}  # one key per task: the tasks share it safely
 
             try:
                 if source.verify is not None:  # checksums first: a damaged file changes nothing
@@ -141,12 +143,74 @@ def load_remapped(
             if skipped:
                 warnings.warn(
                     f"{path}: validate=False skipped {len(skipped)} shape mismatches, which "
-                    f"keep the module's values: {'; '.join(sorted(skipped))}",
+                    f"keep the module's values: {'; '.join(sorted(skipped.values()))}",
                     stacklevel=2,
                 )
-    return planned.result.unmatched
+            return _outcome(module, planned.result, into, adapter, set(skipped), cast)
+
+
+class LoadResult(list[str]):
+    """What :func:`load_remapped` did. The list itself is the rules that matched nothing (as
+    it always returned); the attributes name module tensors (record names, before an adapter):
+
+    - ``applied``: loaded from the file;
+    - ``skipped``: shape mismatches ``validate=False`` left with the module's value;
+    - ``missing``: module tensors the file gave no value (``allow_partial=True``);
+    - ``unused``: file tensors the module has no place for (``allow_unused=True``);
+    - ``cast``: loaded in the module's dtype rather than the file's (``cast_to_module``).
+    """
+
+    applied: list[str]
+    skipped: list[str]
+    missing: list[str]
+    unused: list[str]
+    cast: list[str]
+
+    def __repr__(self) -> str:
+        fields = ("applied", "skipped", "missing", "unused", "cast")
+        counts = ", ".join(f"{f}={len(getattr(self, f))}" for f in fields)
+        return f"LoadResult(unmatched={list(self)!r}, {counts})"
+
+
+def _outcome(
+    module: nn.Module,
+    planned: RemapResult,
+    into: Mapping[str, torch.Tensor],
+    adapter: Adapter | None,
+    skipped: set[str],
+    cast: bool,
+) -> LoadResult:
+    """The :class:`LoadResult` of a finished load: ``into`` the destinations of the planned
+    tensors, ``skipped`` those whose shapes differed."""
+    state = module.state_dict(keep_vars=True)
+    result = LoadResult(planned.unmatched)
+    result.applied = sorted(n for n in into if n not in skipped)
+    result.skipped = sorted(skipped)
+    result.cast = sorted(
+        n for n in result.applied if cast and planned.tensors[n][0].dtype != into[n].dtype
+    )
+    result.unused = sorted(
+        n
+        for n in planned.tensors
+        if n not in into
+        and (
+            adapter.to_module(n, planned.tensors[n][0], owning_module(module, n))[0]
+            if adapter
+            else n
+        )
+        not in state
+    )
+    filled = {id(t) for t in into.values()}
+    result.missing = sorted(
+        n
+        for n, t in state.items()
+        if id(t) not in filled
+        and (adapter is None or adapter.from_module(n, t, owning_module(module, n)) is not None)
+    )
+    return result
 
 
 __all__ = [
+    "LoadResult",
     "load_remapped",
 ]
