@@ -16,6 +16,7 @@ from lightning_bpk.interop import (
     RemapError,
     Renumber,
     load_remapped,
+    peft_rules,
     save_pretrained,
 )
 from lightning_bpk.records import ModuleRecord, RecordError
@@ -129,3 +130,31 @@ def test_a_relaxed_load_returns_what_it_applied_skipped_left_missing_unused_and_
     assert result.cast == result.applied  # float64 in the file, float32 in the module
     assert target.layers[0].weight.dtype == torch.float32
     assert "skipped=1" in repr(result)
+
+
+def _lora_model(seed: int) -> nn.Module:
+    """Layers as peft injects LoRA: ``q_proj.base_layer`` and ``q_proj.lora_A.default``."""
+    torch.manual_seed(seed)
+    model = nn.Module()
+    for proj in ("q_proj", "v_proj"):
+        layer = nn.Module()
+        layer.base_layer = nn.Linear(4, 4)
+        layer.lora_A = nn.ModuleDict({"default": nn.Linear(4, 2, bias=False)})
+        layer.lora_B = nn.ModuleDict({"default": nn.Linear(2, 4, bias=False)})
+        setattr(model, proj, layer)
+    return model
+
+
+def test_lora_adapters_export_with_peft_names(tmp_path):
+    model = _lora_model(0)
+    path = save_pretrained(model, tmp_path / "adapter_model.safetensors", peft_rules())
+    saved = safetensors.torch.load_file(path)
+    assert sorted(saved) == [
+        f"base_model.model.{p}.lora_{ab}.weight" for p in ("q_proj", "v_proj") for ab in "AB"
+    ]  # the adapter's name left out, the base weights not saved: peft's adapter file
+    again = _lora_model(1)
+    load_remapped(path, again, peft_rules(), allow_partial=True)
+    assert torch.equal(again.v_proj.lora_B["default"].weight, model.v_proj.lora_B["default"].weight)
+    assert not torch.equal(again.q_proj.base_layer.weight, model.q_proj.base_layer.weight)
+    with pytest.raises(RemapError, match="not one peft would use"):
+        peft_rules("a.b")

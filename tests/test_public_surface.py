@@ -248,7 +248,14 @@ _INTEROP_FORMATS = {
     "save_module_record",
     "write_content",
 }
-_INTEROP_HUB = {"COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"}
+_INTEROP_HUB = {
+    "COVERED",
+    "BaseModelPrefix",
+    "peft_rules",
+    "rules_for",
+    "save_pretrained",
+    "tied_weights",
+}
 _INTEROP_LOADING = {"LoadResult", "load_remapped"}
 _INTEROP_REMAP = {
     "KeyRemapper",

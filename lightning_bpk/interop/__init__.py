@@ -59,7 +59,13 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
-from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
+from lightning_bpk.interop.hub import (
+    COVERED,
+    BaseModelPrefix,
+    peft_rules,
+    rules_for,
+    save_pretrained,
+)
 from lightning_bpk.interop.lazy import LazyTensors, TensorSlice, open_tensors
 from lightning_bpk.interop.loading import LoadResult, load_remapped
 from lightning_bpk.interop.ops import (
@@ -133,6 +139,7 @@ __all__ = [
     "load_module_record",
     "load_remapped",
     "open_tensors",
+    "peft_rules",
     "read_any",
     "read_content",
     "record_remapped",

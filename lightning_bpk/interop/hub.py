@@ -34,6 +34,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,19 @@ from torch import nn
 from lightning_bpk.interop import conversions, ops
 from lightning_bpk.interop._ties import tied_weights
 from lightning_bpk.interop.formats import record_content, save_module_record
-from lightning_bpk.interop.remap import KeyRemapper, record_remapped
+from lightning_bpk.interop.remap import KeyRemapper, Rename, record_remapped
 from lightning_bpk.interop.rules import Items, RemapError, Rule, trace_step
+from lightning_bpk.interop.select import KeyFilter
 from lightning_bpk.interop.sets import write_set
 
-__all__ = ["COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"]
+__all__ = [
+    "COVERED",
+    "BaseModelPrefix",
+    "peft_rules",
+    "rules_for",
+    "save_pretrained",
+    "tied_weights",
+]
 
 
 def _moe(gate: str, up: str, down: str, prefix: str = "mlp.experts") -> list[Rule]:
@@ -293,6 +302,39 @@ def save_pretrained(
     if max_shard_size is None:
         return save_module_record(record, path)
     return write_set(record_content(record), path, max_shard_size=max_shard_size)
+
+
+_LORA = r"lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)"
+
+
+def peft_rules(adapter_name: str = "default", *, prefix: str = "base_model.model.") -> KeyRemapper:
+    """The rules between a module with LoRA layers as peft injects them
+    (``q_proj.lora_A.default.weight``: the adapter's name in the path) and the adapter file
+    peft saves (``adapter_model.safetensors``: ``base_model.model.q_proj.lora_A.weight``, the
+    adapter's name left out, the base model's weights not saved). ``save_pretrained(model,
+    "adapter_model.safetensors", peft_rules())`` writes what ``PeftModel.from_pretrained``
+    reads; a load through them takes such a file (``allow_partial=True``: the base weights are
+    not in it). ``prefix``: ``""`` for a module that is not wrapped in a ``PeftModel``.
+
+    >>> rules = peft_rules()
+    >>> items = {n: (torch.ones(1), None) for n in ["q.lora_A.default.weight", "q.weight"]}
+    >>> list(rules.save(items).tensors)
+    ['base_model.model.q.lora_A.weight']
+    """
+    if not re.fullmatch(r"[\w-]+", adapter_name):
+        raise RemapError(f"adapter name {adapter_name!r} is not one peft would use")
+    lead = re.escape(prefix)
+    name = re.escape(adapter_name)
+    return KeyRemapper(
+        [
+            KeyFilter(regex=[rf"\.{_LORA}\."]),
+            Rename(
+                rf"^{lead}(.+)\.({_LORA})\.(weight|bias)$",
+                rf"\1.\2.{adapter_name}.\3",
+                inverse=(rf"^(.+)\.({_LORA})\.{name}\.(weight|bias)$", rf"{prefix}\1.\2.\3"),
+            ),
+        ]
+    )
 
 
 def _file_names(remapper: KeyRemapper, ties: Mapping[str, str]) -> set[str]:
