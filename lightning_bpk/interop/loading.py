@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from lightning_bpk import burnpack
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
+    Planned,
     apply_problems,
     destinations,
     group_items,
@@ -45,7 +47,7 @@ from lightning_bpk.interop._plan import (
     run_tasks,
     tie,
 )
-from lightning_bpk.interop._sources import open_source
+from lightning_bpk.interop._sources import Source, open_source
 from lightning_bpk.interop._ties import tied_weights, untied_while
 from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.records._params import load_tensor, owning_module
@@ -114,39 +116,53 @@ def load_remapped(
                     ],
                 )
             cast = dtype_policy == "cast_to_module"
-
-            def task(group: list[str]) -> None:
-                items = group_items(source, group, source.read)
-                loaded = tie(remapper.load(items).tensors, planned.tied)
-                for name, (tensor, pid) in loaded.items():
-                    if name not in into:
-                        continue  # unused (allowed), or a tied tensor loaded under its first name
-                    target = into[name]
-                    if adapter is not None:
-                        tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
-                    if tuple(tensor.shape) == tuple(target.shape):
-                        load_tensor(target, tensor, pid, cast)
-                    else:  # validate=False: skipped, and said so below
-                        skipped[name] = (
-                            f"{name!r}: {list(tensor.shape)} in the file, "
-                            f"{list(target.shape)} in the module"
-                        )
-
-            skipped: dict[str, str] = {}  # one key per task: the tasks share it safely
-
+            load = _Load(source, planned, remapper, module, into, adapter, cast)
             try:
                 if source.verify is not None:  # checksums first: a damaged file changes nothing
                     run_tasks(source.verify, list(source.specs), workers)
-                run_tasks(task, planned.groups, workers)
+                run_tasks(load.group, planned.groups, workers)
             except burnpack.BurnpackError as e:
                 raise RecordError.from_format_error(e) from e
-            if skipped:
+            if load.skipped:
                 warnings.warn(
-                    f"{path}: validate=False skipped {len(skipped)} shape mismatches, which "
-                    f"keep the module's values: {'; '.join(sorted(skipped.values()))}",
+                    f"{path}: validate=False skipped {len(load.skipped)} shape mismatches, which "
+                    f"keep the module's values: {'; '.join(sorted(load.skipped.values()))}",
                     stacklevel=2,
                 )
-            return _outcome(module, planned.result, into, adapter, set(skipped), cast)
+            return _outcome(module, planned.result, into, adapter, set(load.skipped), cast)
+
+
+@dataclass
+class _Load:
+    """One load's tasks: each group read, converted and copied into the module's tensors."""
+
+    source: Source
+    planned: Planned
+    remapper: KeyRemapper
+    module: nn.Module
+    into: Mapping[str, torch.Tensor]
+    adapter: Adapter | None
+    cast: bool
+    skipped: dict[str, str] = field(default_factory=dict)  # one key per task: shared safely
+
+    def group(self, group: list[str]) -> None:
+        """Read ``group``, run the rules on it and load what they give into the module."""
+        items = group_items(self.source, group, self.source.read)
+        loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
+        for name, (tensor, pid) in loaded.items():
+            if name not in self.into:
+                continue  # unused (allowed), or a tied tensor loaded under its first name
+            target = self.into[name]
+            if self.adapter is not None:
+                owner = owning_module(self.module, name)
+                tensor = self.adapter.to_module(name, tensor, owner)[1]
+            if tuple(tensor.shape) == tuple(target.shape):
+                load_tensor(target, tensor, pid, self.cast)
+            else:  # validate=False: skipped, and said so
+                self.skipped[name] = (
+                    f"{name!r}: {list(tensor.shape)} in the file, "
+                    f"{list(target.shape)} in the module"
+                )
 
 
 class LoadResult(list[str]):
