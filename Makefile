@@ -12,7 +12,12 @@ OLDEST := .venv-lightning-oldest
 LIGHTNING_MIN := $(shell sed -n 's/^ *"lightning>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 LIGHTNING_TESTS := tests/test_lightning_compat.py tests/test_callback.py tests/test_checkpoint_io.py
 
-.PHONY: test test-lightning-oldest demo bench docs lint format clean
+# transformers 4.x, for the test that it loads what save_pretrained writes: installed alone into
+# its own folder (no dependencies: the rest comes from .venv); the test puts it first on the path.
+TRANSFORMERS4 := .venv-transformers4
+TRANSFORMERS4_PINS := transformers==4.57.1 huggingface_hub==0.36.0 tokenizers==0.22.1
+
+.PHONY: test test-lightning-oldest transformers4 demo bench docs lint format clean
 
 # `make demo` installs the package and what the example needs; `make test` adds the development
 # stack of requirements-dev.txt (test runner, linters, docs, the servers the tests start).
@@ -38,7 +43,7 @@ lint: $(STAMP)
 # slowest first); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-test: lint
+test: lint transformers4
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(MAKE) test-lightning-oldest
 
@@ -49,6 +54,14 @@ $(OLDEST)/.stamp-$(LIGHTNING_MIN): $(STAMP)
 		> "$$($(OLDEST)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_lightning_bpk_venv.pth"
 	$(OLDEST)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps 'lightning==$(LIGHTNING_MIN)'
 	touch $@
+
+$(TRANSFORMERS4)/.stamp: $(STAMP)
+	rm -rf $(TRANSFORMERS4)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --target $(TRANSFORMERS4) \
+		$(TRANSFORMERS4_PINS)
+	touch $@
+
+transformers4: $(TRANSFORMERS4)/.stamp
 
 test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
 	$(OLDEST)/bin/python -c 'import lightning; assert lightning.__version__ == "$(LIGHTNING_MIN)", lightning.__version__'
@@ -71,4 +84,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache .mypy_cache .hypothesis site
+	rm -rf $(VENV) $(OLDEST) $(TRANSFORMERS4) .pytest_cache .ruff_cache .mypy_cache .hypothesis site

@@ -194,6 +194,13 @@ def test_diff_compares_scalars_and_metadata(tmp_path, capsys):
         ("note", "values differ"),
         ("same", "same"),
     ]
+    assert json.loads(out)["metadata_only"] is True
+    # a metadata-only difference need not fail a comparison of weights
+    code, out, _ = main(capsys, "diff", a, b, "--json", "--ignore-metadata")
+    assert code == 0 and json.loads(out)["identical"] and json.loads(out)["metadata_only"]
+    assert "note" in main(capsys, "diff", a, b, "--ignore-metadata")[1]  # still shown
+    other = burnpack.write(tmp_path / "c.bpk", {"w": torch.zeros(2)}, metadata={"note": "x"})
+    assert main(capsys, "diff", a, other, "--ignore-metadata")[0] == 1  # tensors still count
 
 
 def test_diff_of_two_checkpoint_directories(run_dir, tmp_path, capsys):

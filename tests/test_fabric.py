@@ -189,6 +189,22 @@ def _continues(make, where: int) -> None:
     assert again.epoch == loader.epoch
 
 
+def test_a_loader_state_goes_through_plain_fabric_save_and_weights_only_load(tmp_path):
+    """The docs promise plain ``fabric.save``/``fabric.load``: Lightning's default checkpoint
+    I/O loads with ``weights_only=True``, which refuses numpy arrays in the state."""
+    fabric = make_fabric()
+    loader = ResumableLoader(DataLoader(numbers(), batch_size=3, shuffle=True))
+    batches = iter(loader)
+    next(batches)
+    fabric.save(tmp_path / "plain.ckpt", {"loader": loader})
+    expected = [b.tolist() for b in batches]
+    again = ResumableLoader(DataLoader(numbers(), batch_size=3, shuffle=True))
+    fabric.load(tmp_path / "plain.ckpt", {"loader": again})
+    assert [b.tolist() for b in again] == expected
+    state = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    assert isinstance(state["loader"]["rng"]["numpy"]["keys"], torch.Tensor)
+
+
 def test_a_loader_without_state_is_refused_and_a_kind_mismatch_is_named():
     with pytest.raises(TypeError, match="cannot position a list"):
         ResumableLoader([1, 2, 3])

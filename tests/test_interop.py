@@ -518,3 +518,16 @@ def test_a_hostile_safetensors_header_is_a_record_error(tmp_path, case):
     path.write_bytes(len(text).to_bytes(8, "little") + text + bytes(8))
     with pytest.raises(RecordError, match=r"model\.safetensors"):
         read_content(path)
+
+
+def test_a_directory_with_one_model_file_reads_as_that_file(tmp_path):
+    net = nn.Linear(3, 2)
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    safetensors.torch.save_file(dict(net.state_dict()), folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    record = load_module_record(folder)
+    assert torch.equal(record.tensors["weight"], net.weight.detach())
+    safetensors.torch.save_file(dict(net.state_dict()), folder / "other.safetensors")
+    with pytest.raises(RecordError, match=r"2 files of a known suffix \(model.safetensors, other"):
+        load_module_record(folder)

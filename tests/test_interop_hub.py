@@ -7,6 +7,9 @@ back to the checkpoint's names and tensors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from lightning_bpk.interop import (
     KeyRemapper,
     PrefixChange,
     RemapError,
+    apply_remapped,
+    load_module_record,
     load_remapped,
     record_remapped,
     rules_for,
@@ -209,6 +214,40 @@ def test_tied_weights_come_from_the_declarations_and_stay_strict(saved, model_ty
     )
 
 
+@pytest.mark.parametrize("loader", ["load_remapped", "apply_remapped"])
+def test_a_tied_head_the_file_holds_with_other_values_is_untied_and_used(saved, tmp_path, loader):
+    """As transformers does: a tied config whose file holds a different ``lm_head.weight``
+    gets its own head; the same values keep the tie; a file without it loads from the tie
+    through either loader."""
+    config, cls, root = saved["qwen2-tied"]
+    state = _checkpoint(root / "single")
+    head = torch.randn_like(state["model.embed_tokens.weight"])
+
+    def load(path):
+        torch.manual_seed(1)
+        ours = cls(config)
+        rules = rules_for(ours)
+        if loader == "load_remapped":
+            load_remapped(path, ours, rules)
+        else:
+            apply_remapped(load_module_record(path), ours, rules)
+        return ours
+
+    safetensors.torch.save_file({**state, "lm_head.weight": head}, tmp_path / "other.safetensors")
+    with pytest.warns(UserWarning, match="different values for 'lm_head.weight'.*untied"):
+        ours = load(tmp_path / "other.safetensors")
+    assert torch.equal(ours.lm_head.weight, head)
+    assert torch.equal(ours.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    same = {**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}
+    safetensors.torch.save_file(same, tmp_path / "same.safetensors")
+    ours = load(tmp_path / "same.safetensors")
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # still tied
+    ours = load(root / "single")  # the head omitted: from its tie, with either loader
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert torch.equal(ours.lm_head.weight, state["model.embed_tokens.weight"])
+
+
 def test_save_back_undoes_only_what_the_load_applied(saved, tmp_path):
     """NomicBert's checkpoint has emb_ln.weight: the legacy LayerNorm.gamma renaming never
     applies at load, so saving must not apply its inverse (emb_ln.gamma)."""
@@ -250,6 +289,12 @@ def test_without_transformers_the_table_is_used(monkeypatch):
     assert str(rules_for(cls(config))) == str(rules_for("mixtral"))
     with pytest.raises(RemapError, match=r"no rules for model type .gpt2.*covered: llava"):
         rules_for("gpt2")
+
+
+def test_an_unknown_model_type_is_refused_with_the_closest_known_ones():
+    with pytest.raises(RemapError, match=r"unknown model type 'mixtrall'.*did you mean 'mixtral'"):
+        rules_for("mixtrall")
+    assert str(rules_for("gpt2")) == str(rules_for("gpt2"))  # known, even without own rules
 
 
 def test_prefix_change_renames_as_transformers():
@@ -328,3 +373,46 @@ def test_a_base_model_checkpoint_loads_into_the_head_model(saved, tmp_path):
         load_into_shards(tmp_path / "base", sharded, rules_for(sharded))
         norm = sharded.state_dict()["model.norm.weight"].to_local()
         assert torch.equal(norm, theirs["model.norm.weight"][8:])
+
+
+TRANSFORMERS4 = Path(__file__).resolve().parents[1] / ".venv-transformers4"
+_LOAD_WITH_4X = """
+import sys, torch, transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+source, out = sys.argv[1], sys.argv[2]
+model, info = transformers.AutoModelForCausalLM.from_pretrained(source, output_loading_info=True)
+assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+ids = torch.arange(12).reshape(2, 6) % 30
+with torch.no_grad():
+    torch.save(model.eval()(input_ids=ids).logits, out)
+"""
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "2KB"])
+def test_transformers_4_loads_what_save_pretrained_writes(saved, tmp_path, max_shard_size):
+    """transformers 4.x (``make transformers4`` installs it beside, in its own folder) refuses a
+    safetensors file without ``"format": "pt"``; it loads ours, one file or a set."""
+    assert (TRANSFORMERS4 / "transformers").is_dir(), f"run `make transformers4` ({TRANSFORMERS4})"
+    _, cls, root = saved["mixtral"]  # 4.x names experts one by one: the legacy layout
+    theirs = cls.from_pretrained(root / "single").eval()
+    rules = rules_for(theirs)
+    target = tmp_path / "out"
+    if max_shard_size is None:
+        target.mkdir()
+        save_pretrained(theirs, target / "model.safetensors", rules)
+    else:
+        index = save_pretrained(theirs, target, rules, max_shard_size=max_shard_size)
+        assert len(json.loads(index.read_text())["weight_map"]) > 0
+        assert len(list(target.glob("model-*.safetensors"))) > 1
+    (target / "config.json").write_bytes((root / "single" / "config.json").read_bytes())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TRANSFORMERS4), *sys.path[1:]]))
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITH_4X, str(target), str(tmp_path / "logits.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    torch.testing.assert_close(logits, _outputs(theirs))

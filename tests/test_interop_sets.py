@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 from torch import nn
@@ -222,7 +223,7 @@ def test_a_wrong_expert_shape_names_the_file_the_tensor_and_both_shapes(tmp_path
 def test_write_set_never_touches_an_existing_directory(tmp_path, sets):
     with pytest.raises(RecordError, match="exists"):
         write_set(Content(dict(EXPERTS)), sets[".bpk"].parent, max_shard_size=SHARD_BYTES)
-    broken = Content({"w": torch.ones(1), "q": torch.ones(1, dtype=torch.complex64)})
+    broken = Content({"w": torch.ones(1), "q": torch.empty(1, dtype=torch.bits8)})  # no dtype
     with pytest.raises(RecordError):
         write_set(broken, tmp_path / "new", max_shard_size=4)
     assert list(tmp_path.iterdir()) == []  # nothing left behind
@@ -301,3 +302,29 @@ def test_a_torch_save_file_at_a_url_is_read_through_its_store(tmp_path):
     fsspec.filesystem("memory").pipe(url, buffer.getvalue())
     content = read_content(url)
     assert all(torch.equal(content.tensors[n], t) for n, t in state.items())
+
+
+def test_a_set_keeps_its_shards_metadata(tmp_path):
+    """transformers writes ``{"format": "pt"}`` (and a user what they like) into every shard:
+    reading the set keeps what the shards share, and writing it again puts it in each shard."""
+    root = tmp_path / "hf"
+    root.mkdir()
+    weight_map = {}
+    for k, names in enumerate((["a", "b"], ["c"])):
+        shard = f"model-{k + 1:05d}-of-00002.safetensors"
+        tensors = {n: torch.full((2,), float(i)) for i, n in enumerate(names)}
+        meta = {"format": "pt", "note": "shared", "part": str(k)}
+        safetensors.torch.save_file(tensors, root / shard, metadata=meta)
+        weight_map.update(dict.fromkeys(names, shard))
+    index = {"metadata": {"total_size": 24}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    content = read_any(root)
+    assert content.metadata["format"] == "pt" and content.metadata["note"] == "shared"
+    assert "part" not in content.metadata  # differs between shards: each keeps its own
+    again = write_set(content, tmp_path / "again", max_shard_size=8, suffix=".bpk")
+    for shard in sorted(again.parent.glob("*.bpk")):
+        assert read_content(shard).metadata["note"] == "shared"
+    back = write_set(read_any(again), tmp_path / "back", max_shard_size=8)
+    for shard in sorted(back.parent.glob("*.safetensors")):
+        with safetensors.safe_open(shard, framework="pt") as f:
+            assert f.metadata()["format"] == "pt" and f.metadata()["note"] == "shared"

@@ -41,7 +41,8 @@ from lightning_bpk.interop import (
     load_remapped,
     save_module_record,
 )
-from lightning_bpk.interop.shards import _byte_runs, _shard_box
+from lightning_bpk.interop._ranges import byte_runs
+from lightning_bpk.interop.shards import _shard_box
 from lightning_bpk.records import ModuleRecord, RecordChecksumError, RecordError
 
 from conftest import SCRIPTS, run_process
@@ -129,7 +130,7 @@ def test_shard_box_refuses_partial_and_strided():
 def test_byte_runs_cover_exactly_the_box(box, runs):
     full = torch.randn(4, 3, 5)
     raw = bytes(burnpack.tensor_bytes(full))
-    found = list(_byte_runs(full.shape, 4, box))
+    found = list(byte_runs(full.shape, 4, box))
     assert len(found) == runs
     got = b"".join(raw[offset : offset + length] for offset, length in found)
     want = full[tuple(slice(a, b) for a, b in box)].contiguous()

@@ -223,7 +223,7 @@ _BURNPACK_WRITER = {
     "size",
     "write",
 }
-_INTEROP_ADAPTERS = {"BurnToPyTorchAdapter", "PyTorchToBurnAdapter"}
+_INTEROP_ADAPTERS = {"BurnToPyTorchAdapter", "HalfPrecisionAdapter", "PyTorchToBurnAdapter"}
 _INTEROP_RULES = {"Item", "Items", "RemapError", "Rule", "trace_step"}
 _INTEROP_OPS = {
     "Chunk",
@@ -248,8 +248,15 @@ _INTEROP_FORMATS = {
     "save_module_record",
     "write_content",
 }
-_INTEROP_HUB = {"COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"}
-_INTEROP_LOADING = {"load_remapped"}
+_INTEROP_HUB = {
+    "COVERED",
+    "BaseModelPrefix",
+    "peft_rules",
+    "rules_for",
+    "save_pretrained",
+    "tied_weights",
+}
+_INTEROP_LOADING = {"LoadResult", "load_remapped"}
 _INTEROP_REMAP = {
     "KeyRemapper",
     "RemapResult",
@@ -262,12 +269,16 @@ _INTEROP_REMAP = {
 }
 _INTEROP_SETS = {"describe_set", "is_set", "read_any", "write_set"}
 _INTEROP_SHARDS = {"ShardedLoad", "load_into_shards"}
+_INTEROP_LAZY = {"LazyTensors", "TensorSlice", "open_tensors"}
+_INTEROP_QUANT = {"Fp8Dequantize", "Fp8Quantize", "Mxfp4Dequantize"}
+_INTEROP_SELECT = {"KeyFilter", "Renumber"}
 
 MEANT = {
     "lightning_bpk.burnpack": _BURNPACK_BASE | _BURNPACK_READER | _BURNPACK_WRITER,
     "lightning_bpk.burnpack.base": _BURNPACK_BASE,
     "lightning_bpk.burnpack.reader": _BURNPACK_READER,
     "lightning_bpk.burnpack.writer": _BURNPACK_WRITER,
+    "lightning_bpk.burnpack.qfloat": {"decode", "encode", "scheme"},
     "lightning_bpk.state": {"Content", "PathHook", "ScalarHook", "StateError", "decode", "encode"},
     "lightning_bpk.records": {
         "Adapter",
@@ -304,6 +315,9 @@ MEANT = {
         | _INTEROP_REMAP
         | _INTEROP_SETS
         | _INTEROP_SHARDS
+        | _INTEROP_LAZY
+        | _INTEROP_QUANT
+        | _INTEROP_SELECT
     ),
     "lightning_bpk.interop.adapters": _INTEROP_ADAPTERS,
     "lightning_bpk.interop.rules": _INTEROP_RULES,
@@ -315,6 +329,9 @@ MEANT = {
     "lightning_bpk.interop.remap": _INTEROP_REMAP,
     "lightning_bpk.interop.sets": _INTEROP_SETS,
     "lightning_bpk.interop.shards": _INTEROP_SHARDS,
+    "lightning_bpk.interop.lazy": _INTEROP_LAZY,
+    "lightning_bpk.interop.quant": _INTEROP_QUANT | {"E2M1_VALUES", "FP8_E4M3_MAX"},
+    "lightning_bpk.interop.select": _INTEROP_SELECT,
 }
 
 

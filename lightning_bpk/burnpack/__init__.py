@@ -9,6 +9,11 @@ The CBOR metadata is ``{"tensors": {name: {"dtype", "shape", "data_offsets", "pa
 "metadata"?: {str: str}, "scalars"?: {str: Scalar}}`` encoded exactly as Burn's ``ciborium``
 writer does, so a file written here is byte-identical to Burn's for the same content.
 
+torch dtypes Burn has no name for (fp8, fp4, complex) are stored in a Burn dtype of the same
+bytes, the torch dtype named in a descriptor key Burn ignores (``torch_dtype``), and read back
+as that dtype; :mod:`lightning_bpk.burnpack.qfloat` decodes and encodes Burn's quantized
+``QFloat`` tensors.
+
 Beyond Burn, every tensor written here carries an xxh3-64 checksum in the ``metadata`` map
 under the reserved prefix :data:`CHECKSUM_PREFIX` (Burn ignores it), and reading is stricter:
 offsets must be aligned, in bounds, non-overlapping and match ``shape x dtype``.

@@ -11,18 +11,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import cbor2
+import torch
 
 from lightning_bpk.burnpack.base import (
     _I64_MAX,
     _MAX_CBOR_DEPTH,
     _SIMPLE_DTYPES,
+    _TORCH_DTYPE_KEY,
     _U64_MAX,
     MAX_RANK,
     DType,
     MetadataError,
     Scalar,
+    _carried_spec,
     _dtype_info,
     _short,
+    _torch_dtype,
 )
 
 __all__ = ["TensorInfo", "decode_metadata", "parse_descriptor", "parse_scalar", "parse_string_map"]
@@ -30,16 +34,26 @@ __all__ = ["TensorInfo", "decode_metadata", "parse_descriptor", "parse_scalar", 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """A tensor's descriptor as stored: Burn dtype, shape, offsets relative to the data section."""
+    """A tensor's descriptor as stored: Burn dtype, shape, offsets relative to the data section,
+    and, for a tensor Burn has no dtype for, the torch dtype it is read as (``carried``: its
+    Burn ``dtype`` is a stand-in of the same bytes, named by the descriptor key ``torch_dtype``)."""
 
     dtype: DType
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]
     param_id: int | None
+    carried: torch.dtype | None = None
 
     @property
     def nbytes(self) -> int:
         return self.data_offsets[1] - self.data_offsets[0]
+
+    def torch_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """``(shape, dtype)`` of the tensor as torch reads it: a carried complex tensor drops
+        the trailing 2 of its stored real and imaginary parts; ``BurnpackError`` for QFloat."""
+        if self.carried is None:
+            return self.shape, _torch_dtype(self.dtype)
+        return self.shape[:-1] if self.carried.is_complex else self.shape, self.carried
 
 
 class _RejectAllTags(dict):
@@ -136,7 +150,16 @@ def parse_descriptor(name: object, desc: object) -> TensorInfo:
     param_id = desc.get("param_id")
     if param_id is not None and not _is_uint(param_id, _U64_MAX):
         raise MetadataError(f"tensor '{name}': param_id must be a u64, got {_short(param_id)}")
-    return TensorInfo(dtype, tuple(shape), (start, end), param_id)
+    carried = desc.get(_TORCH_DTYPE_KEY)
+    if carried is None:
+        return TensorInfo(dtype, tuple(shape), (start, end), param_id)
+    spec = _carried_spec(carried, dtype, tuple(shape))
+    if spec is None:
+        raise MetadataError(
+            f"tensor '{name}': {_TORCH_DTYPE_KEY} {_short(carried)} is not a torch dtype stored "
+            f"as {_short(dtype)} with shape {_short(shape)}"
+        )
+    return TensorInfo(dtype, tuple(shape), (start, end), param_id, spec[0])
 
 
 def parse_scalar(name: object, value: object) -> Scalar:

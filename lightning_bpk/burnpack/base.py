@@ -262,6 +262,57 @@ _TORCH_TO_BURN: dict[torch.dtype, DType] = {
 }
 
 
+# torch dtypes Burn has no name for, *carried* in a Burn dtype of the same bytes: the descriptor
+# names the Burn dtype (what Burn reads: the raw bits, or a complex tensor's real and imaginary
+# parts as a trailing dimension of 2) and adds ``_TORCH_DTYPE_KEY`` with the torch dtype's
+# name, which Burn ignores (serde skips unknown descriptor keys) and this reader honours.
+_CARRIED: dict[torch.dtype, tuple[str, bool]] = {  # torch dtype -> (Burn dtype, complex)
+    torch.float8_e4m3fn: ("U8", False),
+    torch.float8_e5m2: ("U8", False),
+    torch.float8_e4m3fnuz: ("U8", False),
+    torch.float8_e5m2fnuz: ("U8", False),
+    torch.float8_e8m0fnu: ("U8", False),
+    torch.float4_e2m1fn_x2: ("U8", False),
+    torch.complex32: ("F16", True),
+    torch.complex64: ("F32", True),
+    torch.complex128: ("F64", True),
+}
+_CARRIED_BY_NAME = {str(d).removeprefix("torch."): d for d in _CARRIED}
+_TORCH_DTYPE_KEY = "torch_dtype"
+"""The descriptor key naming the torch dtype of a tensor Burn has no dtype for (``float8_*``,
+``float4_e2m1fn_x2``, ``complex*``): the tensor is stored in a Burn dtype of the same bytes."""
+
+
+def _carrier(dtype: torch.dtype) -> tuple[DType, str | None]:
+    """How a torch dtype is written: ``(Burn dtype, torch dtype name or None)``; the name is
+    given only for a dtype Burn has none for, carried in a Burn dtype of the same bytes.
+
+    >>> _carrier(torch.float8_e4m3fn), _carrier(torch.complex64), _carrier(torch.int8)
+    (('U8', 'float8_e4m3fn'), ('F32', 'complex64'), ('I8', None))
+    """
+    carried = _CARRIED.get(dtype)
+    if carried is None:
+        return _burn_dtype(dtype), None
+    return carried[0], str(dtype).removeprefix("torch.")
+
+
+def _carried_spec(
+    name: str, burn: DType, shape: tuple[int, ...]
+) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """The torch dtype and shape of a tensor whose descriptor names torch dtype ``name``,
+    stored as Burn dtype ``burn`` with shape ``shape`` (a complex one has a trailing 2 the torch
+    tensor has not); ``None`` when ``name`` is not a carried dtype or does not fit ``burn`` and
+    ``shape``."""
+    dtype = _CARRIED_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None or _CARRIED[dtype][0] != burn:
+        return None
+    if not _CARRIED[dtype][1]:
+        return dtype, shape
+    if not shape or shape[-1] != 2:
+        return None
+    return dtype, shape[:-1]
+
+
 def _parsed_dtype_info(dtype: DType) -> _DTypeInfo:
     """:func:`_dtype_info` of a dtype that parsing already accepted (so never ``None``)."""
     info = _dtype_info(dtype)
@@ -292,7 +343,12 @@ def _burn_dtype(dtype: torch.dtype) -> DType:
     try:
         return _TORCH_TO_BURN[dtype]
     except KeyError:
-        raise ValidationError(f"torch dtype {dtype} has no burnpack equivalent") from None
+        hint = (
+            f" (a TensorEntry.from_tensor stores it as {_CARRIED[dtype][0]} and names it)"
+            if dtype in _CARRIED
+            else ""
+        )
+        raise ValidationError(f"torch dtype {dtype} has no burnpack equivalent{hint}") from None
 
 
 def _torch_dtype(dtype: DType) -> torch.dtype:

@@ -51,7 +51,6 @@ from lightning_bpk.burnpack.base import (
     _is_digest,
     _parsed_dtype_info,
     _short,
-    _torch_dtype,
 )
 from lightning_bpk.burnpack.writer import BytesLike, data_section_start
 
@@ -285,8 +284,11 @@ class Pack:
                 f"{self.source}: tensor '{name}' is quantized (QFloat); read it with raw()"
             )
         view = self.raw(name, verify=verify)
-        if view.nbytes == 0:
-            return torch.empty(info.shape, dtype=_torch_dtype(info.dtype))
+        if info.carried is not None or view.nbytes == 0:
+            shape, dtype = info.torch_spec()
+            if view.nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(view, dtype=dtype).reshape(shape)
         assert dinfo.torch_dtype is not None  # only QFloat has none, refused above
         flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)
         tensor = flat.reshape(info.shape)

@@ -27,6 +27,7 @@ from lightning_bpk.burnpack.base import (
     _I64_MAX,
     _MAGIC_BYTES,
     _QFLOAT,
+    _TORCH_DTYPE_KEY,
     _TORCH_TO_BURN,
     _U32_MAX,
     _U64_MAX,
@@ -40,7 +41,8 @@ from lightning_bpk.burnpack.base import (
     Scalar,
     SizeMismatchError,
     ValidationError,
-    _burn_dtype,
+    _carried_spec,
+    _carrier,
     _dtype_info,
 )
 
@@ -69,12 +71,17 @@ class TensorEntry:
 
     ``data`` is a bytes-like object, a ``torch.Tensor`` or a zero-argument callable returning
     either (a *deferred* tensor, called exactly once while writing; ``nbytes`` is then required).
+    ``torch_dtype`` names the torch dtype of a tensor Burn has no dtype for, stored as ``dtype``
+    (the same bytes; a complex one with a trailing dimension of 2): :meth:`from_tensor` sets both.
 
     >>> TensorEntry("F32", [2], b"\\x00" * 8, param_id=7).nbytes
     8
+    >>> e = TensorEntry.from_tensor(torch.zeros(3, dtype=torch.complex64))
+    >>> e.dtype, e.shape, e.torch_dtype
+    ('F32', (3, 2), 'complex64')
     """
 
-    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape")
+    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape", "torch_dtype")
 
     def __init__(
         self,
@@ -83,8 +90,10 @@ class TensorEntry:
         data: BytesLike | torch.Tensor | Callable[[], BytesLike | torch.Tensor],
         param_id: int | None = None,
         nbytes: int | None = None,
+        torch_dtype: str | None = None,
     ) -> None:
         self.dtype = dtype
+        self.torch_dtype = torch_dtype
         self.shape = tuple(operator.index(d) for d in shape)  # 2.5 is an error, not 2
         self.data = data
         self.param_id = param_id
@@ -96,13 +105,18 @@ class TensorEntry:
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
-        """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU."""
+        """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU.
+        A dtype Burn has none for (fp8, fp4, complex) is stored in one of the same bytes and
+        named in the descriptor (key ``torch_dtype``)."""
+        dtype, torch_name = _carrier(tensor.dtype)
+        shape = (*tensor.shape, 2) if tensor.dtype.is_complex else tuple(tensor.shape)
         return cls(
-            _burn_dtype(tensor.dtype),
-            tensor.shape,
+            dtype,
+            shape,
             tensor,
             param_id=param_id,
             nbytes=tensor.numel() * tensor.element_size(),
+            torch_dtype=torch_name,
         )
 
 
@@ -228,6 +242,8 @@ class _Plan:
             }
             if p.entry.param_id is not None:
                 desc["param_id"] = p.entry.param_id
+            if p.entry.torch_dtype is not None:
+                desc[_TORCH_DTYPE_KEY] = p.entry.torch_dtype
             descriptors[p.name] = desc
         top: dict[str, Any] = {"tensors": descriptors}
         metadata = dict(self.metadata)
@@ -366,6 +382,13 @@ def _check_entry(name: str, entry: TensorEntry) -> None:
     if any(not 0 <= d <= _I64_MAX for d in entry.shape):
         raise ValidationError(
             f"tensor '{name}': shape {list(entry.shape)} has a negative or over-i64 dim"
+        )
+    if entry.torch_dtype is not None and (
+        _carried_spec(entry.torch_dtype, entry.dtype, entry.shape) is None
+    ):
+        raise ValidationError(
+            f"tensor '{name}': torch_dtype {entry.torch_dtype!r} is not a torch dtype stored as "
+            f"{entry.dtype!r} with shape {list(entry.shape)}"
         )
     if entry.param_id is not None and not (
         isinstance(entry.param_id, int) and 0 <= entry.param_id <= _U64_MAX

@@ -156,3 +156,8 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     diff.add_argument("b", help="a file, or a checkpoint directory")
     diff.add_argument("--atol", type=float, help="value differences up to this count as equal")
     diff.add_argument("--all", action="store_true", help="list identical entries too")
+    diff.add_argument(
+        "--ignore-metadata",
+        action="store_true",
+        help="metadata differences are shown but exit 0 (tensors and scalars decide)",
+    )

@@ -3,7 +3,9 @@
 Tensors are compared by name (shape, dtype, bytes, largest absolute difference, ``param_id``),
 then scalars and metadata entry by entry; two checkpoint directories file by file. Either side
 may be a URL (copied into a temporary folder first) or a sharded checkpoint (its assembled
-model). Any difference exits with :data:`~lightning_bpk.cli.EXIT_FOUND`.
+model). Any difference exits with :data:`~lightning_bpk.cli.EXIT_FOUND`; with
+``--ignore-metadata`` a difference of metadata alone is shown, flagged ``metadata_only``, and
+exits 0.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ def _diff_files(
         for r in entries
         if r["status"] != "same"
     ]
+    metadata_only = not different and all(w == "metadata" for w, _ in entries_differ)
+    counted = [] if metadata_only and args.ignore_metadata else entries_differ
     shown = rows if args.all else different
     tensor_table = [["name", "status", "shape", "dtype", "max_abs_diff"]]
     for r in shown:
@@ -190,7 +194,8 @@ def _diff_files(
     info = {
         "a": names[0] if names else str(a),
         "b": names[1] if names else str(b),
-        "identical": not different and not entries_differ,
+        "identical": not different and not counted,
+        "metadata_only": bool(entries_differ) and metadata_only,
         "tensors": rows,
         "scalars": scalars,
         "metadata": metadata,

@@ -56,12 +56,18 @@ def _describe(pack: burnpack.Pack) -> dict[str, Any]:
                 "data_offsets": list(pack.entries[name].data_offsets),
                 "param_id": pack.entries[name].param_id,
                 "checksum": pack.checksums.get(name),
+                **_carried(pack.entries[name]),
             }
             for name in order
         ],
         "scalars": {k: {"kind": s.kind, "value": json_value(s)} for k, s in pack.scalars.items()},
         "metadata": dict(pack.metadata),
     }
+
+
+def _carried(info: burnpack.TensorInfo) -> dict[str, str]:
+    """``torch_dtype`` of a tensor stored in a Burn stand-in dtype (fp8, fp4, complex)."""
+    return {} if info.carried is None else {"torch_dtype": str(info.carried).split(".")[-1]}
 
 
 def _tensor_lines(tensors: list[dict[str, Any]], title: str) -> list[str]:
@@ -75,7 +81,7 @@ def _tensor_lines(tensors: list[dict[str, Any]], title: str) -> list[str]:
     rows += [
         [
             t["name"],
-            dtype_text(t["dtype"]),
+            dtype_text(t["dtype"]) + (f" as {t['torch_dtype']}" if "torch_dtype" in t else ""),
             "[" + ", ".join(map(str, t["shape"])) + "]",
             str(t["bytes"]),
             "-" if t["param_id"] is None else str(t["param_id"]),

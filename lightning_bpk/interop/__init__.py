@@ -22,19 +22,32 @@
   FSDP2 / tensor-parallel module, each rank reading only its shards' bytes;
 - :mod:`~lightning_bpk.interop.sets`: :func:`read_any` file or set, :func:`write_set` a
   sharded set with its index, :func:`is_set`, :func:`describe_set`;
+- :mod:`~lightning_bpk.interop.select`: Burn's store filters as rules, :class:`KeyFilter`
+  (regex and full paths) and :class:`Renumber` (layer indices made contiguous);
+- :mod:`~lightning_bpk.interop.quant`: quantized checkpoints as ops of a converter,
+  :class:`Fp8Dequantize` <-> :class:`Fp8Quantize` (block-scaled FP8) and
+  :class:`Mxfp4Dequantize` (gpt_oss);
+- :mod:`~lightning_bpk.interop.lazy`: :func:`open_tensors`, a file or set opened as
+  ``safetensors.safe_open`` opens one, whose slices read only their own bytes;
 - :mod:`~lightning_bpk.interop.formats`: ``.bpk`` <-> ``.safetensors``, ``.pt``/``.ckpt``
   import (``weights_only=True``), checkpoint export.
 
 The modules import only downward: ``rules`` <- ``ops`` <- ``conversions``, and ``rules`` <-
-``_patterns``, both <- ``remap``; ``_mapped`` (a file read through its store: errors, the
-safetensors header) <- ``formats`` <- ``_index`` (finding and checking a set) <-
+``_patterns``, both <- ``remap``; ``ops`` <- ``quant``; ``rules`` <- ``select``; ``_mapped`` (a
+file read through its store: errors, the safetensors header) <- ``formats`` <- ``_index``
+(finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
-``_dims`` <- ``shards``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a
-private name of another.
+``_ranges`` (boxes of stored tensors read in byte ranges), ``_dims`` <- ``shards``; ``_ranges``
+<- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private
+name of another.
 """
 
-from lightning_bpk.interop._plan import tied_weights
-from lightning_bpk.interop.adapters import BurnToPyTorchAdapter, PyTorchToBurnAdapter
+from lightning_bpk.interop._ties import tied_weights
+from lightning_bpk.interop.adapters import (
+    BurnToPyTorchAdapter,
+    HalfPrecisionAdapter,
+    PyTorchToBurnAdapter,
+)
 from lightning_bpk.interop.conversions import PrefixChange, WeightConverter, WeightRenaming
 from lightning_bpk.interop.formats import (
     SAFETENSORS_INFO_KEY,
@@ -46,8 +59,15 @@ from lightning_bpk.interop.formats import (
     save_module_record,
     write_content,
 )
-from lightning_bpk.interop.hub import COVERED, BaseModelPrefix, rules_for, save_pretrained
-from lightning_bpk.interop.loading import load_remapped
+from lightning_bpk.interop.hub import (
+    COVERED,
+    BaseModelPrefix,
+    peft_rules,
+    rules_for,
+    save_pretrained,
+)
+from lightning_bpk.interop.lazy import LazyTensors, TensorSlice, open_tensors
+from lightning_bpk.interop.loading import LoadResult, load_remapped
 from lightning_bpk.interop.ops import (
     Chunk,
     Concatenate,
@@ -58,6 +78,7 @@ from lightning_bpk.interop.ops import (
     SplitModulelist,
     Transpose,
 )
+from lightning_bpk.interop.quant import Fp8Dequantize, Fp8Quantize, Mxfp4Dequantize
 from lightning_bpk.interop.remap import (
     KeyRemapper,
     RemapResult,
@@ -69,6 +90,7 @@ from lightning_bpk.interop.remap import (
     record_remapped,
 )
 from lightning_bpk.interop.rules import RemapError, Rule
+from lightning_bpk.interop.select import KeyFilter, Renumber
 from lightning_bpk.interop.sets import describe_set, is_set, read_any, write_set
 from lightning_bpk.interop.shards import ShardedLoad, load_into_shards
 
@@ -81,19 +103,28 @@ __all__ = [
     "Concatenate",
     "Content",
     "ConversionOps",
+    "Fp8Dequantize",
+    "Fp8Quantize",
+    "HalfPrecisionAdapter",
     "Interleave",
+    "KeyFilter",
     "KeyRemapper",
+    "LazyTensors",
+    "LoadResult",
     "MergeModulelist",
+    "Mxfp4Dequantize",
     "PermuteForRope",
     "PrefixChange",
     "PyTorchToBurnAdapter",
     "RemapError",
     "RemapResult",
     "Rename",
+    "Renumber",
     "Rule",
     "ShardedLoad",
     "Split",
     "SplitModulelist",
+    "TensorSlice",
     "Transpose",
     "Unstack",
     "WeightConverter",
@@ -107,6 +138,8 @@ __all__ = [
     "load_into_shards",
     "load_module_record",
     "load_remapped",
+    "open_tensors",
+    "peft_rules",
     "read_any",
     "read_content",
     "record_remapped",

@@ -43,12 +43,70 @@ __all__ = [
     "open_safetensors",
     "safetensors_header",
     "st_dtype",
+    "st_name",
+    "st_order",
+    "st_shape",
     "store_errors",
 ]
 
 ST_BOOL = "BOOL"
-"""Safetensors' name of ``torch.bool`` (every other dtype it names exactly as Burn does: F32,
-BF16, U8, ...)."""
+"""Safetensors' name of ``torch.bool``."""
+# Every dtype name of the safetensors format that torch has a dtype for (the names its Rust
+# writer uses; F32..U8 are Burn's names too). ``F4`` counts FP4 values in its shape, two to a
+# byte, where torch's ``float4_e2m1fn_x2`` counts bytes: the last dimension differs by 2.
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    ST_BOOL: torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
+    "C64": torch.complex64,
+}
+_ST_NAMES = {d: n for n, d in _ST_DTYPES.items()}
+# The safetensors writer's data order: dtypes in reverse of this order (its Rust enum's), then
+# names; a file written in it is byte-identical to the ``safetensors`` package's.
+_ST_RANK = {
+    n: k
+    for k, n in enumerate(
+        [
+            "BOOL",
+            "F4",
+            "U8",
+            "I8",
+            "F8_E5M2",
+            "F8_E4M3",
+            "F8_E8M0",
+            "F8_E4M3FNUZ",
+            "F8_E5M2FNUZ",
+            "I16",
+            "U16",
+            "F16",
+            "BF16",
+            "I32",
+            "U32",
+            "F32",
+            "C64",
+            "F64",
+            "I64",
+            "U64",
+        ]
+    )
+}
+_ST_F4 = "F4"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 
 Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -68,8 +126,42 @@ def store_errors(loc: Path | str) -> Iterator[None]:
 
 
 def st_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``BurnpackError`` for an unknown one)."""
-    return torch.bool if name == ST_BOOL else burnpack._torch_dtype(name)
+    """The torch dtype of a safetensors dtype name; ``ValueError`` naming it when torch has none
+    (or it is not one of the format's)."""
+    try:
+        return _ST_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"safetensors dtype {_short(name)} has no torch dtype") from None
+
+
+def st_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype; ``ValueError`` naming it when the format has none
+    (``complex128``, ``complex32``, the sub-byte integers, torch's quantized dtypes).
+
+    >>> st_name(torch.float8_e4m3fn), st_name(torch.bool)
+    ('F8_E4M3', 'BOOL')
+    """
+    try:
+        return _ST_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"torch dtype {dtype} has no safetensors equivalent") from None
+
+
+def st_order(dtypes: Mapping[str, str]) -> list[str]:
+    """Tensor names (``name -> safetensors dtype name``) in the order the ``safetensors``
+    package lays their data out: widest dtype first (its enum's order), then by name."""
+    return sorted(dtypes, key=lambda n: (-_ST_RANK[dtypes[n]], n))
+
+
+def st_shape(name: str, shape: tuple[int, ...], *, to_torch: bool) -> tuple[int, ...]:
+    """A tensor's shape in torch's terms (``to_torch``) or the header's: the same, except for
+    ``F4``, whose header counts values where torch counts bytes of two; ``ValueError`` for an
+    ``F4`` shape whose last dimension is not even (half a byte) or that has none."""
+    if name != _ST_F4:
+        return shape
+    if not shape or (to_torch and shape[-1] % 2):
+        raise ValueError(f"F4 shape {list(shape)} does not fill whole bytes")
+    return (*shape[:-1], shape[-1] // 2 if to_torch else shape[-1] * 2)
 
 
 def safetensors_header(
@@ -99,6 +191,8 @@ def safetensors_header(
         try:
             dtype = st_dtype(entry["dtype"])
             shape = tuple(entry["shape"])
+            if entry["dtype"] == _ST_F4 and all(type(n) is int for n in shape):
+                shape = st_shape(_ST_F4, shape, to_torch=True)
             begin, end = entry["data_offsets"]
             ok = (
                 len(shape) <= MAX_RANK
@@ -188,6 +282,7 @@ class BurnInfo:
     param_ids: dict[str, int]
     dtypes: dict[str, burnpack.DType]
     scalars: dict[str, burnpack.Scalar]
+    format_added: bool = False  # the writer added ``"format": "pt"``: not the content's
 
 
 def burn_info(raw: str | None, where: Path | str) -> BurnInfo | None:
@@ -240,4 +335,7 @@ def burn_info(raw: str | None, where: Path | str) -> BurnInfo | None:
             scalars[name] = burnpack.Scalar(kind, value)
         except (TypeError, ValueError) as e:
             raise bad(f"scalar {_short(name)}: {_short(pair)} ({e})") from None
-    return BurnInfo(order, param_ids, dtypes, scalars)
+    format_added = info.get("format_added", False)
+    if not isinstance(format_added, bool):
+        raise bad("'format_added' is not a bool")
+    return BurnInfo(order, param_ids, dtypes, scalars, format_added)

@@ -3,10 +3,11 @@ grouping the tensors converted together, and writing results into the module's t
 
 :func:`plan` runs the rules on meta tensors of a source's shapes and dtypes (every conversion
 problem is raised before any byte is read), adds the tensors the module's tie declarations
-fill from another (see :func:`tied_weights`), and splits the source's tensors into the groups
-converted together. ``_Shadow`` stands for a module in :meth:`ModuleRecord.apply`'s checks
-without changing it; :func:`destinations` finds the module tensor each planned name loads into;
-:func:`run_tasks` runs the groups on a bounded thread pool.
+fill from another (see :func:`~lightning_bpk.interop.hub.tied_weights`), and splits the
+source's tensors into the groups converted together. ``_Shadow`` stands for a module in
+:meth:`ModuleRecord.apply`'s checks without changing it; :func:`destinations` finds the
+module tensor each planned name loads into; :func:`run_tasks` runs the groups on a bounded
+thread pool.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ __all__ = [
     "plan",
     "run_tasks",
     "tie",
-    "tied_weights",
 ]
 
 DEFAULT_WORKERS = min(4, os.cpu_count() or 1)
@@ -183,27 +183,6 @@ def tie(items: Items, tied: Mapping[str, str]) -> Items:
     """``items`` with each tied target that ``tied`` names added as its source's tensor."""
     extra = {t: (items[s][0], None) for t, s in tied.items() if s in items and t not in items}
     return {**items, **extra} if extra else items
-
-
-def tied_weights(module: nn.Module) -> dict[str, str]:
-    """The module's tie declarations, ``{tied name: the name it shares}``, as transformers
-    declares them (``get_expanded_tied_weights_keys``, which honours the config's
-    ``tie_word_embeddings``), kept only where the module really shares the tensor; ``{}`` for
-    a module that declares none. Only these may be absent from a file in a strict load."""
-    expand = getattr(module, "get_expanded_tied_weights_keys", None)
-    declared = expand(all_submodels=True) if callable(expand) else {}
-    if not isinstance(declared, Mapping):
-        return {}
-    state = module.state_dict(keep_vars=True)
-    return {
-        t: s
-        for t, s in declared.items()
-        if isinstance(t, str)
-        and isinstance(s, str)
-        and t in state
-        and s in state
-        and state[t] is state[s]
-    }
 
 
 def group_items(

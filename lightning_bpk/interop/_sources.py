@@ -155,10 +155,7 @@ def _open_bpk(pack: burnpack.Pack, where: Location) -> Iterator[Source]:
         order = sorted(pack.names, key=lambda n: pack.entries[n].data_offsets)
         metadata = {k: v for k, v in pack.metadata.items() if k != RECORD_KIND_KEY}
         yield Source(
-            {
-                n: (pack.entries[n].shape, burnpack._torch_dtype(pack.entries[n].dtype))
-                for n in order
-            },
+            {n: pack.entries[n].torch_spec() for n in order},
             {n: pid for n in order if (pid := pack.entries[n].param_id) is not None},
             {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)},
             {k: v for k, v in metadata.items() if not k.startswith(ALIAS_PREFIX)},
@@ -170,7 +167,7 @@ def _open_bpk(pack: burnpack.Pack, where: Location) -> Iterator[Source]:
 
 def _bpk_span(pack: burnpack.Pack, name: str, where: Location) -> Span:
     info = pack.entries[name]
-    stored = _stored_dtype(info.dtype)
+    stored = info.carried or _stored_dtype(info.dtype)
     if stored is None:  # refused before: quantized tensors have no torch dtype
         raise RecordError("validation", f"{where}: tensor '{name}' is quantized (QFloat)")
     start, end = info.data_offsets
@@ -189,6 +186,8 @@ def _st_info(
         if info.order and sorted(info.order) == sorted(specs):
             specs = {n: specs[n] for n in info.order}
         param_ids = info.param_ids
+        if info.format_added:  # "format": "pt" is the writer's, not the content's
+            metadata.pop("format", None)
     metadata.pop(RECORD_KIND_KEY, None)
     aliases = {k[len(ALIAS_PREFIX) :]: v for k, v in metadata.items() if k.startswith(ALIAS_PREFIX)}
     return (
@@ -257,6 +256,7 @@ def _open_set(found: CheckpointSet, options: Options) -> Iterator[Source]:
         spans: dict[str, Span] = {}
         files: dict[str, Location] = {}
         owner: dict[str, str] = {}
+        metadata: list[dict[str, str]] = []
         problems: list[str] = []
         for shard in found.shards:
             source = shards[shard]
@@ -277,6 +277,7 @@ def _open_set(found: CheckpointSet, options: Options) -> Iterator[Source]:
                     spans[name] = source.spans[name]
             param_ids.update(source.param_ids)
             aliases.update(source.aliases)
+            metadata.append(source.metadata)
         problems += [
             f"{found.index}: alias {alias!r} names {target!r}, which no shard holds"
             for alias, target in aliases.items()
@@ -289,12 +290,27 @@ def _open_set(found: CheckpointSet, options: Options) -> Iterator[Source]:
             specs,
             param_ids,
             aliases,
-            {k: str(v) for k, v in found.metadata.items() if isinstance(v, str)},
+            {
+                **_shared(metadata),
+                **{k: str(v) for k, v in found.metadata.items() if isinstance(v, str)},
+            },
             lambda name: shards[owner[name]].read(name),
             _set_verify(shards, owner) if bpk else None,
             spans,
             files,
         )
+
+
+def _shared(metadata: list[dict[str, str]]) -> dict[str, str]:
+    """The metadata of a set's shards as the set's: every entry of every shard, except one
+    whose value differs between shards (each shard keeps its own)."""
+    merged: dict[str, str] = {}
+    differ: set[str] = set()
+    for entries in metadata:
+        for key, value in entries.items():
+            if merged.setdefault(key, value) != value:
+                differ.add(key)
+    return {k: v for k, v in merged.items() if k not in differ}
 
 
 def _set_verify(shards: _Shards, owner: dict[str, str]) -> Callable[[str], object]:

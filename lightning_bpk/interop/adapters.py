@@ -36,11 +36,14 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 __all__ = [
     "BurnToPyTorchAdapter",
+    "HalfPrecisionAdapter",
     "PyTorchToBurnAdapter",
 ]
 
@@ -119,3 +122,46 @@ class BurnToPyTorchAdapter(_BurnLayout):
 
 class PyTorchToBurnAdapter(_BurnLayout):
     """Record a torch module in Burn's layout: ``ModuleRecord.from_module(module, adapter=...)``."""
+
+
+class HalfPrecisionAdapter:
+    """Burn's ``HalfPrecisionAdapter``: float32 tensors are recorded as float16 (half the
+    bytes), and float16 ones loaded back as float32; other dtypes pass unchanged. ``inner``, an
+    adapter it wraps (e.g. :class:`PyTorchToBurnAdapter`), maps names and layouts first on save
+    and last on load.
+
+    >>> import torch
+    >>> from lightning_bpk.records import ModuleRecord
+    >>> record = ModuleRecord.from_module(torch.nn.Linear(2, 2), adapter=HalfPrecisionAdapter())
+    >>> record.tensors["weight"].dtype
+    torch.float16
+    >>> record.apply(torch.nn.Linear(2, 2), adapter=HalfPrecisionAdapter()).weight.dtype
+    torch.float32
+    """
+
+    def __init__(self, inner: Any = None, *, half: torch.dtype = torch.float16) -> None:
+        self.inner = inner
+        self.half = half
+
+    def from_module(
+        self, name: str, tensor: torch.Tensor, layer: nn.Module | None
+    ) -> tuple[str, torch.Tensor] | None:
+        """torch name/tensor -> the record's, float32 halved."""
+        mapped = (
+            (name, tensor) if self.inner is None else self.inner.from_module(name, tensor, layer)
+        )
+        if mapped is None:
+            return None
+        name, tensor = mapped
+        return name, tensor.to(self.half) if tensor.dtype == torch.float32 else tensor
+
+    def to_module(
+        self, name: str, tensor: torch.Tensor, layer: nn.Module | None
+    ) -> tuple[str, torch.Tensor]:
+        """Record name/tensor -> the module's, half precision back to float32."""
+        if tensor.dtype == self.half:
+            tensor = tensor.to(torch.float32)
+        return (name, tensor) if self.inner is None else self.inner.to_module(name, tensor, layer)
+
+    def __repr__(self) -> str:
+        return f"HalfPrecisionAdapter({self.inner!r}, half={self.half})"

@@ -43,7 +43,14 @@ import torch
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import is_sharded
-from lightning_bpk.interop._mapped import SAFETENSORS_INFO_KEY, ST_BOOL, burn_info, open_safetensors
+from lightning_bpk.interop._mapped import (
+    SAFETENSORS_INFO_KEY,
+    burn_info,
+    open_safetensors,
+    st_name,
+    st_order,
+    st_shape,
+)
 from lightning_bpk.layout import MODEL_FILE
 from lightning_bpk.records import files
 from lightning_bpk.records.base import RECORD_KIND_KEY, RecordError
@@ -69,6 +76,7 @@ _BPK_SUFFIXES = (".bpk",)
 _SAFETENSORS_SUFFIXES = (".safetensors",)
 _TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # torch.save output; read-only here
 _ST_HEADER_ALIGN = 8  # safetensors pads its JSON header with spaces to a multiple of 8
+ST_FORMAT_KEY, ST_FORMAT = "format", "pt"  # transformers 4.x refuses files without it
 
 CHECKPOINT_MODEL_FILE = MODEL_FILE  # the file the Lightning callback saves weights in
 # Storage of Burn's bool variants, for writing back a bool tensor in the variant it came in.
@@ -87,11 +95,6 @@ class Content:
     dtypes: dict[str, burnpack.DType] = field(default_factory=dict)  # only non-default Burn dtypes
     metadata: dict[str, str] = field(default_factory=dict)
     scalars: dict[str, burnpack.Scalar] = field(default_factory=dict)
-
-
-def _st_dtype(dtype: torch.dtype) -> str:
-    """Safetensors' name of a torch dtype; raises ``burnpack.ValidationError`` if it has none."""
-    return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
 
 
 def file_kind(path: Path) -> str:
@@ -131,13 +134,22 @@ def _read_bpk(path: Path | str, options: Options) -> Content:
                 dtypes={
                     n: entries[n].dtype
                     for n, t in tensors.items()
-                    if burnpack._burn_dtype(t.dtype) != entries[n].dtype
+                    if _default_dtype(t.dtype) != entries[n].dtype
                 },
                 metadata=dict(pack.metadata),
                 scalars=dict(pack.scalars),
             )
     except burnpack.BurnpackError as e:
         raise RecordError.from_format_error(e) from e
+
+
+def _default_dtype(dtype: torch.dtype) -> burnpack.DType | None:
+    """The Burn dtype a tensor of ``dtype`` is written as by default (a carried one's stand-in:
+    :meth:`burnpack.TensorEntry.from_tensor`); ``None`` where there is none."""
+    try:
+        return burnpack.TensorEntry.from_tensor(torch.empty(0, dtype=dtype)).dtype
+    except burnpack.ValidationError:
+        return None
 
 
 def _is_quantized(dtype: burnpack.DType) -> bool:
@@ -148,20 +160,23 @@ def _write_bpk(path: Path | str, content: Content, progress: Progress | None = N
     """Write ``content`` as a burnpack file, durably and whole, through the package's one
     ``.bpk`` writer (:func:`lightning_bpk.records.files.save_pack`)."""
     total = len(content.tensors)
-    entries = []
+    entries, problems = [], []
     for k, (name, tensor) in enumerate(content.tensors.items()):
         dtype = content.dtypes.get(name)
         data = tensor
         if isinstance(dtype, dict) and "Bool" in dtype:
             data = tensor.to(_BOOL_STORAGE[dtype["Bool"]])
-        entry = burnpack.TensorEntry(
-            dtype if dtype is not None else burnpack._burn_dtype(tensor.dtype),
-            tensor.shape,
-            _reporting(data, k + 1, total, name, progress),
-            param_id=content.param_ids.get(name),
-            nbytes=data.numel() * data.element_size(),
-        )
+        try:
+            entry = burnpack.TensorEntry.from_tensor(data, content.param_ids.get(name))
+        except burnpack.ValidationError as e:
+            problems.append(f"{path}: tensor '{name}': {e}")
+            continue
+        if dtype is not None:
+            entry.dtype = dtype
+        entry.data = _reporting(data, k + 1, total, name, progress)
         entries.append((name, entry))
+    if problems:
+        raise RecordError("validation", problems)
     store, key = open_parent(path)
     try:
         files.save_pack(store, key, entries, metadata=content.metadata, scalars=content.scalars)
@@ -201,9 +216,11 @@ def _read_safetensors(path: Path | str, options: Options) -> Content:
         problems = "; ".join(e.problems)
         raise RecordError("io", f"{path}: not a readable safetensors file: {problems}") from e
     info = burn_info(metadata.pop(SAFETENSORS_INFO_KEY, None), path)
-    if info is None:  # a foreign file: a module's weights, names sorted
+    if info is None:  # a foreign file, or one needing no more: names sorted
         metadata.setdefault(RECORD_KIND_KEY, ModuleRecord.kind)
         return Content(tensors, metadata=metadata)
+    if info.format_added:
+        metadata.pop(ST_FORMAT_KEY, None)
     if info.order is None or sorted(info.order) != sorted(tensors):
         raise RecordError(
             "validation",
@@ -223,35 +240,27 @@ def _write_safetensors(
     path: Path | str, content: Content, progress: Progress | None = None
 ) -> Path | str:
     """Write ``content`` as a safetensors file, durably and whole, streaming one tensor at a
-    time into the store's sink."""
+    time into the store's sink, laid out as the ``safetensors`` package lays it out."""
     dtypes, problems = {}, []
     for name, tensor in content.tensors.items():
         try:
-            dtypes[name] = _st_dtype(tensor.dtype)
-        except burnpack.ValidationError as e:
+            dtypes[name] = st_name(tensor.dtype)
+        except ValueError as e:
             problems.append(f"{path}: tensor '{name}': {e}")
     if problems:
         raise RecordError("validation", problems)
-    info: dict[str, Any] = {
-        "order": list(content.tensors),
-        "param_ids": {n: str(v) for n, v in content.param_ids.items()},
-        "dtypes": content.dtypes,
-        "scalars": {
-            n: [s.kind, float(s.value).hex() if s.kind == "Float" else s.value]
-            for n, s in content.scalars.items()
-        },
-    }
-    header: dict[str, Any] = {
-        "__metadata__": {**content.metadata, SAFETENSORS_INFO_KEY: json.dumps(info)}
-    }
-    order = sorted(content.tensors, key=lambda n: (-content.tensors[n].element_size(), n))
+    order = st_order(dtypes)
+    header: dict[str, Any] = {}
+    metadata = _st_metadata(content)
+    if metadata:
+        header["__metadata__"] = metadata
     offset = 0
     for name in order:
         t = content.tensors[name]
         nbytes = t.numel() * t.element_size()
         header[name] = {
             "dtype": dtypes[name],
-            "shape": list(t.shape),
+            "shape": list(st_shape(dtypes[name], tuple(t.shape), to_torch=False)),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -270,6 +279,34 @@ def _write_safetensors(
     except OSError as e:
         raise RecordError("io", f"cannot write {path}: {e.strerror or e}") from e
     return path
+
+
+def _st_metadata(content: Content) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file holding ``content``: ``"format": "pt"`` (which
+    transformers 4.x needs) and its metadata; :data:`SAFETENSORS_INFO_KEY` only when something
+    safetensors cannot say is there (param ids, Burn dtypes, scalars, an order other than the
+    reader's sorted names, a ``format`` entry added here, which the reader then drops), and
+    else no module record kind (what the reader assumes). A file transformers wrote (the
+    ``safetensors`` package, ``{"format": "pt"}``) thus converts back byte-identically, as does
+    a ``.bpk``."""
+    metadata = {ST_FORMAT_KEY: ST_FORMAT, **content.metadata}
+    order = list(content.tensors)
+    added = ST_FORMAT_KEY not in content.metadata
+    if added or content.param_ids or content.dtypes or content.scalars or order != sorted(order):
+        info: dict[str, Any] = {
+            "order": order,
+            "format_added": added,
+            "param_ids": {n: str(v) for n, v in content.param_ids.items()},
+            "dtypes": content.dtypes,
+            "scalars": {
+                n: [s.kind, float(s.value).hex() if s.kind == "Float" else s.value]
+                for n, s in content.scalars.items()
+            },
+        }
+        metadata[SAFETENSORS_INFO_KEY] = json.dumps(info)
+    elif metadata.get(RECORD_KIND_KEY) == ModuleRecord.kind:
+        del metadata[RECORD_KIND_KEY]
+    return metadata
 
 
 # --- torch.save files ----------------------------------------------------------------------------
@@ -402,7 +439,32 @@ def _read_content(loc: Path | str, options: Options) -> Content:
         from lightning_bpk.dcp import module_record  # torch.distributed: imported on use
 
         return record_content(module_record(loc, storage_options=options))
+    loc = _directory_file(loc, options)
     return _READERS[file_kind(Path(name_of(loc)))](loc, options)
+
+
+def _directory_file(loc: Path | str, options: Options) -> Path | str:
+    """The file a directory stands for: a checkpoint directory's model file, else its one
+    file of a known suffix (a model downloaded into a folder); ``loc`` itself when it is not
+    a directory. A directory with none, or several, is a ``RecordError`` listing them."""
+    store = open_store(loc, options)
+    if store.size("") is not None:
+        return loc
+    entries = store.list("")
+    if not entries:
+        return loc  # nothing there: the reader names the missing file
+    if entries.get(CHECKPOINT_MODEL_FILE) is not None:
+        return join(loc, CHECKPOINT_MODEL_FILE)
+    known = _BPK_SUFFIXES + _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES
+    found = sorted(
+        n for n, size in entries.items() if size is not None and Path(n).suffix.lower() in known
+    )
+    if len(found) != 1:
+        what = f"{len(found)} files of a known suffix ({', '.join(found)})" if found else "none"
+        raise RecordError(
+            "io", f"{loc}: a directory read as one file must hold one model file; it holds {what}"
+        )
+    return join(loc, found[0])
 
 
 def write_content(

@@ -31,8 +31,10 @@ tie and require every other one.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,13 +43,21 @@ import torch
 from torch import nn
 
 from lightning_bpk.interop import conversions, ops
-from lightning_bpk.interop._plan import tied_weights
+from lightning_bpk.interop._ties import tied_weights
 from lightning_bpk.interop.formats import record_content, save_module_record
-from lightning_bpk.interop.remap import KeyRemapper, record_remapped
+from lightning_bpk.interop.remap import KeyRemapper, Rename, record_remapped
 from lightning_bpk.interop.rules import Items, RemapError, Rule, trace_step
+from lightning_bpk.interop.select import KeyFilter
 from lightning_bpk.interop.sets import write_set
 
-__all__ = ["COVERED", "BaseModelPrefix", "rules_for", "save_pretrained", "tied_weights"]
+__all__ = [
+    "COVERED",
+    "BaseModelPrefix",
+    "peft_rules",
+    "rules_for",
+    "save_pretrained",
+    "tied_weights",
+]
 
 
 def _moe(gate: str, up: str, down: str, prefix: str = "mlp.experts") -> list[Rule]:
@@ -173,6 +183,7 @@ def rules_for(model: nn.Module | str, *, legacy: bool = True) -> KeyRemapper:
         if _have_transformers():
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
+            _check_model_type(model)
             theirs = list(get_checkpoint_conversion_mapping(model) or [])
             if legacy:
                 theirs += get_checkpoint_conversion_mapping("legacy") or []
@@ -190,6 +201,18 @@ def rules_for(model: nn.Module | str, *, legacy: bool = True) -> KeyRemapper:
     if prefix:
         rules.append(BaseModelPrefix(prefix, model.state_dict().keys()))
     return KeyRemapper(rules)
+
+
+def _check_model_type(model_type: str) -> None:
+    """RemapError naming an unknown model type (``"mixtrall"``) and the closest known ones:
+    transformers answers it with its legacy rules alone, which would load nothing right."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise RemapError(f"unknown model type {model_type!r} (not in transformers' registry){hint}")
 
 
 def _is_pretrained(model: nn.Module) -> bool:
@@ -263,12 +286,13 @@ def save_pretrained(
     unmatched: Iterable[str] = (),
     ties: Mapping[str, str] | None = None,
     *,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Path | str:
     """Save ``model`` in its checkpoint's layout: the rules a load applied undone
     (``unmatched``, what the load returned, are left out), and each tied tensor written once,
     under its tie's name, as ``save_pretrained`` writes it. One ``.safetensors``/``.bpk`` file,
-    or with ``max_shard_size`` (bytes) a set in the new directory ``path`` (returns its index).
+    or with ``max_shard_size`` (bytes, or ``"5GB"`` as transformers spells it) a set in the new
+    directory ``path`` (returns its index). transformers 4.x loads what this writes.
     """
     ties = tied_weights(model) if ties is None else dict(ties)
     applied = remapper.applied(unmatched)
@@ -278,6 +302,39 @@ def save_pretrained(
     if max_shard_size is None:
         return save_module_record(record, path)
     return write_set(record_content(record), path, max_shard_size=max_shard_size)
+
+
+_LORA = r"lora_(?:A|B|embedding_A|embedding_B|magnitude_vector)"
+
+
+def peft_rules(adapter_name: str = "default", *, prefix: str = "base_model.model.") -> KeyRemapper:
+    """The rules between a module with LoRA layers as peft injects them
+    (``q_proj.lora_A.default.weight``: the adapter's name in the path) and the adapter file
+    peft saves (``adapter_model.safetensors``: ``base_model.model.q_proj.lora_A.weight``, the
+    adapter's name left out, the base model's weights not saved). ``save_pretrained(model,
+    "adapter_model.safetensors", peft_rules())`` writes what ``PeftModel.from_pretrained``
+    reads; a load through them takes such a file (``allow_partial=True``: the base weights are
+    not in it). ``prefix``: ``""`` for a module that is not wrapped in a ``PeftModel``.
+
+    >>> rules = peft_rules()
+    >>> items = {n: (torch.ones(1), None) for n in ["q.lora_A.default.weight", "q.weight"]}
+    >>> list(rules.save(items).tensors)
+    ['base_model.model.q.lora_A.weight']
+    """
+    if not re.fullmatch(r"[\w-]+", adapter_name):
+        raise RemapError(f"adapter name {adapter_name!r} is not one peft would use")
+    lead = re.escape(prefix)
+    name = re.escape(adapter_name)
+    return KeyRemapper(
+        [
+            KeyFilter(regex=[rf"\.{_LORA}\."]),
+            Rename(
+                rf"^{lead}(.+)\.({_LORA})\.(weight|bias)$",
+                rf"\1.\2.{adapter_name}.\3",
+                inverse=(rf"^(.+)\.({_LORA})\.{name}\.(weight|bias)$", rf"{prefix}\1.\2.\3"),
+            ),
+        ]
+    )
 
 
 def _file_names(remapper: KeyRemapper, ties: Mapping[str, str]) -> set[str]:

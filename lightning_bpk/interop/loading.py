@@ -27,25 +27,29 @@ user's own :class:`~lightning_bpk.interop.rules.Rule` subclass) makes the whole 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
+    Planned,
     apply_problems,
     destinations,
     group_items,
     plan,
     run_tasks,
     tie,
-    tied_weights,
 )
-from lightning_bpk.interop._sources import open_source
-from lightning_bpk.interop.remap import KeyRemapper
+from lightning_bpk.interop._sources import Source, open_source
+from lightning_bpk.interop._ties import tied_weights, untied_while
+from lightning_bpk.interop.remap import KeyRemapper, RemapResult
 from lightning_bpk.records._params import load_tensor, owning_module
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.records.module import Adapter
@@ -64,12 +68,13 @@ def load_remapped(
     dtype_policy: str = "from_record",
     ties: Mapping[str, str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> list[str]:
+) -> LoadResult:
     """Load a ``.bpk``, ``.safetensors`` or ``torch.save`` file, or a checkpoint set (an index
     or a directory: see :mod:`lightning_bpk.interop`), local or at a URL, into ``module``
     through ``remapper`` (then ``adapter``), on up to ``workers`` threads (see the module docs);
-    returns the rules that matched nothing. Same result, checks and options as
-    ``apply_remapped(load_module_record(path), module, remapper, ...)``.
+    returns the rules that matched nothing, as a :class:`LoadResult` that also says what a
+    relaxed load applied, skipped, left missing or unused, and cast. Same checks and options
+    as ``apply_remapped(load_module_record(path), module, remapper, ...)``.
 
     ``ties`` maps a module tensor name to the one it is tied to (default: the module's own tie
     declarations, see :func:`~lightning_bpk.interop.hub.tied_weights`); a tied tensor the file
@@ -98,36 +103,130 @@ def load_remapped(
         )
         if problems:
             raise RecordError("validation", [f"{path}: {p}" for p in problems])
-        into = destinations(module, planned.result.tensors, adapter)
-        shards = [n for n, t in into.items() if isinstance(t, DTensor)]
-        if shards:
-            raise RecordError(
-                "validation",
-                [f"{path}: '{n}' is a DTensor shard: load with load_into_shards" for n in shards],
-            )
-        cast = dtype_policy == "cast_to_module"
+        stored = set(planned.result.tensors) - set(planned.tied)
+        with untied_while(module, stored if adapter is None else (), ties, path):
+            into = destinations(module, planned.result.tensors, adapter)
+            shards = [n for n, t in into.items() if isinstance(t, DTensor)]
+            if shards:
+                raise RecordError(
+                    "validation",
+                    [
+                        f"{path}: '{n}' is a DTensor shard: load with load_into_shards"
+                        for n in shards
+                    ],
+                )
+            cast = dtype_policy == "cast_to_module"
+            load = _Load(source, planned, remapper, module, into, adapter, cast)
+            try:
+                if source.verify is not None:  # checksums first: a damaged file changes nothing
+                    run_tasks(source.verify, list(source.specs), workers)
+                run_tasks(load.group, planned.groups, workers)
+            except burnpack.BurnpackError as e:
+                raise RecordError.from_format_error(e) from e
+            if load.skipped:
+                warnings.warn(
+                    f"{path}: validate=False skipped {len(load.skipped)} shape mismatches, which "
+                    f"keep the module's values: {'; '.join(sorted(load.skipped.values()))}",
+                    stacklevel=2,
+                )
+            return _outcome(module, planned.result, into, adapter, set(load.skipped), cast)
 
-        def task(group: list[str]) -> None:
-            items = group_items(source, group, source.read)
-            loaded = tie(remapper.load(items).tensors, planned.tied)
-            for name, (tensor, pid) in loaded.items():
-                if name not in into:
-                    continue  # unused (allowed), or a tied tensor loaded under its first name
-                target = into[name]
-                if adapter is not None:
-                    tensor = adapter.to_module(name, tensor, owning_module(module, name))[1]
-                if tuple(tensor.shape) == tuple(target.shape):  # else validate=False skips it
-                    load_tensor(target, tensor, pid, cast)
 
-        try:
-            if source.verify is not None:  # checksums first: a damaged file changes nothing
-                run_tasks(source.verify, list(source.specs), workers)
-            run_tasks(task, planned.groups, workers)
-        except burnpack.BurnpackError as e:
-            raise RecordError.from_format_error(e) from e
-    return planned.result.unmatched
+@dataclass
+class _Load:
+    """One load's tasks: each group read, converted and copied into the module's tensors."""
+
+    source: Source
+    planned: Planned
+    remapper: KeyRemapper
+    module: nn.Module
+    into: Mapping[str, torch.Tensor]
+    adapter: Adapter | None
+    cast: bool
+    skipped: dict[str, str] = field(default_factory=dict)  # one key per task: shared safely
+
+    def group(self, group: list[str]) -> None:
+        """Read ``group``, run the rules on it and load what they give into the module."""
+        items = group_items(self.source, group, self.source.read)
+        loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
+        for name, (tensor, pid) in loaded.items():
+            if name not in self.into:
+                continue  # unused (allowed), or a tied tensor loaded under its first name
+            target = self.into[name]
+            if self.adapter is not None:
+                owner = owning_module(self.module, name)
+                tensor = self.adapter.to_module(name, tensor, owner)[1]
+            if tuple(tensor.shape) == tuple(target.shape):
+                load_tensor(target, tensor, pid, self.cast)
+            else:  # validate=False: skipped, and said so
+                self.skipped[name] = (
+                    f"{name!r}: {list(tensor.shape)} in the file, "
+                    f"{list(target.shape)} in the module"
+                )
+
+
+class LoadResult(list[str]):
+    """What :func:`load_remapped` did. The list itself is the rules that matched nothing (as
+    it always returned); the attributes name module tensors (record names, before an adapter):
+
+    - ``applied``: loaded from the file;
+    - ``skipped``: shape mismatches ``validate=False`` left with the module's value;
+    - ``missing``: module tensors the file gave no value (``allow_partial=True``);
+    - ``unused``: file tensors the module has no place for (``allow_unused=True``);
+    - ``cast``: loaded in the module's dtype rather than the file's (``cast_to_module``).
+    """
+
+    applied: list[str]
+    skipped: list[str]
+    missing: list[str]
+    unused: list[str]
+    cast: list[str]
+
+    def __repr__(self) -> str:
+        fields = ("applied", "skipped", "missing", "unused", "cast")
+        counts = ", ".join(f"{f}={len(getattr(self, f))}" for f in fields)
+        return f"LoadResult(unmatched={list(self)!r}, {counts})"
+
+
+def _outcome(
+    module: nn.Module,
+    planned: RemapResult,
+    into: Mapping[str, torch.Tensor],
+    adapter: Adapter | None,
+    skipped: set[str],
+    cast: bool,
+) -> LoadResult:
+    """The :class:`LoadResult` of a finished load: ``into`` the destinations of the planned
+    tensors, ``skipped`` those whose shapes differed."""
+    state = module.state_dict(keep_vars=True)
+    result = LoadResult(planned.unmatched)
+    result.applied = sorted(n for n in into if n not in skipped)
+    result.skipped = sorted(skipped)
+    result.cast = sorted(
+        n for n in result.applied if cast and planned.tensors[n][0].dtype != into[n].dtype
+    )
+    result.unused = sorted(
+        n
+        for n in planned.tensors
+        if n not in into
+        and (
+            adapter.to_module(n, planned.tensors[n][0], owning_module(module, n))[0]
+            if adapter
+            else n
+        )
+        not in state
+    )
+    filled = {id(t) for t in into.values()}
+    result.missing = sorted(
+        n
+        for n, t in state.items()
+        if id(t) not in filled
+        and (adapter is None or adapter.from_module(n, t, owning_module(module, n)) is not None)
+    )
+    return result
 
 
 __all__ = [
+    "LoadResult",
     "load_remapped",
 ]

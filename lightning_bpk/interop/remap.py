@@ -74,6 +74,7 @@ from lightning_bpk.interop._patterns import (
     parse_simple,
     template_regex,
 )
+from lightning_bpk.interop._ties import tied_weights, untied_while
 from lightning_bpk.interop.conversions import WeightConverter
 from lightning_bpk.interop.ops import Transpose as Transpose  # a rule too (documented in ops)
 from lightning_bpk.interop.rules import (
@@ -438,10 +439,14 @@ def apply_remapped(
     remapper: KeyRemapper,
     *,
     adapter: Adapter | None = None,
+    ties: Mapping[str, str] | None = None,
     **apply_options: Any,
 ) -> list[str]:
     """Load ``record`` into ``module`` through ``remapper`` (then ``adapter``), with
     :meth:`ModuleRecord.apply`'s checks and options; returns the rules that matched nothing.
+    Ties as :func:`~lightning_bpk.interop.loading.load_remapped` honours them (``ties``,
+    default: the module's declarations): a tied tensor the record omits comes from its tie, and
+    one it holds with a value of its own is untied and loaded with it.
 
     Missing, unused and mismatched keys are reported together in one ``RecordError``, named as
     the module names them.
@@ -451,12 +456,16 @@ def apply_remapped(
         {a: (record.tensors[t], record.param_ids.get(t)) for a, t in record.aliases.items()}
     )
     result = remapper.load(items)
+    tensors = {n: t for n, (t, _) in result.tensors.items()}
+    ties = tied_weights(module) if ties is None else dict(ties)
     remapped = ModuleRecord(
-        {n: t for n, (t, _) in result.tensors.items()},
+        tensors,
         param_ids={n: p for n, (_, p) in result.tensors.items() if p is not None},
+        aliases={t: s for t, s in ties.items() if t not in tensors and s in tensors},
         metadata=record.metadata,
     )
-    remapped.apply(module, adapter=adapter, **apply_options)
+    with untied_while(module, tensors if adapter is None else (), ties, "the record"):
+        remapped.apply(module, adapter=adapter, **apply_options)
     return result.unmatched
 
 

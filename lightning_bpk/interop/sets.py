@@ -43,7 +43,7 @@ from lightning_bpk.interop._index import (
     find_set,
     set_kind,
 )
-from lightning_bpk.interop._mapped import ST_BOOL
+from lightning_bpk.interop._mapped import st_name
 from lightning_bpk.interop._sources import open_source
 from lightning_bpk.interop.formats import (
     Content,
@@ -132,12 +132,15 @@ def write_set(
     content: Content,
     directory: str | os.PathLike[str],
     *,
-    max_shard_size: int,
+    max_shard_size: int | str,
     suffix: str = ".safetensors",
     progress: Progress | None = None,
 ) -> Path | str:
     """Write ``content`` as a sharded set in the new directory ``directory`` (see the module
-    docs); returns the index's path."""
+    docs); returns the index's path. ``max_shard_size`` is bytes, or a size as transformers
+    spells it (``"5GB"``, ``"500MB"``, ``"2GiB"``: :func:`parse_size`)."""
+    if isinstance(max_shard_size, str):
+        max_shard_size = parse_size(max_shard_size)
     if max_shard_size < 1:
         raise ValueError(f"max_shard_size must be >= 1 byte, not {max_shard_size}")
     if suffix not in (".safetensors", ".bpk"):
@@ -184,7 +187,11 @@ def write_set(
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return ST_BOOL if dtype == torch.bool else str(burnpack._burn_dtype(dtype))
+    """The safetensors name of a dtype, else torch's (``complex128`` has no safetensors name)."""
+    try:
+        return st_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")
 
 
 def describe_source(

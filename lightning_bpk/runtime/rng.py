@@ -34,7 +34,15 @@ def capture_rng() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": keys, "pos": pos, "has_gauss": has_gauss, "gauss": gauss},
+        # the 624 keys as a tensor, not a numpy array: weights-only unpicklers (fabric.load,
+        # torch.load(weights_only=True)) refuse numpy arrays
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
         # 625 ints as one tensor rather than 625 scalar entries
         "python": {
             "version": version,
@@ -96,7 +104,9 @@ def restore_rng(states: Mapping[str, Any]) -> None:
     numpy_state = _field(
         states,
         "numpy",
-        lambda s: _checked_numpy((s["kind"], s["keys"], s["pos"], s["has_gauss"], s["gauss"])),
+        lambda s: _checked_numpy(
+            (s["kind"], _numpy_keys(s["keys"]), s["pos"], s["has_gauss"], s["gauss"])
+        ),
     )
     python_state = _field(
         states,
@@ -133,6 +143,17 @@ def _field(
 def _checked_torch(state: torch.Tensor) -> torch.Tensor:
     torch.Generator().set_state(state)  # a state of the wrong size or type is refused here
     return state
+
+
+def _numpy_keys(keys: Any) -> Any:
+    """NumPy's Mersenne Twister keys as ``set_state`` takes them: from the tensor
+    :func:`capture_rng` stores, or the array older checkpoints hold."""
+    if not isinstance(keys, torch.Tensor):
+        return keys
+    values = keys.numpy()
+    if values.size and not (values.min() >= 0 and values.max() < 2**32):
+        raise ValueError("numpy keys outside 0..2**32-1")
+    return values.astype(np.uint32)
 
 
 def _checked_numpy(state: tuple[Any, ...]) -> tuple[Any, ...]:
