@@ -66,6 +66,33 @@ def release_resume_start(trainer: pl.Trainer) -> None:
         del connector.resume_start
 
 
+def build_module(cls: type[Any], checkpoint: dict[str, Any], strict: bool, hparams: dict) -> Any:
+    """``cls`` built and loaded from Lightning's ``checkpoint`` dict exactly as
+    ``load_from_checkpoint`` does (saved hyper-parameters, ``hparams`` overriding them, its
+    ``on_load_checkpoint``, ``load_state_dict(strict)``), without reading a file."""
+    from lightning.pytorch.core.saving import _load_state
+
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(hparams)
+    return _load_state(cls, checkpoint, strict=strict, **hparams)
+
+
+def route_checkpoint_reader(read: Callable[[Any], dict[str, Any] | None]) -> None:
+    """Let ``read(path)`` answer ``load_from_checkpoint``'s read of ``path`` first (None: not
+    its to read; Lightning's reader then reads it), installed once per process."""
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load
+    if getattr(original, "_lightning_bpk_routed", False):
+        return
+
+    def pl_load(path: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = read(path)
+        return original(path, *args, **kwargs) if checkpoint is None else checkpoint
+
+    pl_load._lightning_bpk_routed = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load  # type: ignore[assignment]
+
+
 def is_lightning_signal_handler(handler: object) -> bool:
     """Lightning's own signal-connector handlers (bound methods of its signal connector)."""
     owner = getattr(handler, "__self__", None)

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
-from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.lightning import _compat, _runs, sharded, trainer_state
 from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
 from lightning_bpk.runtime import resume
 from lightning_bpk.runtime.resume import ResumeChoice
@@ -218,7 +218,13 @@ class Resumed:
         self._fit_started = False
 
     def loaded(self, trainer: pl.Trainer, checkpoint: dict[str, Any], by_step: bool) -> None:
-        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step)."""
+        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step); one
+        of ours numbered the other way is refused (:func:`~lightning_bpk.lightning._runs.
+        numbering_problem`)."""
+        if self.number is not None:
+            problem = _runs.numbering_problem(checkpoint, self.number, by_step, trainer.ckpt_path)
+            if problem is not None:
+                raise CheckpointResumeError(problem)
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
             self.check_classes(trainer)

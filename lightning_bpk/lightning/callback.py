@@ -127,7 +127,7 @@ from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
-from lightning_bpk.lightning import _compat, _resume, _save_data, trainer_state
+from lightning_bpk.lightning import _compat, _resume, _runs, _save_data, loading, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
     FINISHED_KEY,
@@ -291,7 +291,9 @@ class BurnpackCheckpoint(Checkpoint):
         self._resumed = _resume.Resumed()  # what the checkpoint this fit resumed from says
         self._reserved = False  # the async saver's staging buffers were requested
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+        self._idle: str | None = None  # why this fit neither resumes nor saves (lightning._runs)
         _compat.route_last_ckpt_path(_take_last)
+        loading.route_load_from_checkpoint()
 
     # The trigger and signal settings live with the objects that act on them.
     every_n_train_steps = property(lambda self: self.triggers.every_n_train_steps)
@@ -320,7 +322,12 @@ class BurnpackCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dirpath = self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
+        folder = lambda c: c.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)  # noqa: E731
+        problem = _runs.unapplied_bindings() or _runs.conflict(trainer, type(self), folder)
+        if problem is not None:
+            raise CheckpointResumeError(problem)
+        self._idle = _runs.idle_reason(trainer)
+        dirpath = location(trainer.strategy.broadcast(str(folder(self))))  # rank 0's
         dirpath = location(trainer.strategy.broadcast(str(dirpath)))
         ranks = self._ranks = _ranks(trainer)
         # Rank 0 chooses before anything is created (read-only), then owns the directory and
@@ -330,10 +337,13 @@ class BurnpackCheckpoint(Checkpoint):
 
         def choose() -> tuple[int, str | None]:
             nonlocal chosen
-            chosen = self._choose_resume(dirpath) if self.resume else chosen
+            chosen = self._choose_resume(dirpath) if self.resume and not self._idle else chosen
             problem = _resume.override_problem(chosen, dirpath)
             if problem is None:
                 self.checkpointer = self._make_checkpointer(dirpath)
+                if self._idle:
+                    log.info("BurnpackCheckpoint neither resumes nor saves in %s", self._idle)
+                    return chosen.number, None
                 self.checkpointer.take_over()  # this run owns it (lightning_bpk.store.lease)
                 if self.resume and resume.superseded_by_a_newer(chosen, self.checkpointer):
                     chosen = self._choose_resume(dirpath)
@@ -362,7 +372,9 @@ class BurnpackCheckpoint(Checkpoint):
         requeue = _compat.slurm_requeue_signal(trainer) if self.auto_requeue else None
         self.preemption.requeue_signal = requeue
         choice = chosen if trainer.is_global_zero else ResumeChoice(number)
-        _resume.intercept(trainer, choice, checkpointer, self.storage_options, self._resumed_from)
+        if _runs.resumer(trainer, type(self)) is self:  # Lightning loads one checkpoint
+            options, resumed = self.storage_options, self._resumed_from
+            _resume.intercept(trainer, choice, checkpointer, options, resumed)
 
     @property
     def restored_number(self) -> int | None:
@@ -417,17 +429,21 @@ class BurnpackCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpointer = self.checkpointer
         assert self._ranks is not None and checkpointer is not None  # made in setup
-        error = self._ranks.decide(  # rank 0 looks, every rank learns
-            lambda: _resume.save_over_problem(
-                trainer,
-                checkpointer,
-                self.step_numbered,
-                self.overwrite,
-                self.verify,
-                self.storage_options,
-            ),
-            lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
-            reraise=False,
+        error = (
+            None
+            if self._idle
+            else self._ranks.decide(  # rank 0 looks, every rank learns
+                lambda: _resume.save_over_problem(
+                    trainer,
+                    checkpointer,
+                    self.step_numbered,
+                    self.overwrite,
+                    self.verify,
+                    self.storage_options,
+                ),
+                lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
+                reraise=False,
+            )
         )
         if error is not None:
             raise CheckpointResumeError(error)
@@ -505,7 +521,7 @@ class BurnpackCheckpoint(Checkpoint):
         ``consumed``: the batches of this epoch a mid-epoch save comes after (None: the
         epoch's end); ``flush`` waits for an asynchronous write to be durable."""
         started = self.triggers.save_started()
-        if number <= self._resumed.replay_floor:
+        if number <= self._resumed.replay_floor or self._idle:
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         ranks, capture = self._ranks, self._position.capture
         assert ranks is not None and self._saves is not None  # made in setup
