@@ -79,7 +79,7 @@ an older ``override_number``. ``fit`` then stops with :class:`CheckpointResumeEr
 unless ``overwrite=True``, which removes them first. A checkpoint of other optimizer or
 scheduler classes is refused at ``on_fit_start``, before Lightning loads its state.
 
-**Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
+**Preemption.** During training, SIGTERM, SIGUSR1 and Ctrl-C only set a flag (previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
 At the next ``on_train_batch_end`` at an optimizer-step boundary all ranks agree on the flag
 (all-reduce MAX), save as above (by epoch number E, whatever the frequency, without a step
@@ -89,7 +89,8 @@ code: exit status 0). A signal during validation is acted on at the next batch e
 epoch's end. A mid-epoch checkpoint is marked in ``trainer.bpk`` under
 ``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays). From then on a
 repeated signal (schedulers send more than one) is ignored until the process has exited, so the
-exit status stays 0; a later ``fit`` in the same process brings the default handlers back.
+exit status stays 0 (a second Ctrl-C aborts at once: :mod:`lightning_bpk.runtime.preemption`
+says why Ctrl-C saves by default); a later ``fit`` brings the default handlers back.
 
 **SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
 SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
