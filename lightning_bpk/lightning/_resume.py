@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
-from lightning_bpk.lightning import _compat, _runs, sharded, trainer_state
+from lightning_bpk.lightning import _compat, _exact, _runs, sharded, trainer_state
 from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
 from lightning_bpk.runtime import resume
 from lightning_bpk.runtime.resume import ResumeChoice
@@ -216,6 +216,7 @@ class Resumed:
         self.finished: str | None = None
         self._classes: dict | None = None
         self._fit_started = False
+        self.lost = _exact.LostState()  # what Lightning's restore leaves out
 
     def loaded(self, trainer: pl.Trainer, checkpoint: dict[str, Any], by_step: bool) -> None:
         """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step); one
@@ -226,6 +227,7 @@ class Resumed:
             if problem is not None:
                 raise CheckpointResumeError(problem)
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        self.lost.loaded(trainer, checkpoint)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
             self.check_classes(trainer)
         where, batches = restored_at(checkpoint)
@@ -263,6 +265,7 @@ class Resumed:
 
     def train_started(self, trainer: pl.Trainer) -> None:
         """Say where training continues, and rebuild what a mid-epoch resume needs."""
+        self.lost.train_started(trainer)
         if self.number is None:
             return
         if trainer.is_global_zero:

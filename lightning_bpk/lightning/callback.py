@@ -471,6 +471,7 @@ class BurnpackCheckpoint(Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._resumed.lost.merge(trainer)  # the sums a mid-epoch save held join the new ones
         if self._saver is not None and not self._reserved and trainer.global_step > 0:
             self._reserved = True  # the first optimizer step's state exists now
             _save_data.reserve(trainer, self._saver, self.distributed_save)
@@ -548,6 +549,7 @@ class BurnpackCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
+        self._resumed.lost.epoch_ended(trainer)
         assert self._ranks is not None  # made in setup
         self.preemption.agree(self._ranks.agree_all([self.preemption.flag()])[0])
         preempted = self.preemption.agreed
