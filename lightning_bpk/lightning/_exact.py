@@ -37,8 +37,8 @@ from torchmetrics import Metric
 
 __all__ = ["EXACT_KEY", "LostState", "capture"]
 
-# Top-level key of a checkpoint: what this module saves beside Lightning's own dict.
 EXACT_KEY = "lightning_bpk_exact"
+"""Top-level key of a checkpoint: what this module saves beside Lightning's own dict."""
 
 
 def capture(trainer: pl.Trainer, epoch_end: bool) -> dict[str, Any]:
