@@ -263,16 +263,19 @@ class Resumed:
         if classes is not None:
             check_classes(trainer, classes)
 
-    def train_started(self, trainer: pl.Trainer) -> None:
-        """Say where training continues, and rebuild what a mid-epoch resume needs."""
+    def train_started(self, trainer: pl.Trainer, batch: int | None = None) -> None:
+        """Say where training continues (``batch``: the batch of the epoch it continues at when
+        the data continues in samples, a batch size changed), and rebuild what a mid-epoch
+        resume needs."""
         self.lost.train_started(trainer)
         if self.number is None:
             return
+        batch = self.batches if batch is None else batch
         if trainer.is_global_zero:
             log.info(
                 "continuing training at epoch %d%s (global step %d) after checkpoint %d",
                 trainer.current_epoch,
-                f", batch {self.batches}" if self.batches else "",
+                f", batch {batch}" if batch else "",
                 trainer.global_step,
                 self.number,
             )

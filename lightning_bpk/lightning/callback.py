@@ -448,7 +448,7 @@ class BurnpackCheckpoint(Checkpoint):
         )
         if error is not None:
             raise CheckpointResumeError(error)
-        self._resumed.train_started(trainer)
+        self._resumed.train_started(trainer, self._position.resumed_at)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
             path = trainer.ckpt_path
