@@ -292,9 +292,7 @@ def test_a_changed_accumulate_grad_batches_continues_only_at_a_window_boundary(t
     assert sorted(before + _samples_of_epoch(resumed, 1)) == list(range(48))
 
 
-def test_after_a_batch_size_change_the_log_names_the_batch_training_continues_at(
-    tmp_path, caplog
-):
+def test_after_a_batch_size_change_the_log_names_the_batch_training_continues_at(tmp_path, caplog):
     """Checkpoint 8 follows batch 2 (batches of 8) of epoch 1: with batches of 4 the epoch
     continues at batch 4, and the log says so (it used to name batch 2)."""
     fit(tmp_path / "run", crash=9, every=2, epochs=2)

@@ -35,6 +35,8 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
+from lightning_bpk.lightning import _log_continuity
+
 __all__ = ["EXACT_KEY", "LostState", "capture"]
 
 EXACT_KEY = "lightning_bpk_exact"
@@ -118,6 +120,7 @@ class LostState:
                 setattr(metric, attribute, value)
             metric._update_count = saved["updates"]
             metric._computed = None
+        _log_continuity.continue_versions(trainer, checkpoint)  # the logger's version too
         self._plateau = dict(state.get("plateau") or {})
         self._logged = dict(state.get("logged") or {})
 

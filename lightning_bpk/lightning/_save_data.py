@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 
 from lightning_bpk.layout import MODEL_KEY, OPTIMIZER_KEY, _numbered_key
-from lightning_bpk.lightning import _compat, _exact, sharded, trainer_state
+from lightning_bpk.lightning import _compat, _exact, _log_continuity, sharded, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY
 from lightning_bpk.lightning.triggers import FINISHED_KEY, finished
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
@@ -59,6 +59,7 @@ def collect(
         shards = sharded._take_state(trainer, checkpoint)
     checkpoint[POSITION_KEY] = positions()
     checkpoint[_exact.EXACT_KEY] = _exact.capture(trainer, epoch_end)  # what Lightning drops
+    checkpoint[_log_continuity.LOGGERS_KEY] = _log_continuity.capture(trainer)
     ended = finished(trainer, epoch_end)
     if ended is not None:
         checkpoint[FINISHED_KEY] = ended
