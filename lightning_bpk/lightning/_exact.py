@@ -58,13 +58,22 @@ def capture(trainer: pl.Trainer, epoch_end: bool) -> dict[str, Any]:
     if logged:
         state["logged"] = logged
     metrics = {
-        name: {"states": dict(metric.metric_state), "updates": metric._update_count}
+        name: {"states": _copied(metric.metric_state), "updates": metric._update_count}
         for name, metric in module.named_modules()
         if isinstance(metric, Metric) and name and metric._update_count
     }
     if metrics:
         state["metrics"] = metrics
     return state
+
+
+def _copied(states: dict[str, Any]) -> dict[str, Any]:
+    """A metric's states, copied (torchmetrics updates some in place; an asynchronous save
+    writes them after training went on)."""
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else [t.detach().clone() for t in v]
+        for k, v in states.items()
+    }
 
 
 def _plateau_steps(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

@@ -290,7 +290,8 @@ class ModuleRecord(Record):
         record's (a new ``nn.Parameter`` with the same ``requires_grad``, for every name it is
         tied under), as ``load_state_dict(assign=True)`` does; build optimizers afterwards. A
         ``meta`` tensor the record does not hold is an error even with ``allow_partial``:
-        nothing is left on ``meta`` silently.
+        nothing is left on ``meta`` silently. (A record of ``meta`` tensors holds no data: applying
+        it runs the checks only.)
 
         >>> net = torch.nn.Linear(2, 2)
         >>> ModuleRecord({"weight": torch.ones(2, 2)}).apply(net, allow_partial=True).weight.sum()
@@ -301,12 +302,15 @@ class ModuleRecord(Record):
         incoming = self._incoming(module, adapter)
         targets = module.state_dict(keep_vars=True)
         apply_errors, missing, plan = [], [], []
-        meta: dict[int, list[str]] = {}  # a meta target's id -> its names
+        # a meta target's id -> its names; a record of meta tensors only checks (interop's dry run)
+        data = any(not tensor.is_meta for tensor, _ in incoming.values())
+        meta: dict[int, list[str]] = {}
         for name, target in targets.items():
-            if isinstance(target, torch.Tensor) and target.is_meta:
+            on_meta = data and isinstance(target, torch.Tensor) and target.is_meta
+            if on_meta:
                 meta.setdefault(id(target), []).append(name)
             if name not in incoming:
-                if isinstance(target, torch.Tensor) and target.is_meta:
+                if on_meta:
                     apply_errors.append(
                         f"Apply error: '{name}' is on the meta device and the record does not "
                         "hold it: it would stay without data (build it on a real device)"
@@ -346,9 +350,9 @@ class ModuleRecord(Record):
         if problems:
             raise RecordError("validation", problems)
         cast = dtype_policy == "cast_to_module"
-        _load_all([p for p in plan if not p[0].is_meta], cast=cast)
+        _load_all([p for p in plan if id(p[0]) not in meta], cast=cast)
         for target, tensor, pid in plan:
-            if target.is_meta and id(target) in meta:
+            if id(target) in meta:
                 _materialise(module, meta.pop(id(target)), target, tensor, pid, cast)
         return module
 
