@@ -76,18 +76,28 @@ def build_module(cls: type[Any], checkpoint: dict[str, Any], strict: bool, hpara
     return _load_state(cls, checkpoint, strict=strict, **hparams)
 
 
+# Who reads a path for load_from_checkpoint before Lightning does (route_checkpoint_reader).
+_READERS: list[Callable[[Any], dict[str, Any] | None]] = []
+
+
 def route_checkpoint_reader(read: Callable[[Any], dict[str, Any] | None]) -> None:
     """Let ``read(path)`` answer ``load_from_checkpoint``'s read of ``path`` first (None: not
-    its to read; Lightning's reader then reads it), installed once per process."""
+    its to read; Lightning's reader then reads it); Lightning's reader is wrapped once per
+    process, and each ``read`` is asked once per path."""
     from lightning.pytorch.core import saving
 
+    if read not in _READERS:
+        _READERS.append(read)
     original = saving.pl_load
     if getattr(original, "_lightning_bpk_routed", False):
         return
 
     def pl_load(path: Any, *args: Any, **kwargs: Any) -> Any:
-        checkpoint = read(path)
-        return original(path, *args, **kwargs) if checkpoint is None else checkpoint
+        for reader in list(_READERS):
+            checkpoint = reader(path)
+            if checkpoint is not None:
+                return checkpoint
+        return original(path, *args, **kwargs)
 
     pl_load._lightning_bpk_routed = True  # type: ignore[attr-defined]
     saving.pl_load = pl_load  # type: ignore[assignment]
