@@ -245,3 +245,11 @@ def test_route_checkpoint_reader_answers_first_and_leaves_the_rest(tmp_path: Pat
         TinyModel.load_from_checkpoint(tmp_path / "missing.ckpt")
     assert asked == [tmp_path / "missing.ckpt"]
     compat._READERS.remove(asked.append)
+
+
+def test_train_results_and_the_plateau_step_lightning_skips(fitted) -> None:
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    trainer, _ = fitted
+    assert isinstance(compat.train_results(trainer), _ResultCollection)
+    assert compat.plateau_step_skipped(trainer) is False  # a fit that did not restart

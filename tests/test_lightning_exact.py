@@ -118,10 +118,20 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert all(torch.equal(left[k], right[k]) for k in left), "the weights differ"
 
 
-def test_reduce_lr_on_plateau_keeps_its_step_across_a_resume(tmp_path):
-    _, reference, _ = _fit(tmp_path / "ref", PlateauModel, 4)
-    trainer, resumed, checkpoint = _killed_then_resumed(tmp_path / "run", PlateauModel, 15)
-    assert checkpoint.restored_number == 1  # the end of epoch 1, before Lightning's plateau step
+@pytest.mark.parametrize(
+    ("options", "saved"),
+    [({}, 1), ({"every_n_train_steps": 4}, 8)],
+    ids=["epoch-end-save", "mid-epoch-save"],
+)
+def test_reduce_lr_on_plateau_keeps_its_step_across_a_resume(tmp_path, options, saved):
+    """Saved at the end of epoch 1, before Lightning's plateau step (which it skips when it
+    resumes there), or mid-epoch (Lightning skips the step at the end of the resumed epoch)."""
+    _, reference, _ = _fit(tmp_path / "ref", PlateauModel, 4, **options)
+    kill = 15 if saved == 1 else 10
+    trainer, resumed, checkpoint = _killed_then_resumed(
+        tmp_path / "run", PlateauModel, kill, **options
+    )
+    assert checkpoint.restored_number == saved
     lr = trainer.optimizers[0].param_groups[0]["lr"]
     assert lr == reference.trainer.optimizers[0].param_groups[0]["lr"] == 0.05 / 16
     _same_weights(resumed, reference)

@@ -103,6 +103,18 @@ def route_checkpoint_reader(read: Callable[[Any], dict[str, Any] | None]) -> Non
     saving.pl_load = pl_load  # type: ignore[assignment]
 
 
+def train_results(trainer: pl.Trainer) -> Any:
+    """The training loop's result collection: what ``self.log`` accumulates for the epoch."""
+    return trainer.fit_loop.epoch_loop._results
+
+
+def plateau_step_skipped(trainer: pl.Trainer) -> bool:
+    """At an epoch's end, Lightning will skip its ReduceLROnPlateau step (it does while the fit
+    loop restarts) where it would otherwise take it (every batch of the epoch ran)."""
+    fit_loop = trainer.fit_loop
+    return fit_loop.restarting and fit_loop.epoch_loop._num_ready_batches_reached()
+
+
 def is_lightning_signal_handler(handler: object) -> bool:
     """Lightning's own signal-connector handlers (bound methods of its signal connector)."""
     owner = getattr(handler, "__self__", None)

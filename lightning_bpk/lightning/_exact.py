@@ -9,7 +9,8 @@ adds them under :data:`EXACT_KEY` (:func:`capture`) and :class:`LostState` gives
   hooks, where the checkpoint is saved, with the monitored metric of that moment; resuming from
   that checkpoint it skips the step ("metrics are not saved"). Each plateau scheduler due at that
   epoch end is saved with the metric's value, and stepped with it (through the module's
-  ``lr_scheduler_step``, as Lightning does) when training restarts.
+  ``lr_scheduler_step``, as Lightning does) when training restarts. Lightning skips the step at
+  the end of an epoch a mid-epoch resume restarted in as well: it is taken there, after the save.
 - **Which parameters are frozen** (``requires_grad``). ``BaseFinetuning`` freezes its modules in
   ``setup`` and unfreezes them at one epoch (``BackboneFinetuning``'s
   ``unfreeze_backbone_at_epoch``); resumed after it, they stayed frozen for good. The names of
@@ -35,7 +36,7 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
-from lightning_bpk.lightning import _log_continuity
+from lightning_bpk.lightning import _compat, _log_continuity
 
 __all__ = ["EXACT_KEY", "LostState", "capture"]
 
@@ -92,7 +93,7 @@ def _plateau_steps(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
 
 def _logged_sums(trainer: pl.Trainer) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor the training loop's result collection accumulates for the epoch so far."""
-    results = trainer.fit_loop.epoch_loop._results
+    results = _compat.train_results(trainer)
     sums = {}
     for key, result in results.items():
         if not (result.is_tensor and result.meta.on_epoch) or result.has_reset:
@@ -143,12 +144,21 @@ class LostState:
             trainer.lightning_module.lr_scheduler_step(configs[int(index)].scheduler, value)
         self._plateau = {}
 
+    def epoch_saved(self, trainer: pl.Trainer) -> None:
+        """After the epoch-end save: at the end of the epoch a mid-epoch resume restarted in,
+        Lightning skips its plateau step too; take it, with the metrics it would have used."""
+        if not _compat.plateau_step_skipped(trainer):
+            return
+        configs = trainer.lr_scheduler_configs
+        for index, value in sorted(_plateau_steps(trainer).items()):
+            trainer.lightning_module.lr_scheduler_step(configs[int(index)].scheduler, value)
+
     def merge(self, trainer: pl.Trainer) -> None:
         """A training batch of the resumed run ended (its ``training_step`` logged): the saved
         sums join the values logged since, each once, the first time the run logged it."""
         if not self._logged:
             return
-        results = trainer.fit_loop.epoch_loop._results
+        results = _compat.train_results(trainer)
         for key in [k for k in self._logged if k in results]:
             saved, result = self._logged.pop(key), results[key]
             device = result.value.device

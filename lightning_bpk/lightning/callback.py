@@ -564,6 +564,7 @@ class BurnpackCheckpoint(Checkpoint):
         saved_here = self.last_saved_number == number
         if due and not (saved_here and self.triggers.saved_step == trainer.global_step):
             self._save(trainer, number, preempted=preempted, flush=preempted)
+        self._resumed.lost.epoch_saved(trainer)  # the plateau step Lightning skips restarting
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 
