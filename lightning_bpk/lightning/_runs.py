@@ -21,15 +21,24 @@ Checked in the callback's ``setup``, read-only, before anything is chosen or cre
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import gin
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 
-from lightning_bpk.store import identity, location, parent_of
+from lightning_bpk.layout import RUN_SUBDIRECTORY
+from lightning_bpk.store import identity, join, location, parent_of
 
-__all__ = ["conflict", "idle_reason", "numbering_problem", "resumer", "unapplied_bindings"]
+__all__ = [
+    "conflict",
+    "folder",
+    "idle_reason",
+    "numbering_problem",
+    "resumer",
+    "unapplied_bindings",
+]
 
 # gin configurables the callback reads no binding of -> {parameter: the callback's own}
 _CALLBACK_SETTINGS = {
@@ -63,14 +72,19 @@ def idle_reason(trainer: pl.Trainer) -> str | None:
     return None
 
 
-def conflict(trainer: pl.Trainer, mine: type, directory: Any) -> str | None:
+def folder(callback: Any, trainer: pl.Trainer) -> Path | str:
+    """Where ``callback`` saves in ``trainer``'s fit (each rank's view: rank 0's is broadcast)."""
+    return callback.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
+
+
+def conflict(trainer: pl.Trainer, mine: type) -> str | None:
     """The error for several callbacks of class ``mine`` in ``trainer`` that cannot work side by
-    side (``directory``: each one's ``dirpath`` resolved; None: no conflict)."""
+    side (None: no conflict)."""
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
     ours: list[Any] = [c for c in callbacks if isinstance(c, mine)]
     if len(ours) < 2:
         return None
-    folders = [identity(directory(c)) for c in ours]
+    folders = [identity(folder(c, trainer)) for c in ours]
     pairs = list(zip(ours, folders, strict=True))
     listed = ", ".join(f"#{i} {f} (resume={c.resume})" for i, (c, f) in enumerate(pairs))
     shared = sorted({f for f in folders if folders.count(f) > 1})

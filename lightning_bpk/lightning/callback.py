@@ -127,7 +127,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
-from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX, RUN_SUBDIRECTORY
+from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.lightning import _compat, _resume, _runs, _save_data, loading, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
@@ -142,7 +142,7 @@ from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption
 from lightning_bpk.runtime.ranks import Ranks
 from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.runtime.saves import Saves
-from lightning_bpk.store import join, location, open_store
+from lightning_bpk.store import location, open_store
 
 __all__ = [
     "FINISHED_KEY",
@@ -323,13 +323,11 @@ class BurnpackCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        folder = lambda c: c.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)  # noqa: E731
-        problem = _runs.unapplied_bindings() or _runs.conflict(trainer, type(self), folder)
+        problem = _runs.unapplied_bindings() or _runs.conflict(trainer, type(self))
         if problem is not None:
             raise CheckpointResumeError(problem)
         self._idle = _runs.idle_reason(trainer)
-        dirpath = location(trainer.strategy.broadcast(str(folder(self))))  # rank 0's
-        dirpath = location(trainer.strategy.broadcast(str(dirpath)))
+        dirpath = location(trainer.strategy.broadcast(str(_runs.folder(self, trainer))))
         ranks = self._ranks = _ranks(trainer)
         # Rank 0 chooses before anything is created (read-only), then owns the directory and
         # chooses again if a run saving there meanwhile committed a newer checkpoint; every
@@ -430,10 +428,9 @@ class BurnpackCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpointer = self.checkpointer
         assert self._ranks is not None and checkpointer is not None  # made in setup
-        error = (
-            None
-            if self._idle
-            else self._ranks.decide(  # rank 0 looks, every rank learns
+        error = None
+        if not self._idle:  # a smoke test or a tuner saves nothing: nothing to save over
+            error = self._ranks.decide(  # rank 0 looks, every rank learns
                 lambda: _resume.save_over_problem(
                     trainer,
                     checkpointer,
@@ -445,7 +442,6 @@ class BurnpackCheckpoint(Checkpoint):
                 lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
                 reraise=False,
             )
-        )
         if error is not None:
             raise CheckpointResumeError(error)
         self._resumed.train_started(trainer, self._position.resumed_at)
