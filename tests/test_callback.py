@@ -390,7 +390,7 @@ def test_preemption_signals_are_plain_ints_from_numbers_signals_or_names():
     import yaml
 
     default = BurnpackCheckpoint().preemption_signals
-    assert default == (15, 10) and all(type(s) is int for s in default)
+    assert default == (15, 10, 2) and all(type(s) is int for s in default)  # Ctrl-C too
     assert yaml.safe_dump(list(default))  # a config system (LightningCLI) can write them out
     given = BurnpackCheckpoint(preemption_signals=["SIGTERM", "usr1", signal.SIGINT, 12])
     assert given.preemption_signals == (15, 10, 2, 12)

@@ -7,6 +7,7 @@ test_ddp.)"""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import time
@@ -289,6 +290,17 @@ def test_a_changed_accumulate_grad_batches_continues_only_at_a_window_boundary(t
     _, _, resumed = fit(tmp_path / "b4", model_type=model_type, every=2, epochs=2)
     assert [line.split()[1] for line in resumed[:2]] == ["4", "5"]  # batch 4 of size 4 on
     assert sorted(before + _samples_of_epoch(resumed, 1)) == list(range(48))
+
+
+def test_after_a_batch_size_change_the_log_names_the_batch_training_continues_at(tmp_path, caplog):
+    """Checkpoint 8 follows batch 2 (batches of 8) of epoch 1: with batches of 4 the epoch
+    continues at batch 4, and the log says so (it used to name batch 2)."""
+    fit(tmp_path / "run", crash=9, every=2, epochs=2)
+    model_type = functools.partial(TinyModel, batch_size=4)
+    with caplog.at_level(logging.INFO, logger="lightning_bpk"):
+        _, _, resumed = fit(tmp_path / "run", model_type=model_type, every=2, epochs=2)
+    assert [line.split()[1] for line in resumed[:1]] == ["4"]
+    assert "continuing training at epoch 1, batch 4 (global step 8)" in caplog.text
 
 
 def test_a_loader_with_its_own_state_refuses_another_batch_size_mid_epoch(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.trainer.connectors import signal_connector
 
 from lightning_bpk.lightning import _compat as compat
@@ -249,3 +250,32 @@ def test_validation_has_run_and_mlflow_log_model(tmp_path: Path, monkeypatch) ->
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()
     assert compat.mlflow_log_model(MLFlowLogger(tracking_uri=uri, log_model="all")) == "all"
+
+
+def test_build_module_builds_as_load_from_checkpoint_does(fitted) -> None:
+    _, probe = fitted
+    dumped = dict(probe.dumped, hyper_parameters={"hidden": 16, "lr": 0.05})
+    model = compat.build_module(TinyModel, dumped, strict=True, hparams={"lr": 0.5})
+    assert (model.hparams.hidden, model.hparams.lr) == (16, 0.5)
+    weights = probe.dumped["state_dict"]
+    assert all(torch.equal(model.state_dict()[k], weights[k]) for k in weights)
+
+
+def test_route_checkpoint_reader_answers_first_and_leaves_the_rest(tmp_path: Path) -> None:
+    from lightning.pytorch.core import saving
+
+    asked: list[object] = []
+    compat.route_checkpoint_reader(asked.append)  # returns None: not its to read
+    assert getattr(saving.pl_load, "_lightning_bpk_routed", False)
+    with pytest.raises(FileNotFoundError):  # not ours: Lightning's reader reports it
+        TinyModel.load_from_checkpoint(tmp_path / "missing.ckpt")
+    assert asked == [tmp_path / "missing.ckpt"]
+    compat._READERS.remove(asked.append)
+
+
+def test_train_results_and_the_plateau_step_lightning_skips(fitted) -> None:
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    trainer, _ = fitted
+    assert isinstance(compat.train_results(trainer), _ResultCollection)
+    assert compat.plateau_step_skipped(trainer) is False  # a fit that did not restart

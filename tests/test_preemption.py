@@ -81,6 +81,39 @@ def test_sigterm_saves_stops_with_status_0_and_the_next_start_continues_exactly(
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_ctrl_c_saves_at_the_next_step_exits_cleanly_and_resumes_bit_identically(
+    tmp_path, tiny_reference
+):
+    command = [sys.executable, SCRIPT, "--root", tmp_path, "--epochs", TINY_REFERENCE_EPOCHS]
+    step = BATCHES_PER_EPOCH + 2  # after batch 2 of epoch 1
+    stopped = run_process(
+        [*command, "--term-at-step", step, "--term-signal", "SIGINT"], timeout=RUN_TIMEOUT
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    assert "Ctrl-C: saving at the next step boundary" in stopped.stderr
+    assert "saved checkpoint 1 after batch 2 of epoch 1" in stopped.stderr
+    assert "KeyboardInterrupt" not in stopped.stdout + stopped.stderr
+    assert _trainer_value(tmp_path, 1)[trainer_state.PREEMPTED_KEY]["batches"] == 3
+
+    resumed = run_process([*command, "--out", tmp_path / "resumed.bpk"], timeout=RUN_TIMEOUT)
+    assert "epoch=4 step=24 restored=1" in resumed.stdout
+    expected = ModuleRecord.load(tiny_reference / "ref.bpk").tensors
+    got = ModuleRecord.load(tmp_path / "resumed.bpk").tensors
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_saving(tmp_path):
+    command = [sys.executable, SCRIPT, "--root", tmp_path, "--epochs", TINY_REFERENCE_EPOCHS]
+    step = BATCHES_PER_EPOCH + 2
+    options = ["--term-at-step", step, "--term-signal", "SIGINT", "--term-count", 2]
+    aborted = run_process([*command, *options], timeout=RUN_TIMEOUT, check=False)
+    assert aborted.returncode == 1, aborted.stderr  # Lightning's KeyboardInterrupt shutdown
+    assert "Ctrl-C: saving at the next step boundary" in aborted.stderr  # the first one
+    assert "Detected KeyboardInterrupt" in aborted.stdout + aborted.stderr
+    assert "saved checkpoint 1" not in aborted.stderr
+    assert get_latest_checkpoint_number(tmp_path / "checkpoints") == 0  # epoch 0's end
+
+
 def test_repeated_sigterm_while_saving_and_exiting_does_not_kill_the_process(tmp_path):
     # Schedulers repeat their signal (and a requeue sends SIGTERM): from the first training epoch
     # until the process is gone it gets SIGTERM every 50 ms, through the save, Lightning's

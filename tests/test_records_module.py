@@ -424,3 +424,30 @@ def test_loading_thousands_of_tensors_runs_no_full_garbage_collection(tmp_path: 
     finally:
         gc.callbacks.remove(watch)
     assert full == [] and gc.isenabled()
+
+
+def test_apply_materialises_a_module_built_on_meta_tied_weights_included():
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    source.add_module("head", torch.nn.Linear(3, 4))
+    source.head.weight = source[0].weight  # tied
+    source.head.weight.requires_grad_(True)
+    record = ModuleRecord.from_module(source)
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        empty.add_module("head", torch.nn.Linear(3, 4))
+        empty.head.weight = empty[0].weight
+    record.apply(empty)
+    assert not any(t.is_meta for t in empty.state_dict().values())
+    assert empty.head.weight is empty[0].weight  # still tied, one Parameter
+    assert isinstance(empty[0].weight, torch.nn.Parameter) and empty[0].weight.requires_grad
+    assert param_ids(empty) == param_ids(source)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+
+
+def test_apply_never_leaves_a_tensor_on_meta_even_with_allow_partial():
+    with torch.device("meta"):
+        empty = torch.nn.Linear(2, 2)
+    with pytest.raises(RecordError, match="'bias' is on the meta device and the record"):
+        ModuleRecord({"weight": torch.ones(2, 2)}).apply(empty, allow_partial=True)
+    assert empty.weight.is_meta  # nothing changed

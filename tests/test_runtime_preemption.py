@@ -30,7 +30,7 @@ def _handlers_back() -> Iterator[None]:
 
 
 def test_signals_are_read_as_numbers_signals_or_names():
-    assert (int(signal.SIGTERM), int(signal.SIGUSR1)) == PREEMPTION_SIGNALS
+    assert (int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGINT)) == PREEMPTION_SIGNALS
     given = Preemption(["TERM", "sigusr1", signal.SIGINT, int(signal.SIGUSR2)])
     assert given.signals == (15, 10, 2, 12)
     assert all(type(s) is int for s in given.signals)

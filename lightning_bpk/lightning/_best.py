@@ -34,10 +34,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
-from lightning_bpk.layout import RUN_SUBDIRECTORY
-from lightning_bpk.lightning import _compat, trainer_state
+from lightning_bpk.lightning import _compat, _runs, trainer_state
 from lightning_bpk.runtime.best import Standing, metric_value
-from lightning_bpk.store import join, location, open_store
+from lightning_bpk.store import open_store
 
 
 def _text(path: Path | str | None) -> str:
@@ -101,10 +100,6 @@ class BestModels:
     def current_score(self) -> torch.Tensor | None:
         """The value of ``monitor`` the last save of this fit recorded."""
         return _tensor(self._current_score)
-
-    def _directory(self, trainer: pl.Trainer) -> Any:
-        """Where the checkpoints go: ``dirpath``, else ``{default_root_dir}/checkpoints``."""
-        return self.dirpath or join(location(trainer.default_root_dir), RUN_SUBDIRECTORY)
 
     def _read_standing(self, checkpointer: Checkpointer) -> None:
         """Follow the best and last checkpoints of ``checkpointer``'s directory (read when first
@@ -186,7 +181,7 @@ def take_last(trainer: pl.Trainer, fitting: bool) -> Any:
             callback._last_requested = True
         return bool(takers)
     for callback in callbacks:
-        directory = callback._directory(trainer)
+        directory = _runs.folder(callback, trainer)
         number = get_latest_checkpoint_number(
             directory,
             sentinel_file_identifier=callback.sentinel_file_identifier,
@@ -204,7 +199,7 @@ def read_before_best(trainer: pl.Trainer) -> None:
     directory yet (no ``fit`` in this process) reads its best and last checkpoints."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, BestModels) and not callback._standing_read:
-            directory = callback._directory(trainer)
+            directory = _runs.folder(callback, trainer)
             if open_store(directory, callback.storage_options).list(""):
                 callback._read_standing(_checkpointer(callback, directory))
 

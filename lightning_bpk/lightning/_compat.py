@@ -67,6 +67,55 @@ def release_resume_start(trainer: pl.Trainer) -> None:
         del connector.resume_start
 
 
+def build_module(cls: type[Any], checkpoint: dict[str, Any], strict: bool, hparams: dict) -> Any:
+    """``cls`` built and loaded from Lightning's ``checkpoint`` dict exactly as
+    ``load_from_checkpoint`` does (saved hyper-parameters, ``hparams`` overriding them, its
+    ``on_load_checkpoint``, ``load_state_dict(strict)``), without reading a file."""
+    from lightning.pytorch.core.saving import _load_state
+
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(hparams)
+    return _load_state(cls, checkpoint, strict=strict, **hparams)
+
+
+# Who reads a path for load_from_checkpoint before Lightning does (route_checkpoint_reader).
+_READERS: list[Callable[[Any], dict[str, Any] | None]] = []
+
+
+def route_checkpoint_reader(read: Callable[[Any], dict[str, Any] | None]) -> None:
+    """Let ``read(path)`` answer ``load_from_checkpoint``'s read of ``path`` first (None: not
+    its to read; Lightning's reader then reads it); Lightning's reader is wrapped once per
+    process, and each ``read`` is asked once per path."""
+    from lightning.pytorch.core import saving
+
+    if read not in _READERS:
+        _READERS.append(read)
+    original = saving.pl_load
+    if getattr(original, "_lightning_bpk_routed", False):
+        return
+
+    def pl_load(path: Any, *args: Any, **kwargs: Any) -> Any:
+        for reader in list(_READERS):
+            checkpoint = reader(path)
+            if checkpoint is not None:
+                return checkpoint
+        return original(path, *args, **kwargs)
+
+    pl_load._lightning_bpk_routed = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load  # type: ignore[assignment]
+
+
+def train_results(trainer: pl.Trainer) -> Any:
+    """The training loop's result collection: what ``self.log`` accumulates for the epoch."""
+    return trainer.fit_loop.epoch_loop._results
+
+
+def plateau_step_skipped(trainer: pl.Trainer) -> bool:
+    """At an epoch's end, Lightning will skip its ReduceLROnPlateau step (it does while the fit
+    loop restarts) where it would otherwise take it (every batch of the epoch ran)."""
+    fit_loop = trainer.fit_loop
+    return fit_loop.restarting and fit_loop.epoch_loop._num_ready_batches_reached()
+
+
 def is_lightning_signal_handler(handler: object) -> bool:
     """Lightning's own signal-connector handlers (bound methods of its signal connector)."""
     owner = getattr(handler, "__self__", None)

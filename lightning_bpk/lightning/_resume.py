@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.errors import CheckpointResumeError, LightningBpkError
 from lightning_bpk.layout import parse_sentinel_name
-from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.lightning import _compat, _exact, _runs, sharded, trainer_state
 from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
 from lightning_bpk.runtime import resume
 from lightning_bpk.runtime.resume import ResumeChoice
@@ -219,10 +219,18 @@ class Resumed:
         self.finished: str | None = None
         self._classes: dict | None = None
         self._fit_started = False
+        self.lost = _exact.LostState()  # what Lightning's restore leaves out
 
     def loaded(self, trainer: pl.Trainer, checkpoint: dict[str, Any], by_step: bool) -> None:
-        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step)."""
+        """Lightning loaded ``checkpoint`` (``by_step``: checkpoints are numbered by step); one
+        of ours numbered the other way is refused (:func:`~lightning_bpk.lightning._runs.
+        numbering_problem`)."""
+        if self.number is not None:
+            problem = _runs.numbering_problem(checkpoint, self.number, by_step, trainer.ckpt_path)
+            if problem is not None:
+                raise CheckpointResumeError(problem)
         self._classes = checkpoint.get(trainer_state.CLASSES_KEY)
+        self.lost.loaded(trainer, checkpoint)
         if self._fit_started:  # strategies that restore after setup (FSDP, DeepSpeed)
             self.check_classes(trainer)
         where, batches = restored_at(checkpoint)
@@ -258,15 +266,19 @@ class Resumed:
         if classes is not None:
             check_classes(trainer, classes)
 
-    def train_started(self, trainer: pl.Trainer) -> None:
-        """Say where training continues, and rebuild what a mid-epoch resume needs."""
+    def train_started(self, trainer: pl.Trainer, batch: int | None = None) -> None:
+        """Say where training continues (``batch``: the batch of the epoch it continues at when
+        the data continues in samples, a batch size changed), and rebuild what a mid-epoch
+        resume needs."""
+        self.lost.train_started(trainer)
         if self.number is None:
             return
+        batch = self.batches if batch is None else batch
         if trainer.is_global_zero:
             log.info(
                 "continuing training at epoch %d%s (global step %d) after checkpoint %d",
                 trainer.current_epoch,
-                f", batch {self.batches}" if self.batches else "",
+                f", batch {batch}" if batch else "",
                 trainer.global_step,
                 self.number,
             )

@@ -2,7 +2,8 @@
 
 The run layer writes it (:class:`~lightning_bpk.runtime.saves.Saves`); here Lightning's own dict
 (``dump_checkpoint``: loops, callback states, hooks exactly Lightning's) gets this package's
-additions (every rank's data position, why the run finished, where a mid-epoch save stands)
+additions (every rank's data position, why the run finished, where a mid-epoch save stands,
+what Lightning's own dict leaves out: :mod:`~lightning_bpk.lightning._exact`)
 and becomes records (:mod:`lightning_bpk.lightning.trainer_state`), or, for a sharded run, the
 DCP state every rank writes plus the records rank 0 commits beside it
 (:mod:`lightning_bpk.lightning.sharded`). :func:`reserve` lets an asynchronous saver allocate
@@ -17,7 +18,7 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 
 from lightning_bpk.layout import MODEL_KEY, OPTIMIZER_KEY, _numbered_key
-from lightning_bpk.lightning import _compat, sharded, trainer_state
+from lightning_bpk.lightning import _compat, _exact, _log_continuity, sharded, trainer_state
 from lightning_bpk.lightning.data_position import POSITION_KEY
 from lightning_bpk.lightning.triggers import FINISHED_KEY, finished
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
@@ -57,6 +58,8 @@ def collect(
     if is_sharded(trainer, checkpoint, distributed_save):
         shards = sharded._take_state(trainer, checkpoint)
     checkpoint[POSITION_KEY] = positions()
+    checkpoint[_exact.EXACT_KEY] = _exact.capture(trainer, epoch_end)  # what Lightning drops
+    checkpoint[_log_continuity.LOGGERS_KEY] = _log_continuity.capture(trainer)
     ended = finished(trainer, epoch_end)
     if ended is not None:
         checkpoint[FINISHED_KEY] = ended

@@ -79,7 +79,7 @@ an older ``override_number``. ``fit`` then stops with :class:`CheckpointResumeEr
 unless ``overwrite=True``, which removes them first. A checkpoint of other optimizer or
 scheduler classes is refused at ``on_fit_start``, before Lightning loads its state.
 
-**Preemption.** During training, SIGTERM and SIGUSR1 only set a flag (the previous handlers
+**Preemption.** During training, SIGTERM, SIGUSR1 and Ctrl-C only set a flag (previous handlers
 still run, except Lightning's own SIGTERM notifier, whose in-handler broadcast can deadlock DDP).
 At the next ``on_train_batch_end`` at an optimizer-step boundary all ranks agree on the flag
 (all-reduce MAX), save as above (by epoch number E, whatever the frequency, without a step
@@ -89,7 +89,8 @@ code: exit status 0). A signal during validation is acted on at the next batch e
 epoch's end. A mid-epoch checkpoint is marked in ``trainer.bpk`` under
 ``lightning_bpk_preempted`` (epoch, batches consumed, whether it replays). From then on a
 repeated signal (schedulers send more than one) is ignored until the process has exited, so the
-exit status stays 0; a later ``fit`` in the same process brings the default handlers back.
+exit status stays 0 (a second Ctrl-C aborts at once: :mod:`lightning_bpk.runtime.preemption`
+says why Ctrl-C saves by default); a later ``fit`` brings the default handlers back.
 
 **SLURM.** Under SLURM (Lightning's ``SLURMEnvironment``, auto-requeue on) Lightning's own
 SIGUSR1 handler, which saves and requeues inside the handler, does not run either; when the
@@ -128,7 +129,15 @@ from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
 from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
-from lightning_bpk.lightning import _best, _compat, _resume, _save_data, trainer_state
+from lightning_bpk.lightning import (
+    _best,
+    _compat,
+    _resume,
+    _runs,
+    _save_data,
+    loading,
+    trainer_state,
+)
 from lightning_bpk.lightning.data_position import POSITION_KEY, DataPosition
 from lightning_bpk.lightning.triggers import (
     FINISHED_KEY,
@@ -297,7 +306,9 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         self._resumed = _resume.Resumed()  # what the checkpoint this fit resumed from says
         self._reserved = False  # the async saver's staging buffers were requested
         self._last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
+        self._idle: str | None = None  # why this fit neither resumes nor saves (lightning._runs)
         _compat.route_ckpt_path(_best.take_last, _best.read_before_best)
+        loading.route_load_from_checkpoint()
 
     # The trigger and signal settings live with the objects that act on them.
     every_n_train_steps = property(lambda self: self.triggers.every_n_train_steps)
@@ -327,7 +338,11 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         if stage != "fit":  # validate/test/predict: a ckpt_path of ours loads without the plugin
             _resume.intercept(trainer, ResumeChoice(), None, self.storage_options, lambda n: None)
             return
-        dirpath = location(trainer.strategy.broadcast(str(self._directory(trainer))))
+        problem = _runs.unapplied_bindings() or _runs.conflict(trainer, type(self))
+        if problem is not None:
+            raise CheckpointResumeError(problem)
+        self._idle = _runs.idle_reason(trainer)
+        dirpath = location(trainer.strategy.broadcast(str(_runs.folder(self, trainer))))
         ranks = self._ranks = _ranks(trainer)
         # Rank 0 chooses before anything is created (read-only), then owns the directory and
         # chooses again if a run saving there meanwhile committed a newer checkpoint; every
@@ -336,10 +351,13 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
 
         def choose() -> tuple[int, str | None]:
             nonlocal chosen
-            chosen = self._choose_resume(dirpath) if self.resume else chosen
+            chosen = self._choose_resume(dirpath) if self.resume and not self._idle else chosen
             problem = _resume.override_problem(chosen, dirpath)
             if problem is None:
                 self.checkpointer = self._make_checkpointer(dirpath)
+                if self._idle:
+                    log.info("BurnpackCheckpoint neither resumes nor saves in %s", self._idle)
+                    return chosen.number, None
                 self.checkpointer.take_over()  # this run owns it (lightning_bpk.store.lease)
                 if self.resume and resume.superseded_by_a_newer(chosen, self.checkpointer):
                     chosen = self._choose_resume(dirpath)
@@ -369,7 +387,9 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         requeue = _compat.slurm_requeue_signal(trainer) if self.auto_requeue else None
         self.preemption.requeue_signal = requeue
         choice = chosen if trainer.is_global_zero else ResumeChoice(number)
-        _resume.intercept(trainer, choice, checkpointer, self.storage_options, self._resumed_from)
+        if _runs.resumer(trainer, type(self)) is self:  # Lightning loads one checkpoint
+            options, resumed = self.storage_options, self._resumed_from
+            _resume.intercept(trainer, choice, checkpointer, options, resumed)
 
     @property
     def restored_number(self) -> int | None:
@@ -427,22 +447,24 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checkpointer = self.checkpointer
         assert self._ranks is not None and checkpointer is not None  # made in setup
-        error = self._ranks.decide(  # rank 0 looks, every rank learns
-            lambda: _resume.save_over_problem(
-                trainer,
-                checkpointer,
-                self.step_numbered,
-                self.overwrite,
-                self.verify,
-                self.storage_options,
-            ),
-            lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
-            reraise=False,
-        )
+        error = None
+        if not self._idle:  # a smoke test or a tuner saves nothing: nothing to save over
+            error = self._ranks.decide(  # rank 0 looks, every rank learns
+                lambda: _resume.save_over_problem(
+                    trainer,
+                    checkpointer,
+                    self.step_numbered,
+                    self.overwrite,
+                    self.verify,
+                    self.storage_options,
+                ),
+                lambda e: f"cannot check {checkpointer.base_directory} before training: {e}",
+                reraise=False,
+            )
         if error is not None:
             raise CheckpointResumeError(error)
         self._read_standing(checkpointer)  # without what overwrite=True removed
-        self._resumed.train_started(trainer)
+        self._resumed.train_started(trainer, self._position.resumed_at)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
             path = trainer.ckpt_path
@@ -465,6 +487,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._resumed.lost.merge(trainer)  # the sums a mid-epoch save held join the new ones
         if self._saver is not None and not self._reserved and trainer.global_step > 0:
             self._reserved = True  # the first optimizer step's state exists now
             _save_data.reserve(trainer, self._saver, self.distributed_save)
@@ -516,7 +539,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         ``consumed``: the batches of this epoch a mid-epoch save comes after (None: the
         epoch's end); ``flush`` waits for an asynchronous write to be durable."""
         started = self.triggers.save_started()
-        if number <= self._resumed.replay_floor:
+        if number <= self._resumed.replay_floor or self._idle:
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         ranks, capture = self._ranks, self._position.capture
         assert ranks is not None and self._saves is not None  # made in setup
@@ -547,6 +570,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
+        self._resumed.lost.epoch_ended(trainer)
         assert self._ranks is not None  # made in setup
         self.preemption.agree(self._ranks.agree_all([self.preemption.flag()])[0])
         preempted = self.preemption.agreed
@@ -561,6 +585,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         saved_here = self.last_saved_number == number
         if due and not (saved_here and self.triggers.saved_step == trainer.global_step):
             self._save(trainer, number, preempted=preempted, flush=preempted)
+        self._resumed.lost.epoch_saved(trainer)  # the plateau step Lightning skips restarting
         if preempted:
             self._stop(trainer, f"at the end of epoch {epoch}")
 

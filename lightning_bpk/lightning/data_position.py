@@ -214,6 +214,12 @@ class DataPosition:
             position.get("accumulate"), self._trainer.accumulate_grad_batches, batches, self._where
         )
 
+    @property
+    def resumed_at(self) -> int | None:
+        """The batch of the epoch a resume in samples (another batch size or world size)
+        continues at; None: the saved position's own."""
+        return self._resumed_at
+
     def before_batch(self) -> None:
         """Call before every training batch: a resumed ``stateful`` loader drew its seeds when
         it was iterated, so the save point's RNG states are set again before its first batch."""

@@ -168,6 +168,28 @@ def _load_all(plan: list[tuple[torch.Tensor, torch.Tensor, int | None]], *, cast
             set_param_id(target, pid)
 
 
+def _materialise(
+    module: nn.Module,
+    names: list[str],
+    target: torch.Tensor,
+    tensor: torch.Tensor,
+    pid: int | None,
+    cast: bool,
+) -> None:
+    """Replace the ``meta`` tensor ``target`` of ``module`` (under every name in ``names``: it
+    may be tied) by a CPU copy of ``tensor`` (cast to ``target``'s dtype with ``cast``)."""
+    data = tensor.to(device="cpu", dtype=target.dtype if cast else tensor.dtype, copy=True)
+    if isinstance(target, nn.Parameter):
+        data = nn.Parameter(data, requires_grad=target.requires_grad)
+    if pid is not None:
+        set_param_id(data, pid)
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix)
+        slots = owner._parameters if leaf in owner._parameters else owner._buffers
+        slots[leaf] = data  # type: ignore[assignment]
+
+
 class ModuleRecord(Record):
     """Parameters and buffers of a module, each parameter with its u64 ``param_id``.
 
@@ -263,6 +285,14 @@ class ModuleRecord(Record):
         ``"cast_to_module"`` keeps the module's dtype and casts the data. Parameters keep their
         identity (optimizers still reference them) and take the record's ``param_id``.
 
+        A tensor on the ``meta`` device (a module built under ``torch.device("meta")`` to skip
+        its initialisation) has no storage to copy into: it is replaced by a CPU copy of the
+        record's (a new ``nn.Parameter`` with the same ``requires_grad``, for every name it is
+        tied under), as ``load_state_dict(assign=True)`` does; build optimizers afterwards. A
+        ``meta`` tensor the record does not hold is an error even with ``allow_partial``:
+        nothing is left on ``meta`` silently. (A record of ``meta`` tensors holds no data: applying
+        it runs the checks only.)
+
         >>> net = torch.nn.Linear(2, 2)
         >>> ModuleRecord({"weight": torch.ones(2, 2)}).apply(net, allow_partial=True).weight.sum()
         tensor(4., grad_fn=<SumBackward0>)
@@ -272,9 +302,20 @@ class ModuleRecord(Record):
         incoming = self._incoming(module, adapter)
         targets = module.state_dict(keep_vars=True)
         apply_errors, missing, plan = [], [], []
+        # a meta target's id -> its names; a record of meta tensors only checks (interop's dry run)
+        data = any(not tensor.is_meta for tensor, _ in incoming.values())
+        meta: dict[int, list[str]] = {}
         for name, target in targets.items():
+            on_meta = data and isinstance(target, torch.Tensor) and target.is_meta
+            if on_meta:
+                meta.setdefault(id(target), []).append(name)
             if name not in incoming:
-                if adapter is None or adapter.from_module(
+                if on_meta:
+                    apply_errors.append(
+                        f"Apply error: '{name}' is on the meta device and the record does not "
+                        "hold it: it would stay without data (build it on a real device)"
+                    )
+                elif adapter is None or adapter.from_module(
                     name, target, owning_module(module, name)
                 ):
                     missing.append(f"Missing tensor: '{name}'")
@@ -308,7 +349,11 @@ class ModuleRecord(Record):
             problems += [f"Unused tensor: '{n}'" for n in incoming if n not in targets]
         if problems:
             raise RecordError("validation", problems)
-        _load_all(plan, cast=dtype_policy == "cast_to_module")
+        cast = dtype_policy == "cast_to_module"
+        _load_all([p for p in plan if id(p[0]) not in meta], cast=cast)
+        for target, tensor, pid in plan:
+            if id(target) in meta:
+                _materialise(module, meta.pop(id(target)), target, tensor, pid, cast)
         return module
 
     def _entries(self) -> list[tuple[str, torch.Tensor, int | None]]:

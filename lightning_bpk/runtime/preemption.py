@@ -1,6 +1,6 @@
-"""Preemption: a signal only sets a flag; the run saves at a safe point, then stops.
+"""Preemption and Ctrl-C: a signal only sets a flag; the run saves at a safe point, then stops.
 
-During training, SIGTERM and SIGUSR1 (:data:`PREEMPTION_SIGNALS`) set a flag on this rank
+During training, SIGTERM, SIGUSR1 and SIGINT (:data:`PREEMPTION_SIGNALS`) set a flag on this rank
 (:class:`Preemption`, one per callback or manager); the handlers installed before still run,
 except those the integration leaves out (``others``: the Lightning callback drops Lightning's
 own SIGTERM notifier, whose in-handler broadcast can deadlock DDP). The integration makes the
@@ -11,6 +11,14 @@ exit status 0; Lightning's ``SIGTERMException`` for the callback). From then on 
 signal is ignored until the process has exited, so that status stays 0; a later run in the same
 process brings the default handlers back.
 
+**Ctrl-C** (SIGINT) is one of them by default: a run interrupted by hand would otherwise lose
+everything since its last save (Python raises ``KeyboardInterrupt`` wherever the main thread is,
+and Lightning shuts down without saving, exit status 1), while the next step boundary is at most
+one step away and the save is the one a preemption makes. The first Ctrl-C says so on stderr;
+a second one before the stop raises ``KeyboardInterrupt`` at once, as if none had been handled
+(no save, Lightning's own shutdown): waiting is never forced. Leave SIGINT out of the signals
+(``preemption_signals=("SIGTERM", "SIGUSR1")``) for Python's behaviour.
+
 Nothing here knows a framework: the handlers to reinstall at the end are passed in as a dict
 (Lightning's teardown keeps them in one; the Fabric manager keeps its own).
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 from collections.abc import Callable, MutableMapping, Sequence
 from types import FrameType
@@ -31,10 +40,11 @@ __all__ = ["PREEMPTION_SIGNALS", "Preemption", "signal_number"]
 log = logging.getLogger("lightning_bpk")
 
 # Signals that mean "you are about to be stopped" (SIGTERM: Kubernetes, SageMaker, SLURM at the
-# time limit; SIGUSR1: SLURM's --signal default for requeue).
+# time limit; SIGUSR1: SLURM's --signal default for requeue; SIGINT: Ctrl-C, see the module doc).
 # Plain ints, so a configuration system can write them out (LightningCLI saves its config as
 # YAML, which cannot represent a signal.Signals).
-PREEMPTION_SIGNALS = (int(signal.SIGTERM), int(signal.SIGUSR1))
+PREEMPTION_SIGNALS = (int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGINT))
+_INTERRUPTED = b"Ctrl-C: saving at the next step boundary, then stopping (Ctrl-C again aborts)\n"
 
 # signal number -> the handler Lightning's teardown reinstalls (its signal connector's dict)
 Originals = MutableMapping[int, Any]
@@ -131,10 +141,15 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Never save here: the main thread may be anywhere (inside a collective, a write).
+        if signum == signal.SIGINT:
+            if self.requested:  # the second Ctrl-C: abort now, as Python would have
+                raise KeyboardInterrupt
+            os.write(2, _INTERRUPTED)
         self.requested = True
         self.requeue_requested |= signum == self.requeue_signal
         for handler in self._others(self._previous.get(signum)):
-            handler(signum, frame)
+            if handler is not signal.default_int_handler:  # KeyboardInterrupt: handled here
+                handler(signum, frame)
 
     def install(self, originals: Originals) -> None:
         """Handle the signals from now on (training starts); ``originals``: what Lightning's
@@ -182,8 +197,13 @@ class Preemption:
         Our handler stays until Lightning's teardown reinstalls the handlers it found at fit
         start; where that was the fatal default, it reinstalls :func:`_ignore_while_stopping`
         instead (and :func:`_ignore_at_exit` covers interpreter finalization). Handlers the user
-        installed come back as they were.
+        installed come back as they were; Ctrl-C's handler comes back now (a Ctrl-C while the
+        process exits aborts the exit, as Python's own handler does).
         """
+        interrupt = signal.SIGINT  # Ctrl-C, where nothing restores it later: Python's again
+        ours = signal.getsignal(interrupt) == self._on_signal
+        if ours and interrupt in self._previous and interrupt not in originals:
+            signal.signal(interrupt, self._previous[interrupt] or signal.SIG_DFL)
         signums = [s for s in self._previous if originals.get(s) == signal.SIG_DFL]
         for signum in signums:
             originals[signum] = _ignore_while_stopping

@@ -12,7 +12,8 @@ As a script (run by the end-to-end, preemption and DDP tests)::
 
 ``--out`` writes the final parameters as a burnpack (a ModuleRecord) for bit-exact comparison.
 ``--kill-at-step K`` SIGKILLs the process itself after global step K (mid-epoch when K is not a
-multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM to rank ``--term-rank``;
+multiple of the batches per epoch); ``--term-at-step K`` sends SIGTERM (``--term-signal``,
+``--term-count`` times) to rank ``--term-rank``;
 ``--fsize-limit`` caps file sizes (RLIMIT_FSIZE, SIGXFSZ ignored) from step ``--fsize-at-step``.
 ``--ids FILE`` appends ``epoch batch_idx global_step id,id,...`` per training batch (``FILE.rankR``
 under DDP): every sample carries a unique id, so a resumed run's data order can be compared.
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--term-at-step", type=int)
     parser.add_argument("--term-rank", type=int, default=0)
     parser.add_argument("--term-signal", default="SIGTERM")
+    parser.add_argument("--term-count", type=int, default=1)  # signals sent at that step
     parser.add_argument("--fsize-limit", type=int)
     parser.add_argument("--fsize-at-step", type=int, default=0)
     parser.add_argument("--frequency", type=int, default=1)
@@ -346,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.term_at_step and rank == args.term_rank:
             os.kill(os.getpid(), getattr(signal, args.term_signal))
+            for _ in range(args.term_count - 1):  # handled before it returns: one at a time
+                signal.raise_signal(getattr(signal, args.term_signal))
 
     model.on_step = on_step
     extra: dict[str, Any] = {}
