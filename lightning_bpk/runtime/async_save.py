@@ -57,7 +57,7 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,7 @@ from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.records.base import Record, StateRecord
 from lightning_bpk.runtime import sharded
+from lightning_bpk.runtime.overlap import StepGate
 
 __all__ = [
     "AsyncCheckpointSaver",
@@ -124,9 +125,16 @@ class _StagingArea:
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
         self._copies = _device.DeviceToHost()
+        # host copies left to the writer thread (parameters, optimizer state), as (dst, src)
+        self.late: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy(
-        self, owner: str, name: str, tensor: torch.Tensor, at: int | None = None
+        self,
+        owner: str,
+        name: str,
+        tensor: torch.Tensor,
+        at: int | None = None,
+        stable: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
         """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the frozen
         view: the buffer, or for a ``DTensor`` (one rank's shard of a sharded tensor) a
@@ -138,14 +146,20 @@ class _StagingArea:
 
         The one place where a snapshot's bytes are copied (a device's tensors too: the copy
         lands in host memory, pinned, and is complete once :meth:`settle`'s result is waited
-        on)."""
+        on). ``stable``: the storages only the next optimizer step changes
+        (:meth:`~lightning_bpk.runtime.overlap.StepGate.stable`): a tensor in one is copied
+        late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`."""
         key = (owner, name)
         with torch.no_grad():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             source = local.detach()
             pinned = _device.accelerated(source.device)
             slot = self._place(key, source.shape, source.dtype, at, pinned)
-            self._copies.copy(slot.view, source)
+            late = bool(stable) and source.untyped_storage().data_ptr() in stable
+            if late and not pinned:
+                self.late.append((slot.view, source))
+            else:
+                self._copies.copy(slot.view, source, late=late)
         self._used.add(key)
         if not isinstance(tensor, DTensor):
             return slot.view
@@ -254,19 +268,24 @@ class _StagedRecord(Record):
 
 
 def _freeze_entry(
-    area: _StagingArea, owner: str, name: str, value: Any, at: int | None = None
+    area: _StagingArea,
+    owner: str,
+    name: str,
+    value: Any,
+    at: int | None = None,
+    stable: frozenset[int] = frozenset(),
 ) -> Any:
     """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging (placed for
-    file offset ``at``, see :meth:`_StagingArea.copy`)."""
+    file offset ``at``, late when in ``stable``: see :meth:`_StagingArea.copy`)."""
     if isinstance(value, torch.Tensor):
-        return area.copy(owner, name, value, at)
+        return area.copy(owner, name, value, at, stable)
     if not isinstance(value, burnpack.TensorEntry):
         return value  # not a tensor: the writer reports it as the synchronous path would
     data = value.data
     if callable(data) and not isinstance(data, torch.Tensor):
         data = data()  # a deferred provider reads live state: call it now, not on the writer
     if isinstance(data, torch.Tensor):
-        data = area.copy(owner, name, data, at)
+        data = area.copy(owner, name, data, at, stable)
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
     return burnpack.TensorEntry(
@@ -274,8 +293,11 @@ def _freeze_entry(
     )
 
 
-def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
-    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area``.
+def _freeze(
+    area: _StagingArea, owner: str, value: Any, stable: frozenset[int] = frozenset()
+) -> Record:
+    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area`` (what lies in
+    ``stable`` copied late).
 
     The result shares no mutable memory with ``value``: tensors live in staging buffers,
     scalars and strings are immutable.
@@ -284,7 +306,8 @@ def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
     tensors, scalars, metadata = record.to_content()
     at = _offsets(_StagedRecord(record.kind, tensors, scalars, metadata))
     frozen = {
-        name: _freeze_entry(area, owner, name, t, at.get(name)) for name, t in tensors.items()
+        name: _freeze_entry(area, owner, name, t, at.get(name), stable)
+        for name, t in tensors.items()
     }
     return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
 
@@ -352,6 +375,14 @@ class AsyncCheckpointSaver:
         # the writer threads' process group of a sharded run (made by the first save_sharded)
         self._group: Any = _NO_GROUP
         self._lock = threading.Lock()  # guards _executor/_pending against a concurrent close()
+        self._gate = StepGate()
+
+    def watch(self, optimizers: Iterable[Any]) -> None:
+        """Overlap later snapshots with training: the parameters and state of ``optimizers``
+        (which only their steps change) are copied beside the next forward and backward, and
+        the next step of any of them waits for that copy (:mod:`lightning_bpk.runtime.overlap`).
+        A save then blocks its caller only for the buffers, RNG and loop state."""
+        self._gate.watch(optimizers)
 
     # -- submitting --------------------------------------------------------------------------
 
@@ -376,7 +407,8 @@ class AsyncCheckpointSaver:
         self.wait()
         if retention is None and iteration_number % checkpointer.checkpoint_frequency:
             return
-        staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
+        stable = self._gate.stable()
+        staged = {key: _freeze(self.staging, key, value, stable) for key, value in data.items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
@@ -484,15 +516,27 @@ class AsyncCheckpointSaver:
         self.wait()
         # One owner for every path: Lightning names each file anew (epoch=3-step=16.ckpt), and
         # keying by path would reallocate every buffer on every save.
-        staged = _freeze(self.staging, _RECORD_OWNER, record)
+        staged = _freeze(self.staging, _RECORD_OWNER, record, self._gate.stable())
         self.staging.prune()
         self._submit(f"record {path}", write or Record.save, staged, path)
 
     def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the writer thread once the snapshot's copies have landed."""
+        """Run ``fn(*args)`` on the writer thread once the snapshot's copies have landed; the
+        writer thread makes the late host copies first, and the next step of a watched
+        optimizer waits for them (and for late device copies)."""
         ready = self.staging.settle()
+        late, self.staging.late = self.staging.late, []
+        copied = threading.Event()
+        if late or ready.late:
+            self._gate.hold(copied, ready)
 
         def run() -> Any:
+            try:
+                with torch.no_grad():
+                    for dst, src in late:  # beside the caller's next forward and backward
+                        dst.copy_(src)
+            finally:
+                copied.set()
             ready.wait()  # device-to-host copies still in flight: nothing reads them before
             return fn(*args)
 
@@ -515,6 +559,7 @@ class AsyncCheckpointSaver:
 
         Re-raises the save's exception, once: a failure is reported exactly one time.
         """
+        self._gate.release()
         with self._lock:
             pending, what = self._pending, self._pending_what
             self._pending = None
