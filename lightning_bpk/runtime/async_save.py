@@ -384,6 +384,11 @@ class AsyncCheckpointSaver:
         A save then blocks its caller only for the buffers, RNG and loop state."""
         self._gate.watch(optimizers)
 
+    def wait_snapshot(self) -> None:
+        """Block until the last snapshot's late copies have landed: what the next step of a
+        watched optimizer does itself (for a loop that times that wait on its own)."""
+        self._gate.release()
+
     # -- submitting --------------------------------------------------------------------------
 
     def save_checkpoint(
