@@ -201,3 +201,52 @@ def test_fabric_async_saves_overlap_and_match_the_state_at_each_save(tmp_path):
         optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
         data["optimizer"].apply(optimizer, net)
         assert _state_bytes(net, optimizer) == expected, step
+
+
+# --- Lightning: BurnpackCheckpoint(async_save=True) overlaps, bytes equal a synchronous run ----
+
+
+def _lightning_fit(root, async_save: bool, mode: str) -> None:
+    import lightning as L
+
+    from lightning_bpk.lightning.callback import BurnpackCheckpoint
+
+    from lightning_tiny import TinyModel, make_trainer
+
+    class Model(TinyModel):
+        """TinyModel with BatchNorm (a buffer the next forward changes); ``manual``: manual
+        optimization stepping through ``opt.step()`` as users write it."""
+
+        def __init__(self) -> None:
+            super().__init__(hidden=64)
+            self.net.insert(1, torch.nn.BatchNorm1d(64))
+            self.automatic_optimization = mode != "manual"
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.automatic_optimization:
+                return loss
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    L.seed_everything(0)
+    callback = BurnpackCheckpoint(dirpath=root, every_n_train_steps=1, async_save=async_save)
+    options = {"accumulate_grad_batches": 2} if mode == "accumulate" else {}
+    make_trainer(str(root), 2, [callback], **options).fit(Model())
+    if async_save:
+        assert callback._saver is not None and callback._saver._gate._watched
+
+
+@pytest.mark.parametrize("mode", ["automatic", "accumulate", "manual"])
+def test_lightning_overlapped_saves_hold_the_bytes_of_synchronous_ones(tmp_path, mode):
+    _lightning_fit(tmp_path / "sync", False, mode)
+    _lightning_fit(tmp_path / "async", True, mode)
+    sync = sorted(p.name for p in (tmp_path / "sync").glob("ckpt.*"))
+    assert sync and sync == sorted(p.name for p in (tmp_path / "async").glob("ckpt.*"))
+    for name in sync:
+        for record in ("model.bpk", "optim.bpk"):
+            expected = (tmp_path / "sync" / name / record).read_bytes()
+            assert (tmp_path / "async" / name / record).read_bytes() == expected, (name, record)
