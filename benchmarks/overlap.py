@@ -9,10 +9,10 @@ on the same model:
 - ``sync``: :meth:`Checkpointer.save_checkpoint` on the training thread;
 - ``async thread``: :class:`AsyncCheckpointSaver` (the whole snapshot copied on the training
   thread, the write on a background thread);
-- ``async overlapped``: the same saver with the optimizer watched (buffers, RNG and loop state
-  copied on the training thread; parameters and Adam's moments copied beside the next forward
-  and backward, the next step waiting for that copy). The writer is still a thread of the
-  training process: the writer process of issue 37 is not built yet;
+- ``async overlapped + process``: ``AsyncCheckpointSaver(process=True)`` with the optimizer
+  watched (buffers, RNG and loop state copied on the training thread; parameters and Adam's
+  moments copied beside the next forward and backward, the next step waiting for that copy;
+  staging in shared memory, the commit in a writer process);
 - ``DCP async_save``: torch's ``dcp.async_save`` (thread mode, the ``DefaultStager`` options
   that work on a CPU: shared memory, asynchronous staging), the next step waiting for its
   staging as DCP requires;
@@ -66,7 +66,14 @@ QUICK_SIZES = {
     "24 MiB state": (1024, 1024, 2, 8),
     "96 MiB state": (1024, 1024, 8, 2),
 }
-VARIANTS = ("none", "sync", "async thread", "async overlapped", "DCP async_save", "ModelCheckpoint")
+VARIANTS = (
+    "none",
+    "sync",
+    "async thread",
+    "async overlapped + process",
+    "DCP async_save",
+    "ModelCheckpoint",
+)
 
 
 def _model(width_in: int, hidden: int, layers: int) -> torch.nn.Module:
@@ -104,9 +111,10 @@ class _Variant:
         self.checkpointer = Checkpointer(directory / "bpk", checkpoint_duration=2)
         self.saver: AsyncCheckpointSaver | None = None
         if name.startswith("async"):
-            self.saver = AsyncCheckpointSaver()
+            overlapped = name == "async overlapped + process"
+            self.saver = AsyncCheckpointSaver(process=overlapped)
             self.saver.reserve(self._records(0))
-            if name == "async overlapped":
+            if overlapped:
                 self.saver.watch([opt])
         self.stager: DefaultStager | None = None
         self.dcp: Any = None

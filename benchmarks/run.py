@@ -13,10 +13,10 @@ them:
   ``/proc/self/clear_refs``, save again, read ``VmHWM``);
 - **sharded** saves and loads on 2 gloo ranks, ``BurnpackStorageWriter``/``Reader`` vs DCP's
   ``FileSystemWriter``/``Reader`` (``benchmarks/sharded.py``; ``--no-sharded`` skips them);
-- **a checkpoint every 50 steps** of a plain loop at three state sizes, per way of saving (sync,
-  async thread, async overlapped, DCP ``async_save``, ``ModelCheckpoint``'s ``torch.save``): the
-  training thread's blocked time, the added loop time per save and the overhead
-  (``benchmarks/overlap.py``).
+- **a checkpoint every 50 steps** of a plain loop at three state sizes, per way of saving
+  (sync, async thread, async overlapped + writer process, DCP ``async_save``,
+  ``ModelCheckpoint``'s ``torch.save``): the training thread's blocked time, the added loop
+  time per save and the overhead (``benchmarks/overlap.py``).
 
 States: 16 float32 tensors of 64 MiB in total, 16 of 1 GiB in total, and 5,000 tensors of
 4 KiB. Every method runs once as a warm-up (these VMs fault never-touched memory in at several

@@ -33,4 +33,4 @@ def test_every_variant_saves_every_50_steps_and_reports_a_row(tmp_path):
         assert blocked > 0 and added == added and overhead == overhead  # measured, not NaN
     assert result.nbytes == 3 * 4 * (8 * 8 + 8 * 10)
     page = overlap.OverlapResult([result], 1, "0").markdown()
-    assert any(line.startswith("| async overlapped |") for line in page)
+    assert any(line.startswith("| async overlapped + process |") for line in page)

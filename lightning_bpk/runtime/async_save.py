@@ -71,6 +71,7 @@ from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.records.base import Record, StateRecord
 from lightning_bpk.runtime import sharded
+from lightning_bpk.runtime._writer import StagedRecord, WriterProcess
 from lightning_bpk.runtime.overlap import StepGate
 
 __all__ = [
@@ -120,7 +121,8 @@ class _StagingArea:
     (True, 1, [0.0, 0.0, 0.0])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared  # buffers in shared memory, for a writer process to read
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
@@ -206,7 +208,9 @@ class _StagingArea:
             or (pinned and not slot.raw.is_pinned())
         ):
             room = _PAGE if nbytes >= _PLACED_MIN else 0
-            raw = _device.host_buffer(nbytes + room, pinned=pinned)
+            raw = _device.host_buffer(nbytes + room, pinned=pinned and not self.shared)
+            if self.shared:
+                raw.share_memory_()
             slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
             self.allocations += 1
         start = 0
@@ -249,24 +253,6 @@ class _StagingArea:
         return sum(slot.raw.numel() for slot in self._slots.values())
 
 
-class _StagedRecord(Record):
-    """A record's content frozen at snapshot time; saved as a record of the original kind."""
-
-    def __init__(
-        self,
-        kind: str,
-        tensors: Mapping[str, Any],
-        scalars: Mapping[str, Any],
-        metadata: Mapping[str, str],
-    ) -> None:
-        # instance attribute: this class registers no kind of its own
-        self.kind = kind  # type: ignore[misc]
-        self._frozen = (tensors, scalars, metadata)
-
-    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        return self._frozen
-
-
 def _freeze_entry(
     area: _StagingArea,
     owner: str,
@@ -304,12 +290,12 @@ def _freeze(
     """
     record = value if isinstance(value, Record) else StateRecord(value)
     tensors, scalars, metadata = record.to_content()
-    at = _offsets(_StagedRecord(record.kind, tensors, scalars, metadata))
+    at = _offsets(StagedRecord(record.kind, tensors, scalars, metadata))
     frozen = {
         name: _freeze_entry(area, owner, name, t, at.get(name), stable)
         for name, t in tensors.items()
     }
-    return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+    return StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
 
 
 def _offsets(record: Record) -> dict[str, int]:
@@ -362,13 +348,20 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
 class AsyncCheckpointSaver:
     """Runs saves on one background thread after snapshotting their data into staging buffers.
 
-    See the module docstring for the guarantees. Not thread-safe itself: call it from one
-    thread (the training loop). ``close`` frees the staging buffers; the saver can be used
-    again afterwards (buffers and thread are created on demand).
+    See the module docstring for the guarantees. ``process=True``: the staging buffers live in
+    shared memory and a writer process commits each snapshot (reading those buffers only), so
+    the commit's Python does not compete with training for the interpreter lock; same
+    guarantees, and a writer process that dies fails its save, which the next call raises
+    (local and object-store directories: a ``memory://`` store lives in this process only).
+    Not thread-safe itself: call it from one thread (the training loop). ``close`` frees the
+    staging buffers; the saver can be used again afterwards (buffers and thread are created on
+    demand).
     """
 
-    def __init__(self) -> None:
-        self.staging = _StagingArea()
+    def __init__(self, *, process: bool = False) -> None:
+        self.staging = _StagingArea(shared=process)
+        # process=True: the commit runs in a writer process (lightning_bpk.runtime._writer)
+        self._writer = WriterProcess() if process else None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_what = ""
@@ -417,9 +410,13 @@ class AsyncCheckpointSaver:
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
+        buffers = [slot.raw for slot in self.staging._slots.values()]
+
         def save() -> Path | str | None:
             # a subclass of Checkpointer may predate the retention argument: pass it only if set
-            if retention is None:
+            if self._writer is not None:
+                path = self._writer.save(checkpointer, iteration_number, staged, buffers, retention)
+            elif retention is None:
                 path = checkpointer.save_checkpoint(iteration_number, staged)
             else:
                 path = checkpointer.save_checkpoint(iteration_number, staged, retention=retention)
@@ -569,6 +566,8 @@ class AsyncCheckpointSaver:
             pending, what = self._pending, self._pending_what
             self._pending = None
         if pending is None:
+            if self._writer is not None:
+                self._writer.check()
             return None
         error = pending.exception()
         if error is not None:
@@ -587,6 +586,8 @@ class AsyncCheckpointSaver:
                 group, self._group = self._group, _NO_GROUP
             if executor is not None:
                 executor.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
             self.staging.clear()
             if group not in (_NO_GROUP, None) and dist.is_initialized():
                 # gone already if the default group was destroyed (that destroys every group)
