@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lightning_bpk import burnpack
+from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records.base import Record
 
 # Name of the child (ps, py-spy).
@@ -54,7 +55,7 @@ class StagedRecord(Record):
         return self._frozen
 
 
-class WriterProcessDied(RuntimeError):
+class WriterProcessDied(LightningBpkError, RuntimeError):
     """The writer process ended while it was writing a checkpoint (never committed)."""
 
 
