@@ -113,7 +113,8 @@ class _Variant:
         if name.startswith("async"):
             overlapped = name == "async overlapped + process"
             self.saver = AsyncCheckpointSaver(process=overlapped)
-            self.saver.reserve(self._records(0))
+            self.saver.reserve(self._records(0))  # and starts the writer process
+            self.saver.wait()
             if overlapped:
                 self.saver.watch([opt])
         self.stager: DefaultStager | None = None

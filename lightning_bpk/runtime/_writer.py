@@ -152,7 +152,7 @@ class WriterProcess:
         """Have the child commit ``staged`` (records whose tensors lie in ``buffers``, shared
         memory) as checkpoint ``number``; return its path, raise its error."""
         if self._process is None or not self._process.is_alive():
-            self._start()
+            self.start()
         by_storage = {_storage(raw): raw for raw in buffers}
         records = {}
         for key, record in staged.items():
@@ -177,7 +177,9 @@ class WriterProcess:
             raise value
         return value
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Spawn the child (seconds: it imports torch, and the main module as spawn does), ending
+        one that ended or runs already."""
         self._stopped()
         context = mp.get_context("spawn")
         ours, theirs = context.Pipe()

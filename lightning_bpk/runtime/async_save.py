@@ -378,8 +378,7 @@ class AsyncCheckpointSaver:
         self._gate.watch(optimizers)
 
     def wait_snapshot(self) -> None:
-        """Block until the last snapshot's late copies have landed: what the next step of a
-        watched optimizer does itself (for a loop that times that wait on its own)."""
+        """Block until the last snapshot's late copies landed (a watched step does it too)."""
         self._gate.release()
 
     # -- submitting --------------------------------------------------------------------------
@@ -428,9 +427,10 @@ class AsyncCheckpointSaver:
 
     def reserve(self, data: Mapping[str, Any], *, shards: Mapping[str, Any] | None = None) -> None:
         """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
-        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), on
-        the writer thread, so the first save costs the training thread a copy only. Returns at
-        once; the next save waits for it (as for any write in flight)."""
+        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), and
+        start the writer process of ``process=True``, on the writer thread, so the first save
+        costs the training thread a copy only. Returns at once; the next save waits for it (as
+        for any write in flight)."""
         self.wait()
         wanted = []
         for key, value in data.items():
@@ -447,7 +447,13 @@ class AsyncCheckpointSaver:
             wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype, pinned))
 
         _map_tree(shards or {}, shard)
-        self._submit("staging buffers", self.staging.reserve, wanted)
+
+        def prepare() -> None:
+            self.staging.reserve(wanted)
+            if self._writer is not None:  # spawning it takes seconds
+                self._writer.start()
+
+        self._submit("staging buffers", prepare)
 
     def save_sharded(
         self,
