@@ -101,6 +101,7 @@ def _portable(error: BaseException) -> BaseException:
 def _serve(conn: Any) -> None:
     """The child: take buffers and saves until the training process closes the pipe."""
     buffers: dict[int, torch.Tensor] = {}
+    conn.send(("ready", None))  # imports done: the parent's start() returns
     while True:
         try:
             message = conn.recv()
@@ -189,6 +190,11 @@ class WriterProcess:
         self._process.start()
         theirs.close()
         self._conn = ours
+        try:  # spawning imports torch and the main module: seconds, on the writer thread
+            ours.recv()
+        except (EOFError, OSError) as e:
+            code = self._stopped()
+            raise WriterProcessDied(f"the writer process did not start (exit code {code})") from e
 
     def _stopped(self) -> int | None:
         """Forget a child that ended (or end it); its exit code."""
