@@ -128,8 +128,11 @@ def test_close_ends_the_child_once_its_write_is_committed(tmp_path):
     net, optimizer = _state()
     checkpointer = Checkpointer(tmp_path)
     saver = AsyncCheckpointSaver(process=True)
-    saver.save_checkpoint(checkpointer, 0, _records(net, optimizer))
+    saver.reserve(_records(net, optimizer))  # starts the child, on the writer thread
+    saver.wait()
     process = saver._writer._process
+    assert process is not None and process.is_alive()
+    saver.save_checkpoint(checkpointer, 0, _records(net, optimizer))
     saver.close()
     assert checkpointer.verify_checkpoint(0) == []
     process.join(timeout=60)
