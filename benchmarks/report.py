@@ -12,6 +12,7 @@ from typing import Any
 import chart
 import e2e
 import methods
+import overlap
 import sharded
 
 # Targets of issue 6 (ratios of medians measured in the same run; at most).
@@ -185,7 +186,7 @@ def targets(
             Target(f"{state}: peak extra RSS, burnpack.write", peak["burnpack.write"], limit, "B")
         )
     for result in e2e_results:
-        if isinstance(result, e2e.FirstSave):
+        if isinstance(result, (e2e.FirstSave, overlap.OverlapResult)):
             continue  # a table of its own, no target
         what = getattr(result, "what", "training with async per-epoch checkpoints: overhead")
         if result.repeat != 1 and not hasattr(result, "what"):

@@ -12,7 +12,11 @@ them:
   subprocess per method: warm-up save, reset the high-water mark through
   ``/proc/self/clear_refs``, save again, read ``VmHWM``);
 - **sharded** saves and loads on 2 gloo ranks, ``BurnpackStorageWriter``/``Reader`` vs DCP's
-  ``FileSystemWriter``/``Reader`` (``benchmarks/sharded.py``; ``--no-sharded`` skips them).
+  ``FileSystemWriter``/``Reader`` (``benchmarks/sharded.py``; ``--no-sharded`` skips them);
+- **a checkpoint every 50 steps** of a plain loop at three state sizes, per way of saving
+  (sync, async thread, async overlapped + writer process, DCP ``async_save``,
+  ``ModelCheckpoint``'s ``torch.save``): the training thread's blocked time, the added loop
+  time per save and the overhead (``benchmarks/overlap.py``).
 
 States: 16 float32 tensors of 64 MiB in total, 16 of 1 GiB in total, and 5,000 tensors of
 4 KiB. Every method runs once as a warm-up (these VMs fault never-touched memory in at several
@@ -47,6 +51,7 @@ import e2e
 import fabric
 import numpy
 import object_store
+import overlap
 import report
 import safetensors
 import sharded
@@ -258,7 +263,11 @@ def main() -> None:
         if not args.no_sharded:
             sharded_result = sharded.measure(Path(tmp), quick=args.quick, reps=args.reps)
         e2e_results: list[
-            e2e.Overhead | e2e.StepOverhead | e2e.FirstSave | fabric.FabricOverhead
+            e2e.Overhead
+            | e2e.StepOverhead
+            | e2e.FirstSave
+            | fabric.FabricOverhead
+            | overlap.OverlapResult
         ] = []
         if not args.no_e2e:
             e2e_results.append(e2e.measure(Path(tmp), quick=args.quick))
@@ -267,6 +276,7 @@ def main() -> None:
             e2e_results.append(e2e.measure_steps(Path(tmp), quick=args.quick))
             e2e_results.append(e2e.measure_first_save(Path(tmp), quick=args.quick))
             e2e_results.append(fabric.measure(Path(tmp), quick=args.quick))
+            e2e_results.append(overlap.measure(Path(tmp), quick=args.quick))
         s3_states = {k: STATES[k] for k in ("64 MiB (16 tensors)", "1 GiB (16 tensors)")}
         if args.quick:
             s3_states.pop("1 GiB (16 tensors)")

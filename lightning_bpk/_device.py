@@ -9,6 +9,10 @@ available), never by a flag:
   (training) stream, and :meth:`DeviceToHost.settle` returns a :class:`Ready` the reader waits
   on before touching the buffers. The training stream waits for the copies on the device (no
   host wait): a kernel queued after the save cannot change a tensor before it was copied.
+  *Late* copies (``copy(..., late=True)``: parameters and optimizer state, which only the next
+  optimizer step changes) go on a second side stream that the training stream does not wait
+  for now: they run beside the next forward and backward, and the step waits for them, on the
+  device, through :meth:`Ready.order_device` (:mod:`lightning_bpk.runtime.overlap`).
 - **host to device** (:class:`HostToDevice`, for loads): host tensors go through two reused
   pinned bounce buffers, so filling one (reading the file's pages) overlaps the transfer of the
   other.
@@ -95,15 +99,30 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 class Ready:
     """What a reader of staged buffers waits on: the copies' completion events (none for host
-    copies, which are complete when issued)."""
+    copies, which are complete when issued); ``late``: the events of late copies, per device,
+    that the training stream has not waited for yet."""
 
-    def __init__(self, events: Iterable[Any] = ()) -> None:
+    def __init__(self, events: Iterable[Any] = (), late: Mapping[torch.device, Any] | None = None):
         self._events = list(events)
+        self._late = dict(late or {})
 
     def wait(self) -> None:
         """Block the calling thread until every copy has landed."""
-        for event in self._events:
+        for event in (*self._events, *self._late.values()):
             event.synchronize()
+
+    @property
+    def late(self) -> bool:
+        """True while late copies are not yet ordered before the training stream's work."""
+        return bool(self._late)
+
+    def order_device(self) -> None:
+        """Make each device's current stream wait for the late copies (on the device, no host
+        wait): what an optimizer step queued afterwards cannot change a tensor before it was
+        copied."""
+        late, self._late = self._late, {}
+        for device, event in late.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 class DeviceToHost:
@@ -111,23 +130,27 @@ class DeviceToHost:
     snapshots); see the module docstring."""
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, Any] = {}  # one side stream per device, reused
-        self._open: dict[torch.device, Any] = {}  # devices copied from since the last settle
+        # one side stream per device and kind of copy (late or not), reused
+        self._streams: dict[tuple[torch.device, bool], Any] = {}
+        # (device, late) copied from since the last settle
+        self._open: dict[tuple[torch.device, bool], Any] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, late: bool = False) -> None:
         """Copy ``src`` into the host tensor ``dst``: a plain copy for a host tensor, else a
         ``non_blocking`` one on the device's side stream (``dst`` pinned), complete only once
-        the :meth:`settle` that follows has been waited on."""
+        the :meth:`settle` that follows has been waited on; ``late``: on the stream the
+        training stream waits for only at :meth:`Ready.order_device`."""
         if not accelerated(src.device):
             dst.copy_(src)
             return
-        stream = self._open.get(src.device)
+        key = (src.device, late)
+        stream = self._open.get(key)
         if stream is None:
-            stream = self._streams.get(src.device)
+            stream = self._streams.get(key)
             if stream is None:
-                stream = self._streams[src.device] = torch.cuda.Stream(src.device)
+                stream = self._streams[key] = torch.cuda.Stream(src.device)
             stream.wait_stream(torch.cuda.current_stream(src.device))  # what training queued
-            self._open[src.device] = stream
+            self._open[key] = stream
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=dst.is_pinned())
         src.record_stream(stream)  # its memory is not reused before the copy has read it
@@ -136,14 +159,17 @@ class DeviceToHost:
         """End the copies issued since the last call: each device's current stream waits for
         them (on the device: training goes on queueing), and the result waits for them on the
         host."""
-        events = []
-        for device, stream in self._open.items():
+        events, late = [], {}
+        for (device, held), stream in self._open.items():
             event = torch.cuda.Event()
             event.record(stream)
-            torch.cuda.current_stream(device).wait_event(event)
-            events.append(event)
+            if held:
+                late[device] = event
+            else:
+                torch.cuda.current_stream(device).wait_event(event)
+                events.append(event)
         self._open.clear()
-        return Ready(events)
+        return Ready(events, late)
 
 
 class HostToDevice:

@@ -29,6 +29,8 @@ catch a built-in exception, the class derives from that too::
     │                                           another process is saving into the directory
     ├── lease.CheckpointSupersededError (also RuntimeError)
     │                                           a newer run took over the directory
+    ├── runtime._writer.WriterProcessDied (also RuntimeError)
+    │                                           an async save's writer process died
     ├── CheckpointSaveError (also RuntimeError)
     │                                           a save failed; earlier checkpoints are intact
     └── CheckpointResumeError (also RuntimeError)

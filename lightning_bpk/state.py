@@ -14,9 +14,16 @@ Python value                stored as
 ``float``                   a ``Float`` scalar (NaN and infinities included)
 ``str``                     a ``metadata`` entry
 ``None``                    only in the structure
-dict/list/tuple             only in the structure; dict keys may be str, int, float, bool, None
-                            (``OrderedDict`` and ``Counter`` keep their type)
+dict/list/tuple             only in the structure; dict keys may be str, int, float, bool, None,
+                            tuple or frozenset of those, Path or a date (``OrderedDict`` and
+                            ``Counter`` keep their type)
+set/frozenset/``deque``     only in the structure (a deque keeps its ``maxlen``)
+``pathlib.Path``            its text in the structure
+``datetime``/``date``       ISO text in the structure (a ``timedelta``: days, seconds, microseconds)
 ==========================  ===================================================================
+
+With ``inline=True`` (the loop state of a :class:`~lightning_bpk.records.StateRecord`) bools,
+ints, floats and strings stay in the structure too: one JSON encode stores them all.
 
 Leaf names are the dotted path to the leaf (``optimizer_states.0.param_groups.0.lr``); a ``.``
 or ``%`` inside a key is percent-escaped, and a name that would start with the reserved
@@ -24,8 +31,9 @@ prefix ``lightning_bpk/`` has its first letter escaped. The structure lives in t
 ``lightning_bpk/state``. Two hooks let a caller lay leaves out the way another reader expects
 (the optimizer record uses them for Burn's names): ``name_path`` maps a leaf's path to the path
 that names it, and ``as_scalar`` picks 0-d tensors to store as scalars (the dtype stays in the
-structure, so they decode as the same 0-d tensor). Anything else (a user object, a lambda, a
-set) raises :class:`StateError` naming where it sits, e.g. ``$['hyper_parameters']['loss_fn']``.
+structure, so they decode as the same 0-d tensor). Anything else (a user object, a lambda)
+raises :class:`StateError` naming where it sits, e.g. ``$['hyper_parameters']['loss_fn']``, or
+with lenient encoding (``dropped``) is left out and named.
 
 >>> import torch
 >>> content = encode({"step": 3, "betas": (0.9, 0.999), "w": torch.ones(2)})
@@ -37,10 +45,12 @@ set) raises :class:`StateError` naming where it sits, e.g. ``$['hyper_parameters
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,7 +75,9 @@ _STRUCTURE_KEY = "lightning_bpk/state"
 # never start with it, so user keys like "lightning_bpk/record" cannot overwrite them.
 _RESERVED_PREFIX = "lightning_bpk/"
 # Bumped when the structure encoding changes incompatibly; readers refuse newer versions.
-_STRUCTURE_VERSION = 1
+# Version 2 adds leaves kept in the structure (inline bools, ints, floats and strings; paths,
+# dates, sets, deques) and tuple keys; a structure that uses none of them is still written as 1.
+_STRUCTURE_VERSION = 2
 # Name of a leaf that is the whole value (``encode(3)``).
 _ROOT_NAME = "__root__"
 # Deeper structures are refused: they only arise from hostile or runaway data.
@@ -118,6 +130,37 @@ ScalarHook = Callable[[tuple], bool]
 scalar instead of a tensor (its dtype stays in the structure, so it decodes the same)."""
 
 
+# Leaves of these exact types stay in the structure when encoding ``inline`` (version 2): JSON
+# keeps each one's type (an int has no point, a float always one, NaN and infinities included).
+_INLINE = frozenset({str, int, float, bool})
+# Node kinds of three elements (the others have two).
+_THREE = ("z", "Q")
+# What :meth:`_Encoder.lenient` returns for a dict item that lenient encoding leaves out.
+_DROP = object()
+
+
+def _plain(value: bool | int | float | str) -> bool | int | float | str:
+    """A subclass's value (an ``IntEnum``, a ``str`` subclass) as the exact built-in type."""
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    raise TypeError(type(value))
+
+
+def _text_node(value: object) -> list | None:
+    """The version-2 node of a value kept as text in the structure (a ``pathlib.Path``, a
+    ``datetime``, ``date`` or ``timedelta``); None for any other value."""
+    if isinstance(value, Path):
+        return ["P", str(value)]
+    if isinstance(value, datetime.datetime):
+        return ["T", value.isoformat()]
+    if isinstance(value, datetime.date):
+        return ["J", value.isoformat()]
+    if isinstance(value, datetime.timedelta):
+        return ["W", [value.days, value.seconds, value.microseconds]]
+    return None
+
+
 def _tensor_scalar(tensor: torch.Tensor) -> Scalar:
     """A 0-d tensor as a scalar: counters (integral values, e.g. a float ``step``) as ``UInt``
     (``Int`` when negative), other floats as ``Float``; the structure keeps the dtype."""
@@ -133,9 +176,19 @@ def _tensor_scalar(tensor: torch.Tensor) -> Scalar:
 
 
 class _Encoder:
-    def __init__(self, name_path: PathHook | None, as_scalar: ScalarHook | None) -> None:
+    def __init__(
+        self,
+        name_path: PathHook | None,
+        as_scalar: ScalarHook | None,
+        inline: bool = False,
+        dropped: list[str] | None = None,
+    ) -> None:
         self.name_path = name_path
         self.as_scalar = as_scalar
+        self.inline = inline
+        self.dropped = dropped
+        # 2 once a node a version-1 reader does not know is written (every inline leaf is one)
+        self.version = 2 if inline else 1
         self.content = Content({}, {}, {})
         self.used: set[str] = {_STRUCTURE_KEY}
         # id(tensor) -> (tensor, name): a tensor met twice is stored once; holding the tensor
@@ -147,6 +200,8 @@ class _Encoder:
         unless the ``name_path`` hook names it, made unique."""
         if self.name_path is not None:
             dotted = ".".join(_segment(k) for k in self.name_path(path))
+        elif self.inline:
+            dotted = ".".join(_segment(k) for k in path)
         base = dotted or _ROOT_NAME
         if base.startswith(_RESERVED_PREFIX):
             base = f"%{ord(base[0]):02X}{base[1:]}"
@@ -159,10 +214,35 @@ class _Encoder:
     def node(self, value: Any, path: tuple, dotted: str | None = None) -> Any:
         """The structure node of ``value`` at ``path``; ``dotted`` is the path's escaped segments
         joined by dots, built one segment per level (``None`` at the root)."""
+        if type(value) in _INLINE and self.inline:
+            return value  # the structure holds it: the one JSON encode stores it, exact type
         if len(path) > _MAX_DEPTH:
             raise StateError(f"{_where(path)}: nesting deeper than {_MAX_DEPTH} levels")
         if value is None:
             return None
+        if isinstance(value, dict):
+            kind = _DICT_KINDS.get(type(value), "D")  # other dict subclasses decode as dict
+            items = []
+            inline = self.inline
+            for k, v in value.items():
+                key = (
+                    k if k is None or type(k) in _INLINE else self.lenient(self.key, k, (*path, k))
+                )
+                if key is _DROP:
+                    continue
+                if inline and type(v) in _INLINE:  # most of a loop state: no call at all
+                    items.append([key, v])
+                    continue
+                child = self.lenient(self.node, v, (*path, k), self.dotted(dotted, k))
+                if child is not _DROP:
+                    items.append([key, child])
+            return [kind, items]
+        if isinstance(value, list):
+            return ["L", self.items(value, path, dotted)]
+        if isinstance(value, tuple) and type(value) is tuple:
+            return ["U", self.items(value, path, dotted)]
+        if self.inline and isinstance(value, (bool, int, float, str)):  # a subclass: IntEnum
+            return self.node(_plain(value), path, dotted)
         if isinstance(value, bool):
             return ["b", self.scalar(path, dotted, Scalar.Bool(value))]
         if isinstance(value, int):
@@ -188,28 +268,70 @@ class _Encoder:
             data = torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else None
             tensor = torch.zeros(0, dtype=torch.uint8) if data is None else data
             return ["y" if isinstance(value, bytes) else "Y", self.tensor(tensor, path, dotted)]
-        if isinstance(value, dict):
-            kind = _DICT_KINDS.get(type(value), "D")  # other dict subclasses decode as dict
-            items = []
-            for k, v in value.items():
-                if not (k is None or isinstance(k, (str, int, float))):
-                    raise StateError(
-                        f"{_where(path)}: dict key {k!r} of type {type(k).__name__} "
-                        "is not supported (use str, int, float, bool or None)"
-                    )
-                items.append([k, self.node(v, (*path, k), _child(dotted, k))])
-            return [kind, items]
-        if isinstance(value, list):
-            return ["L", [self.node(v, (*path, i), _child(dotted, i)) for i, v in enumerate(value)]]
-        if isinstance(value, tuple) and type(value) is tuple:
-            return ["U", [self.node(v, (*path, i), _child(dotted, i)) for i, v in enumerate(value)]]
         if isinstance(value, (np.integer, np.floating, np.bool_)):
             return self.node(value.item(), path, dotted)
+        if isinstance(value, deque):
+            self.version = 2
+            return ["Q", self.items(value, path, dotted), value.maxlen]
+        if isinstance(value, (set, frozenset)):
+            self.version = 2
+            kind = "S" if isinstance(value, set) else "F"
+            return [kind, [self.key(v, (*path, i)) for i, v in enumerate(value)]]
+        text = _text_node(value)
+        if text is not None:
+            self.version = 2
+            return text
         raise StateError(
             f"{_where(path)}: cannot store a {type(value).__module__}.{type(value).__qualname__} "
-            "without pickle; convert it to plain data (dict/list/tuple/str/int/float/bool/None/"
-            "tensor)"
+            "without pickle; convert it to plain data (dict/list/tuple/set/deque/str/int/float/"
+            "bool/None/tensor/Path/datetime)"
         )
+
+    def lenient(self, encode: Callable[..., Any], *args: Any) -> Any:
+        """``encode(*args)``: a container item's node (or a dict key's); with a ``dropped`` list
+        (lenient encoding) an item that cannot be stored is named in the list and
+        :data:`_DROP` returned in its place."""
+        if self.dropped is None:
+            return encode(*args)
+        try:
+            return encode(*args)
+        except StateError as e:
+            self.dropped.append(str(e))
+            return _DROP
+
+    def items(self, values: Any, path: tuple, dotted: str | None) -> list:
+        """The nodes of a sequence's items (one left out by lenient encoding becomes None)."""
+        nodes = [
+            self.lenient(self.node, v, (*path, i), self.dotted(dotted, i))
+            for i, v in enumerate(values)
+        ]
+        return [None if n is _DROP else n for n in nodes]
+
+    def dotted(self, dotted: str | None, key: object) -> str | None:
+        """A child's dotted name, built one level at a time; None when encoding ``inline``,
+        where the few named leaves (tensors) build theirs from the path in :meth:`name_for`."""
+        return None if self.inline else _child(dotted, key)
+
+    def key(self, key: Any, path: tuple) -> Any:
+        """A dict key or set element, kept in the structure: a plain value as it is, a tuple,
+        frozenset, path or date as its node (version 2)."""
+        if key is None or isinstance(key, (str, int, float)):
+            return key
+        if len(path) > _MAX_DEPTH:
+            raise StateError(f"{_where(path)}: nesting deeper than {_MAX_DEPTH} levels")
+        self.version = 2
+        if type(key) is tuple:
+            return ["U", [self.key(k, (*path, i)) for i, k in enumerate(key)]]
+        if isinstance(key, frozenset):
+            return ["F", [self.key(k, (*path, i)) for i, k in enumerate(key)]]
+        text = _text_node(key)
+        if text is None:
+            raise StateError(
+                f"{_where(path[:-1])}: dict key or set element {key!r} of type "
+                f"{type(key).__name__} is not supported (use str, int, float, bool, None, "
+                "tuple, frozenset, Path or a date)"
+            )
+        return text
 
     def scalar(self, path: tuple, dotted: str | None, scalar: Scalar) -> str:
         name = self.name_for(path, dotted)
@@ -248,13 +370,26 @@ def _from_numpy(array: np.ndarray, path: tuple) -> torch.Tensor:
 
 
 def encode(
-    obj: Any, *, name_path: PathHook | None = None, as_scalar: ScalarHook | None = None
+    obj: Any,
+    *,
+    name_path: PathHook | None = None,
+    as_scalar: ScalarHook | None = None,
+    inline: bool = False,
+    dropped: list[str] | None = None,
 ) -> Content:
     """Split nested Python data into burnpack tensors, scalars and metadata.
 
     Raises :class:`StateError` naming the path of the first value it cannot represent.
     ``name_path(path)`` returns the path whose segments name a leaf (default: ``path``);
     ``as_scalar(path)`` says whether a 0-d tensor there is stored as a scalar.
+
+    ``inline``: bools, ints, floats and strings stay in the structure, which one C-encoded
+    JSON document stores (version 2), rather than each becoming a named burnpack scalar or
+    metadata entry: a loop state of hundreds of counters encodes in one pass (what
+    :class:`~lightning_bpk.records.StateRecord` does; the optimizer and scheduler records keep
+    named scalars, which Burn reads). ``dropped``: lenient encoding, where an item of a
+    container that cannot be stored is left out (a dict's) or stored as None (a sequence's),
+    and the error naming it is appended to the list.
 
     >>> encode({1: "a"}).metadata["1"]
     'a'
@@ -263,19 +398,20 @@ def encode(
     >>> content.scalars, decode(content)["s"]["step"]
     ({'x.step': Scalar.UInt(3)}, tensor(3.))
     """
-    encoder = _Encoder(name_path, as_scalar)
+    encoder = _Encoder(name_path, as_scalar, inline, dropped)
     tree = encoder.node(obj, ())
     encoder.content.metadata[_STRUCTURE_KEY] = json.dumps(
-        {"version": _STRUCTURE_VERSION, "tree": tree}, separators=(",", ":"), allow_nan=True
+        {"version": encoder.version, "tree": tree}, separators=(",", ":"), allow_nan=True
     )
     return encoder.content
 
 
 class _Decoder:
-    def __init__(self, tensors: Any, scalars: Mapping, metadata: Mapping) -> None:
+    def __init__(self, tensors: Any, scalars: Mapping, metadata: Mapping, version: int) -> None:
         self.tensors = tensors
         self.scalars = scalars
         self.metadata = metadata
+        self.version = version
         self.seen: dict[str, Any] = {}
 
     def leaf(self, table: Mapping, name: object, what: str, path: tuple) -> Any:
@@ -286,9 +422,11 @@ class _Decoder:
     def node(self, node: Any, path: tuple) -> Any:
         if node is None:
             return None
+        if type(node) in _INLINE and self.version >= 2:
+            return node
         if len(path) > _MAX_DEPTH or not isinstance(node, list) or len(node) not in (2, 3):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
-        if not isinstance(node[0], str) or (len(node) == 3) != (node[0] == "z"):
+        if not isinstance(node[0], str) or (len(node) == 3) != (node[0] in _THREE):
             raise StateError(f"{_where(path)}: malformed structure node {str(node)[:80]}")
         kind, arg = node[0], node[1]
         if kind in ("b", "i", "f"):
@@ -321,11 +459,54 @@ class _Decoder:
             for item in arg:
                 if not isinstance(item, list) or len(item) != 2:
                     raise StateError(f"{_where(path)}: malformed dict item {str(item)[:80]}")
-                key, child = item
-                if isinstance(key, (list, dict)):
-                    raise StateError(f"{_where(path)}: malformed dict key {str(key)[:80]}")
-                out[key] = self.node(child, (*path, key))
+                key = self.key(item[0], path)
+                out[key] = self.node(item[1], (*path, key))
             return out
+        if self.version >= 2:
+            return self.version2(kind, node, path)
+        raise StateError(f"{_where(path)}: unknown structure node kind {str(kind)[:20]}")
+
+    def version2(self, kind: str, node: list, path: tuple) -> Any:
+        """A node kind version 2 added: a deque, set, frozenset, path or date."""
+        arg = node[1]
+        if kind == "Q" and isinstance(arg, list):
+            maxlen = node[2]
+            if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
+                raise StateError(f"{_where(path)}: malformed deque length {str(maxlen)[:40]}")
+            return deque([self.node(v, (*path, i)) for i, v in enumerate(arg)], maxlen)
+        if kind in ("S", "F") and isinstance(arg, list):
+            items = [self.key(v, (*path, i)) for i, v in enumerate(arg)]
+            return set(items) if kind == "S" else frozenset(items)
+        return self.text(kind, arg, path)
+
+    def key(self, key: Any, path: tuple) -> Any:
+        """A dict key or set element: a plain value, or (version 2) a tuple, frozenset, path
+        or date node."""
+        if not isinstance(key, (list, dict)):
+            return key
+        if self.version < 2 or len(path) > _MAX_DEPTH or not key or not isinstance(key[0], str):
+            raise StateError(f"{_where(path)}: malformed dict key {str(key)[:80]}")
+        kind = key[0]
+        if len(key) == 2 and kind in ("U", "F") and isinstance(key[1], list):
+            items = [self.key(k, (*path, i)) for i, k in enumerate(key[1])]
+            return tuple(items) if kind == "U" else frozenset(items)
+        if len(key) == 2 and kind in ("P", "T", "J", "W"):
+            return self.text(kind, key[1], path)
+        raise StateError(f"{_where(path)}: malformed dict key {str(key)[:80]}")
+
+    def text(self, kind: str, arg: Any, path: tuple) -> Any:
+        """A path or date node (kept as text in the structure)."""
+        try:
+            if kind == "P" and isinstance(arg, str):
+                return Path(arg)
+            if kind == "T" and isinstance(arg, str):
+                return datetime.datetime.fromisoformat(arg)
+            if kind == "J" and isinstance(arg, str):
+                return datetime.date.fromisoformat(arg)
+            if kind == "W" and isinstance(arg, list) and all(type(x) is int for x in arg):
+                return datetime.timedelta(*arg)
+        except (ValueError, TypeError, OverflowError):
+            raise StateError(f"{_where(path)}: malformed {kind!r} node {str(arg)[:80]}") from None
         raise StateError(f"{_where(path)}: unknown structure node kind {str(kind)[:20]}")
 
     def scalar_tensor(self, node: list, path: tuple) -> torch.Tensor:
@@ -399,9 +580,10 @@ def decode(source: burnpack.Pack | Content, *, verify: bool = True) -> Any:
         raise StateError(str(e)) from None
     if not isinstance(header, dict) or "tree" not in header:
         raise StateError(f"'{_STRUCTURE_KEY}' lacks a structure tree")
-    if header.get("version") != _STRUCTURE_VERSION:
+    version = header.get("version")
+    if type(version) is not int or version not in (1, 2):
         raise StateError(
-            f"state structure version {header.get('version')!r} is not supported "
-            f"(this reader knows {_STRUCTURE_VERSION})"
+            f"state structure version {version!r} is not supported "
+            f"(this reader knows 1 to {_STRUCTURE_VERSION})"
         )
-    return _Decoder(tensor, scalars, metadata).node(header["tree"], ())
+    return _Decoder(tensor, scalars, metadata, version).node(header["tree"], ())

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
-from collections import Counter, OrderedDict, namedtuple
+from collections import Counter, OrderedDict, deque, namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,10 @@ from hypothesis import strategies as st
 
 from lightning_bpk import burnpack, state
 from lightning_bpk.burnpack import Scalar
+from lightning_bpk.records import StateRecord
 from lightning_bpk.state import _STRUCTURE_KEY, Content, StateError, decode, encode
 
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 I64_MIN, I64_MAX, U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 
 
@@ -53,28 +56,86 @@ def assert_exact(a: object, b: object) -> None:
 
 
 def _kinds(node: object) -> set[str]:
-    """Every node kind in a structure tree."""
+    """Every node kind in a structure tree (dict keys and set elements that are nodes too;
+    a leaf kept inline counts as ``inline``)."""
     if node is None:
         return {"null"}
+    if not isinstance(node, list):
+        return {"inline"}
     kind, arg = node[0], node[1]
-    children = [c for _, c in arg] if kind in "DOC" else arg if kind in "LU" else []
+    if kind in "DOC":
+        children = [c for item in arg for c in item]
+    elif kind in "LUQSF":
+        children = arg
+    else:
+        children = []
     return {kind}.union(*map(_kinds, children))
 
 
+_EVERY_KIND = OrderedDict(
+    b=True, i=3, I=2**70, f=0.5, s="x", t=torch.ones(1), z=torch.tensor(4.0),
+    n=np.ones(1), y=b"y", Y=bytearray(b"Y"), L=[None], U=(1,), D={1: 2}, C=Counter("c"),
+    Q=deque([1], maxlen=2), S={2}, F=frozenset({3}), P=Path("/x"), J=datetime.date(2026, 1, 2),
+    T=datetime.datetime(2026, 1, 2, 3, 4, 5, 6), W=datetime.timedelta(1, 2, 3),
+)  # fmt: skip
+
+
 def test_every_node_kind_is_documented_in_the_format_page() -> None:
-    value = OrderedDict(
-        b=True, i=3, I=2**70, f=0.5, s="x", t=torch.ones(1), z=torch.tensor(4.0),
-        n=np.ones(1), y=b"y", Y=bytearray(b"Y"), L=[None], U=(1,), D={1: 2}, C=Counter("c"),
-    )  # fmt: skip
-    content = encode(value, as_scalar=lambda path: path == ("z",))
-    kinds = _kinds(json.loads(content.metadata[_STRUCTURE_KEY])["tree"])
-    assert len(kinds) == 16  # every branch of the encoder
+    named = encode(_EVERY_KIND, as_scalar=lambda path: path == ("z",))
+    inline = encode(_EVERY_KIND, inline=True, as_scalar=lambda path: path == ("z",))
+    kinds = set()
+    for content in (named, inline):
+        kinds |= _kinds(json.loads(content.metadata[_STRUCTURE_KEY])["tree"])
+    assert len(kinds) == 24  # every branch of the encoder
     page = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
     table = page.split("### The structure of nested data")[1]
     cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
     documented = {kind for cell in cells for kind in re.findall(r'`\[?"?(\w+)', cell)}
     assert kinds == documented
-    assert_exact(through_pack(value, as_scalar=lambda path: path == ("z",)), value)
+    for hooks in ({}, {"inline": True}):
+        value = through_pack(_EVERY_KIND, as_scalar=lambda path: path == ("z",), **hooks)
+        assert_exact(value, _EVERY_KIND)
+
+
+def test_inline_encoding_is_one_structure_and_decodes_to_the_same_exact_types() -> None:
+    value = {
+        "epoch": 3, "loss": float("nan"), "neg": -0.0, "big": 2**90, "flag": False, "name": "x",
+        "loops": {"fit": {"ready": 4, "completed": 3}}, "w": torch.ones(2), 7: (1, "a", None),
+    }  # fmt: skip
+    content = encode(value, inline=True)
+    assert content.scalars == {} and list(content.tensors) == ["w"]
+    assert list(content.metadata) == [_STRUCTURE_KEY]
+    assert json.loads(content.metadata[_STRUCTURE_KEY])["version"] == 2
+    assert_exact(through_pack(value, inline=True), value)
+
+
+def test_a_structure_of_named_leaves_only_is_still_written_as_version_1() -> None:
+    content = encode({"lr": 0.1, "betas": (0.9, 0.99)})
+    assert json.loads(content.metadata[_STRUCTURE_KEY])["version"] == 1
+
+
+def test_a_state_record_of_the_old_format_still_loads() -> None:
+    """tests/fixtures/burnpack/state-v1.bpk: a StateRecord written before leaves were inline."""
+    record = StateRecord.load(FIXTURES / "burnpack" / "state-v1.bpk")
+    with burnpack.read(FIXTURES / "burnpack" / "state-v1.bpk") as pack:
+        assert '"version":1' in pack.metadata[_STRUCTURE_KEY] and len(pack.scalars) == 10
+    value = record.value
+    assert value["loops"]["fit_loop"]["epoch_progress"]["total"] == {"ready": 4, "completed": 3}
+    assert_exact(value["betas"], (0.9, 0.999))
+    assert_exact(value["od"], OrderedDict(a=-0.0))
+    assert_exact(value["milestones"], Counter({10: 1}))
+    assert value["big"] == 2**70 and value["flag"] is True and value["epoch"] == 3
+    assert math.isinf(value["callbacks"]["ModelCheckpoint{'monitor': None}"]["kth_value"])
+    assert torch.equal(value["w"], torch.arange(4, dtype=torch.float32))
+
+
+def test_lenient_encoding_leaves_out_what_it_cannot_store_and_names_it() -> None:
+    dropped: list[str] = []
+    value = {"ok": 1, "fn": print, "items": [1, object()], "keys": {(1, object()): 2}}
+    content = encode(value, inline=True, dropped=dropped)
+    assert decode(content) == {"ok": 1, "items": [1, None], "keys": {}}
+    assert [d.split(":")[0] for d in dropped[:2]] == ["$['fn']", "$['items'][1]"]
+    assert dropped[2].startswith("$['keys'][(1, <object") and len(dropped) == 3
 
 
 def test_nested_plain_data_keeps_exact_types() -> None:
@@ -270,11 +331,11 @@ Point = namedtuple("Point", "x y")
     ("value", "where"),
     [
         ({"fn": lambda: 0}, r"\$\['fn'\]: cannot store a builtins.function"),
-        ({"a": [1, {2, 3}]}, r"\$\['a'\]\[1\]: cannot store a builtins.set"),
+        ({"a": [1, {2, Custom()}]}, r"\$\['a'\]\[1\]: dict key or set element .*Custom"),
         ({"obj": Custom()}, r"\$\['obj'\]: cannot store a .*Custom"),
         ({"c": torch.zeros(2, dtype=torch.complex64)}, r"\$\['c'\]: tensor dtype torch.complex64"),
         ({"s": torch.zeros(2).to_sparse()}, r"\$\['s'\]: torch.sparse_coo tensors"),
-        ({(1, 2): 0}, r"\$: dict key \(1, 2\)"),
+        ({(1, 2j): 0}, r"\$\[\(1, 2j\)\]: dict key or set element 2j of type complex"),
         ({"p": Point(1, 2)}, r"\$\['p'\]: cannot store a .*Point"),
         ({"o": np.array([object()], dtype=object)}, r"\$\['o'\]: numpy dtype object"),
     ],

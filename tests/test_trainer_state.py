@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,10 +48,32 @@ def test_unencodable_hyperparameters_are_dropped_by_name_with_a_warning():
     assert "hparams_type" not in out and checkpoint["hparams_type"] is dict  # input untouched
 
 
-def test_other_unencodable_state_raises_naming_its_path(tmp_path):
-    with pytest.raises(RecordError, match=r"\['extra'\]\['obj'\]"):
-        trainer_state._save_file({"extra": {"obj": object()}}, tmp_path / "c.ckpt")
-    assert not (tmp_path / "c.ckpt").exists()
+def test_other_unencodable_state_is_left_out_with_a_warning_naming_its_key(tmp_path):
+    checkpoint = {"epoch": 1, "extra": {"obj": object(), "kept": [1, lambda: 0]}}
+    with pytest.warns(UserWarning, match=r"\['extra'\]\['obj'\]") as caught:
+        path = trainer_state._save_file(checkpoint, tmp_path / "c.ckpt")
+    assert any("['extra']['kept'][1]" in str(w.message) for w in caught)
+    loaded = trainer_state.load(path)
+    assert loaded["epoch"] == 1 and loaded["extra"] == {"kept": [1, None]}
+
+
+def test_user_types_pickle_free_storage_can_encode_are_stored_and_restored(tmp_path):
+    """What a user puts into the checkpoint: paths, sets, tuple keys, dates, deques."""
+    extra = {
+        "path": Path("/data/run-1"),
+        "seen": {3, 1, 2},
+        "frozen": frozenset({"a"}),
+        "by_pair": {(0, "train"): 1.5, (1, "val"): 2.5},
+        "started": datetime.datetime(2026, 12, 5, 22, 0, tzinfo=datetime.UTC),
+        "day": datetime.date(2026, 12, 5),
+        "elapsed": datetime.timedelta(seconds=90, microseconds=5),
+        "recent": deque([0.5, 0.25], maxlen=3),
+    }
+    path = trainer_state._save_file({"epoch": 2, "extra": extra}, tmp_path / "c.ckpt")
+    loaded = trainer_state.load(path)["extra"]
+    assert loaded == extra
+    assert {k: type(v) for k, v in loaded.items()} == {k: type(v) for k, v in extra.items()}
+    assert loaded["recent"].maxlen == 3
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

@@ -392,6 +392,7 @@ class CheckpointManager:
         if self._saver is None or _sharded.layout(parts, filters) is not None:
             return
         self._saver.reserve(_state.module_records(parts, filters))
+        self._saver.watch(parts.optimizers.values())  # their steps wait for an overlapped copy
 
     def save(
         self,

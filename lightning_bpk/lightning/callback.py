@@ -491,6 +491,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         if self._saver is not None and not self._reserved and trainer.global_step > 0:
             self._reserved = True  # the first optimizer step's state exists now
             _save_data.reserve(trainer, self._saver, self.distributed_save)
+            self._saver.watch(trainer.optimizers)  # their steps wait for an overlapped copy
         triggers, step = self.triggers, trainer.global_step
         assert self._ranks is not None  # made in setup
         rank0_due = trainer.is_global_zero and triggers.rank0_due(step)

@@ -178,7 +178,7 @@ class StateRecord(Record):
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         try:
-            content = state.encode(self.value)
+            content = state.encode(self.value, inline=True)  # the loop state: one pass
         except state.StateError as e:
             raise RecordError("validation", str(e)) from e
         return content.tensors, content.scalars, content.metadata

@@ -57,7 +57,7 @@ import functools
 import mmap
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,8 @@ from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer, Retention
 from lightning_bpk.records.base import Record, StateRecord
 from lightning_bpk.runtime import sharded
+from lightning_bpk.runtime._writer import StagedRecord, WriterProcess
+from lightning_bpk.runtime.overlap import StepGate
 
 __all__ = [
     "AsyncCheckpointSaver",
@@ -119,14 +121,22 @@ class _StagingArea:
     (True, 1, [0.0, 0.0, 0.0])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared  # buffers in shared memory, for a writer process to read
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
         self._copies = _device.DeviceToHost()
+        # host copies left to the writer thread (parameters, optimizer state), as (dst, src)
+        self.late: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy(
-        self, owner: str, name: str, tensor: torch.Tensor, at: int | None = None
+        self,
+        owner: str,
+        name: str,
+        tensor: torch.Tensor,
+        at: int | None = None,
+        stable: frozenset[int] = frozenset(),
     ) -> torch.Tensor:
         """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the frozen
         view: the buffer, or for a ``DTensor`` (one rank's shard of a sharded tensor) a
@@ -138,14 +148,20 @@ class _StagingArea:
 
         The one place where a snapshot's bytes are copied (a device's tensors too: the copy
         lands in host memory, pinned, and is complete once :meth:`settle`'s result is waited
-        on)."""
+        on). ``stable``: the storages only the next optimizer step changes
+        (:meth:`~lightning_bpk.runtime.overlap.StepGate.stable`): a tensor in one is copied
+        late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`."""
         key = (owner, name)
         with torch.no_grad():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             source = local.detach()
             pinned = _device.accelerated(source.device)
             slot = self._place(key, source.shape, source.dtype, at, pinned)
-            self._copies.copy(slot.view, source)
+            late = bool(stable) and source.untyped_storage().data_ptr() in stable
+            if late and not pinned:
+                self.late.append((slot.view, source))
+            else:
+                self._copies.copy(slot.view, source, late=late)
         self._used.add(key)
         if not isinstance(tensor, DTensor):
             return slot.view
@@ -192,7 +208,9 @@ class _StagingArea:
             or (pinned and not slot.raw.is_pinned())
         ):
             room = _PAGE if nbytes >= _PLACED_MIN else 0
-            raw = _device.host_buffer(nbytes + room, pinned=pinned)
+            raw = _device.host_buffer(nbytes + room, pinned=pinned and not self.shared)
+            if self.shared:
+                raw.share_memory_()
             slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
             self.allocations += 1
         start = 0
@@ -235,38 +253,25 @@ class _StagingArea:
         return sum(slot.raw.numel() for slot in self._slots.values())
 
 
-class _StagedRecord(Record):
-    """A record's content frozen at snapshot time; saved as a record of the original kind."""
-
-    def __init__(
-        self,
-        kind: str,
-        tensors: Mapping[str, Any],
-        scalars: Mapping[str, Any],
-        metadata: Mapping[str, str],
-    ) -> None:
-        # instance attribute: this class registers no kind of its own
-        self.kind = kind  # type: ignore[misc]
-        self._frozen = (tensors, scalars, metadata)
-
-    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        return self._frozen
-
-
 def _freeze_entry(
-    area: _StagingArea, owner: str, name: str, value: Any, at: int | None = None
+    area: _StagingArea,
+    owner: str,
+    name: str,
+    value: Any,
+    at: int | None = None,
+    stable: frozenset[int] = frozenset(),
 ) -> Any:
     """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging (placed for
-    file offset ``at``, see :meth:`_StagingArea.copy`)."""
+    file offset ``at``, late when in ``stable``: see :meth:`_StagingArea.copy`)."""
     if isinstance(value, torch.Tensor):
-        return area.copy(owner, name, value, at)
+        return area.copy(owner, name, value, at, stable)
     if not isinstance(value, burnpack.TensorEntry):
         return value  # not a tensor: the writer reports it as the synchronous path would
     data = value.data
     if callable(data) and not isinstance(data, torch.Tensor):
         data = data()  # a deferred provider reads live state: call it now, not on the writer
     if isinstance(data, torch.Tensor):
-        data = area.copy(owner, name, data, at)
+        data = area.copy(owner, name, data, at, stable)
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
     return burnpack.TensorEntry(
@@ -274,19 +279,23 @@ def _freeze_entry(
     )
 
 
-def _freeze(area: _StagingArea, owner: str, value: Any) -> Record:
-    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area``.
+def _freeze(
+    area: _StagingArea, owner: str, value: Any, stable: frozenset[int] = frozenset()
+) -> Record:
+    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area`` (what lies in
+    ``stable`` copied late).
 
     The result shares no mutable memory with ``value``: tensors live in staging buffers,
     scalars and strings are immutable.
     """
     record = value if isinstance(value, Record) else StateRecord(value)
     tensors, scalars, metadata = record.to_content()
-    at = _offsets(_StagedRecord(record.kind, tensors, scalars, metadata))
+    at = _offsets(StagedRecord(record.kind, tensors, scalars, metadata))
     frozen = {
-        name: _freeze_entry(area, owner, name, t, at.get(name)) for name, t in tensors.items()
+        name: _freeze_entry(area, owner, name, t, at.get(name), stable)
+        for name, t in tensors.items()
     }
-    return _StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+    return StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
 
 
 def _offsets(record: Record) -> dict[str, int]:
@@ -339,19 +348,38 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
 class AsyncCheckpointSaver:
     """Runs saves on one background thread after snapshotting their data into staging buffers.
 
-    See the module docstring for the guarantees. Not thread-safe itself: call it from one
-    thread (the training loop). ``close`` frees the staging buffers; the saver can be used
-    again afterwards (buffers and thread are created on demand).
+    See the module docstring for the guarantees. ``process=True``: the staging buffers live in
+    shared memory and a writer process commits each snapshot (reading those buffers only), so
+    the commit's Python does not compete with training for the interpreter lock; same
+    guarantees, and a writer process that dies fails its save, which the next call raises
+    (local and object-store directories: a ``memory://`` store lives in this process only).
+    Not thread-safe itself: call it from one thread (the training loop). ``close`` frees the
+    staging buffers; the saver can be used again afterwards (buffers and thread are created on
+    demand).
     """
 
-    def __init__(self) -> None:
-        self.staging = _StagingArea()
+    def __init__(self, *, process: bool = False) -> None:
+        self.staging = _StagingArea(shared=process)
+        # process=True: the commit runs in a writer process (lightning_bpk.runtime._writer)
+        self._writer = WriterProcess() if process else None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_what = ""
         # the writer threads' process group of a sharded run (made by the first save_sharded)
         self._group: Any = _NO_GROUP
         self._lock = threading.Lock()  # guards _executor/_pending against a concurrent close()
+        self._gate = StepGate()
+
+    def watch(self, optimizers: Iterable[Any]) -> None:
+        """Overlap later snapshots with training: the parameters and state of ``optimizers``
+        (which only their steps change) are copied beside the next forward and backward, and
+        the next step of any of them waits for that copy (:mod:`lightning_bpk.runtime.overlap`).
+        A save then blocks its caller only for the buffers, RNG and loop state."""
+        self._gate.watch(optimizers)
+
+    def wait_snapshot(self) -> None:
+        """Block until the last snapshot's late copies landed (a watched step does it too)."""
+        self._gate.release()
 
     # -- submitting --------------------------------------------------------------------------
 
@@ -376,13 +404,18 @@ class AsyncCheckpointSaver:
         self.wait()
         if retention is None and iteration_number % checkpointer.checkpoint_frequency:
             return
-        staged = {key: _freeze(self.staging, key, value) for key, value in data.items()}
+        stable = self._gate.stable()
+        staged = {key: _freeze(self.staging, key, value, stable) for key, value in data.items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
 
+        buffers = [slot.raw for slot in self.staging._slots.values()]
+
         def save() -> Path | str | None:
             # a subclass of Checkpointer may predate the retention argument: pass it only if set
-            if retention is None:
+            if self._writer is not None:
+                path = self._writer.save(checkpointer, iteration_number, staged, buffers, retention)
+            elif retention is None:
                 path = checkpointer.save_checkpoint(iteration_number, staged)
             else:
                 path = checkpointer.save_checkpoint(iteration_number, staged, retention=retention)
@@ -394,9 +427,10 @@ class AsyncCheckpointSaver:
 
     def reserve(self, data: Mapping[str, Any], *, shards: Mapping[str, Any] | None = None) -> None:
         """Allocate the staging buffers a later :meth:`save_checkpoint` of data shaped like
-        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), on
-        the writer thread, so the first save costs the training thread a copy only. Returns at
-        once; the next save waits for it (as for any write in flight)."""
+        ``data`` needs (and a later :meth:`save_sharded` of ``shards``: this rank's shards), and
+        start the writer process of ``process=True``, on the writer thread, so the first save
+        costs the training thread a copy only. Returns at once; the next save waits for it (as
+        for any write in flight)."""
         self.wait()
         wanted = []
         for key, value in data.items():
@@ -413,7 +447,13 @@ class AsyncCheckpointSaver:
             wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype, pinned))
 
         _map_tree(shards or {}, shard)
-        self._submit("staging buffers", self.staging.reserve, wanted)
+
+        def prepare() -> None:
+            self.staging.reserve(wanted)
+            if self._writer is not None:  # spawning it takes seconds
+                self._writer.start()
+
+        self._submit("staging buffers", prepare)
 
     def save_sharded(
         self,
@@ -484,15 +524,27 @@ class AsyncCheckpointSaver:
         self.wait()
         # One owner for every path: Lightning names each file anew (epoch=3-step=16.ckpt), and
         # keying by path would reallocate every buffer on every save.
-        staged = _freeze(self.staging, _RECORD_OWNER, record)
+        staged = _freeze(self.staging, _RECORD_OWNER, record, self._gate.stable())
         self.staging.prune()
         self._submit(f"record {path}", write or Record.save, staged, path)
 
     def _submit(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the writer thread once the snapshot's copies have landed."""
+        """Run ``fn(*args)`` on the writer thread once the snapshot's copies have landed; the
+        writer thread makes the late host copies first, and the next step of a watched
+        optimizer waits for them (and for late device copies)."""
         ready = self.staging.settle()
+        late, self.staging.late = self.staging.late, []
+        copied = threading.Event()
+        if late or ready.late:
+            self._gate.hold(copied, ready)
 
         def run() -> Any:
+            try:
+                with torch.no_grad():
+                    for dst, src in late:  # beside the caller's next forward and backward
+                        dst.copy_(src)
+            finally:
+                copied.set()
             ready.wait()  # device-to-host copies still in flight: nothing reads them before
             return fn(*args)
 
@@ -515,10 +567,13 @@ class AsyncCheckpointSaver:
 
         Re-raises the save's exception, once: a failure is reported exactly one time.
         """
+        self._gate.release()
         with self._lock:
             pending, what = self._pending, self._pending_what
             self._pending = None
         if pending is None:
+            if self._writer is not None:
+                self._writer.check()
             return None
         error = pending.exception()
         if error is not None:
@@ -537,6 +592,8 @@ class AsyncCheckpointSaver:
                 group, self._group = self._group, _NO_GROUP
             if executor is not None:
                 executor.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
             self.staging.clear()
             if group not in (_NO_GROUP, None) and dist.is_initialized():
                 # gone already if the default group was destroyed (that destroys every group)

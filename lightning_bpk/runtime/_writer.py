@@ -1,0 +1,229 @@
+"""The writer process: an asynchronous save's commit outside the training process's interpreter.
+
+With ``AsyncCheckpointSaver(process=True)`` the staging buffers live in shared memory and the
+saver's writer thread, instead of committing the snapshot itself, hands it to one child process
+(spawned at the first save, kept for the next ones): every staging buffer is sent to the child
+once (a handle to its shared memory, not its bytes), each save sends the checkpointer, the
+iteration and the records with each tensor named by its buffer, offset, dtype and shape, and
+the child builds the records over those buffers (it only reads them) and runs the ordinary
+``Checkpointer.save_checkpoint``: data fsynced, then the sentinel, then garbage collection. The
+planning, encoding and fsync bookkeeping of the commit so no longer compete with training for
+the interpreter lock; the writer thread only waits on the pipe.
+
+Guarantees, as for the thread writer: one save in flight (the writer thread waits for the
+child's answer), errors re-raised by the next call (the child's exception itself when it can be
+pickled, else a ``RuntimeError`` with its type, message and traceback). A child that dies
+(SIGKILL, out of memory) fails the save it was writing with :class:`WriterProcessDied`, which
+the next call raises; that checkpoint was never committed (the sentinel comes last), those
+before it are untouched, and the next save starts a new child. A training process that dies
+closes the pipe: the child finishes the save it is writing, if any, and exits.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from lightning_bpk import burnpack
+from lightning_bpk.errors import LightningBpkError
+from lightning_bpk.records.base import Record
+
+# Name of the child (ps, py-spy).
+_PROCESS_NAME = "lightning_bpk-writer"
+
+
+class StagedRecord(Record):
+    """A record's content frozen at snapshot time; saved as a record of the original kind."""
+
+    def __init__(
+        self,
+        kind: str,
+        tensors: Mapping[str, Any],
+        scalars: Mapping[str, Any],
+        metadata: Mapping[str, str],
+    ) -> None:
+        # instance attribute: this class registers no kind of its own
+        self.kind = kind  # type: ignore[misc]
+        self._frozen = (tensors, scalars, metadata)
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        return self._frozen
+
+
+class WriterProcessDied(LightningBpkError, RuntimeError):
+    """The writer process ended while it was writing a checkpoint (never committed)."""
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _describe(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
+    """A tensor in a staging buffer as ``("staged", buffer, byte offset, dtype, shape)``; a
+    :class:`burnpack.TensorEntry` with its data so described; anything else as it is."""
+    if isinstance(value, burnpack.TensorEntry):
+        entry = (value.dtype, value.shape, value.param_id, value.nbytes)
+        return ("entry", entry, _describe(value.data, buffers))
+    if isinstance(value, torch.Tensor) and _storage(value) in buffers:
+        raw = buffers[_storage(value)]
+        offset = value.data_ptr() - raw.data_ptr()
+        return ("staged", _storage(value), offset, value.dtype, tuple(value.shape))
+    return value
+
+
+def _rebuild(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
+    """:func:`_describe` undone in the child, over the buffers it was sent."""
+    if isinstance(value, tuple) and value and value[0] == "entry":
+        (dtype, shape, param_id, nbytes), data = value[1], _rebuild(value[2], buffers)
+        return burnpack.TensorEntry(dtype, shape, data, param_id=param_id, nbytes=nbytes)
+    if isinstance(value, tuple) and value and value[0] == "staged":
+        _, key, offset, dtype, shape = value
+        count = int(torch.Size(shape).numel()) * dtype.itemsize
+        return buffers[key][offset : offset + count].view(dtype).view(shape)
+    return value
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        text = "".join(traceback.format_exception(error))
+        return RuntimeError(f"{type(error).__name__}: {error} (in the writer process)\n{text}")
+
+
+def _serve(conn: Any) -> None:
+    """The child: take buffers and saves until the training process closes the pipe."""
+    buffers: dict[int, torch.Tensor] = {}
+    conn.send(("ready", None))  # imports done: the parent's start() returns
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        except Exception as e:  # a message that does not unpickle here: the save fails
+            conn.send(("error", _portable(e)))
+            continue
+        if message[0] == "buffer":
+            buffers[message[1]] = message[2]
+            continue
+        _, checkpointer, number, records, retention = message
+        try:
+            data = {
+                key: StagedRecord(
+                    kind,
+                    {n: _rebuild(t, buffers) for n, t in tensors.items()},
+                    {n: burnpack.Scalar(*s) for n, s in scalars.items()},
+                    meta,
+                )
+                for key, (kind, tensors, scalars, meta) in records.items()
+            }
+            if retention is None:
+                path = checkpointer.save_checkpoint(number, data)
+            else:
+                path = checkpointer.save_checkpoint(number, data, retention=retention)
+            conn.send(("ok", path))
+        except BaseException as e:
+            conn.send(("error", _portable(e)))
+
+
+class WriterProcess:
+    """The training process's end of the writer process (used from the saver's writer thread
+    only; :meth:`close` from the training thread once that thread is idle)."""
+
+    def __init__(self) -> None:
+        self._process: Any = None
+        self._conn: Any = None
+        self._sent: dict[int, torch.Tensor] = {}  # buffers the child holds, by storage
+
+    def save(
+        self,
+        checkpointer: Any,
+        number: int,
+        staged: Mapping[str, Any],
+        buffers: list[torch.Tensor],
+        retention: Any,
+    ) -> Any:
+        """Have the child commit ``staged`` (records whose tensors lie in ``buffers``, shared
+        memory) as checkpoint ``number``; return its path, raise its error."""
+        if self._process is None or not self._process.is_alive():
+            self.start()
+        by_storage = {_storage(raw): raw for raw in buffers}
+        records = {}
+        for key, record in staged.items():
+            tensors, scalars, metadata = record.to_content()
+            described = {n: _describe(t, by_storage) for n, t in tensors.items()}
+            plain = {n: (s.kind, s.value) for n, s in scalars.items()}  # Scalar: no pickle
+            records[key] = (record.kind, described, plain, dict(metadata))
+        try:
+            for storage, raw in by_storage.items():
+                if self._sent.get(storage) is not raw:
+                    self._conn.send(("buffer", storage, raw))
+                    self._sent[storage] = raw
+            self._conn.send(("save", checkpointer, number, records, retention))
+            answer, value = self._conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as e:
+            code = self._stopped()
+            raise WriterProcessDied(
+                f"the writer process died (exit code {code}) while writing checkpoint "
+                f"{number}: it was not committed; checkpoints committed before it are untouched"
+            ) from e
+        if answer == "error":
+            raise value
+        return value
+
+    def start(self) -> None:
+        """Spawn the child (seconds: it imports torch, and the main module as spawn does), ending
+        one that ended or runs already."""
+        self._stopped()
+        context = mp.get_context("spawn")
+        ours, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(theirs,), name=_PROCESS_NAME, daemon=True
+        )
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        try:  # spawning imports torch and the main module: seconds, on the writer thread
+            ours.recv()
+        except (EOFError, OSError) as e:
+            code = self._stopped()
+            raise WriterProcessDied(f"the writer process did not start (exit code {code})") from e
+
+    def _stopped(self) -> int | None:
+        """Forget a child that ended (or end it); its exit code."""
+        process, self._process = self._process, None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._sent.clear()
+        if process is None:
+            return None
+        process.join(timeout=60)
+        return process.exitcode
+
+    def check(self) -> None:
+        """Raise :class:`WriterProcessDied` if the child ended while idle (killed between two
+        saves): the next save says so, once, and the save after it starts a new child."""
+        if self._process is None or self._process.is_alive():
+            return
+        code = self._stopped()
+        raise WriterProcessDied(
+            f"the writer process died (exit code {code}) between two saves: every checkpoint "
+            "it committed is intact; the next save starts a new writer process"
+        )
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before the first save)."""
+        return None if self._process is None else self._process.pid
+
+    def close(self) -> None:
+        """Close the pipe; the child exits once it has nothing left to write."""
+        self._stopped()
