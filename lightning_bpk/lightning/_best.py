@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_bpk.checkpointer import Checkpointer, get_latest_checkpoint_number
+from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.lightning import _compat, _runs, trainer_state
 from lightning_bpk.runtime.best import Standing, metric_value
 from lightning_bpk.store import open_store
@@ -48,66 +49,62 @@ def _tensor(value: float | None) -> torch.Tensor | None:
 
 
 class BestModels:
-    """``ModelCheckpoint``'s attributes and the logger calls, for a checkpoint callback that
-    sets ``monitor``, ``mode``, ``save_top_k``, ``_standing`` (module docstring)."""
+    """``ModelCheckpoint``'s attributes and the loggers' calls for one checkpoint callback
+    (module docstring), kept by the callback as ``best``; the callback exposes the attributes
+    Lightning reads as its own."""
 
-    monitor: str | None
-    mode: str
-    save_top_k: int
-    resume: bool
-    dirpath: Any
-    storage_options: dict[str, Any] | None
-    checkpoint_file_prefix: str
-    sentinel_file_identifier: str
-    _standing: Standing
-    _current_score: float | None = None
-    _announce: bool = False  # an asynchronous save the loggers have not heard of yet
-    _last_requested = False  # fit(ckpt_path="last") found no file: ours is "last"
-    _standing_read = False
+    def __init__(self, monitor: str | None, mode: str, save_top_k: int) -> None:
+        if monitor is None and save_top_k != 1:
+            raise ValueError(f"save_top_k={save_top_k!r} keeps the best by a metric: set monitor")
+        self.monitor = monitor
+        self.standing = Standing(None if monitor is None else BestK(monitor, mode, save_top_k))
+        self.read = False  # the directory's best and last were read (setup, or "best")
+        self._current_score: float | None = None
+        self._announce = False  # an asynchronous save the loggers have not heard of yet
 
     @property
     def best_model_path(self) -> str:
         """The best checkpoint's directory (without ``monitor``: the last); ``""``: none."""
-        standing = self._standing
+        standing = self.standing
         return _text(standing.path(standing.last if self.monitor is None else standing.best))
 
     @property
     def best_model_score(self) -> torch.Tensor | None:
         """The best checkpoint's value of ``monitor`` (None: nothing monitored or saved)."""
-        return _tensor(self._standing.value(self._standing.best))
+        return _tensor(self.standing.value(self.standing.best))
 
     @property
     def best_k_models(self) -> dict[str, torch.Tensor]:
         """The k best checkpoints' directories and values, best first."""
-        return {str(p): torch.tensor(v) for p, v in self._standing.paths().items()}
+        return {str(p): torch.tensor(v) for p, v in self.standing.paths().items()}
 
     @property
     def kth_best_model_path(self) -> str:
         """The worst of the k best (the next better checkpoint displaces it)."""
-        return _text(self._standing.path(self._standing.kth))
+        return _text(self.standing.path(self.standing.kth))
 
     @property
     def kth_value(self) -> torch.Tensor | None:
         """The value of :attr:`kth_best_model_path`."""
-        return _tensor(self._standing.value(self._standing.kth))
+        return _tensor(self.standing.value(self.standing.kth))
 
     @property
     def last_model_path(self) -> str:
         """The newest checkpoint saved (or found at ``setup``)."""
-        return _text(self._standing.path(self._standing.last))
+        return _text(self.standing.path(self.standing.last))
 
     @property
     def current_score(self) -> torch.Tensor | None:
         """The value of ``monitor`` the last save of this fit recorded."""
         return _tensor(self._current_score)
 
-    def _read_standing(self, checkpointer: Checkpointer) -> None:
+    def follow(self, checkpointer: Checkpointer) -> None:
         """Follow the best and last checkpoints of ``checkpointer``'s directory (read when first
         asked: a resume lists nothing more)."""
-        self._standing.attach(checkpointer)
-        self._standing_read = True
+        self.standing.attach(checkpointer)
+        self.read = True
 
-    def _monitored(self, trainer: pl.Trainer) -> float | None:
+    def monitored(self, trainer: pl.Trainer) -> float | None:
         """The value of ``monitor`` for the save being made, as ``ModelCheckpoint`` finds it
         (``callback_metrics``, plus ``epoch`` and ``step``). Missing: a
         ``MisconfigurationException`` once validation has run (``ModelCheckpoint``'s error),
@@ -129,34 +126,35 @@ class BestModels:
             return None
         return metric_value(candidates[self.monitor])
 
-    def _saved(self, trainer: pl.Trainer, number: int, value: float | None, later: bool) -> None:
-        """Checkpoint ``number`` was saved with ``value``; the loggers hear of it now, or
-        (``later``: written in the background) once it is durable (:meth:`_announce_saved`)."""
-        self._announce_saved(trainer)  # the one before: durable now (this save waited for it)
+    def saved(
+        self, trainer: pl.Trainer, callback: Any, number: int, value: float | None, later: bool
+    ) -> None:
+        """``callback`` saved checkpoint ``number`` with ``value``; the loggers hear of it now,
+        or (``later``: written in the background) once it is durable (:meth:`announce`)."""
+        self.announce(trainer, callback)  # the one before: durable now (this save waited for it)
         self._current_score = value
-        self._standing.saved(number, value)
+        self.standing.saved(number, value)
         self._announce = later
         if not later:
-            _tell_loggers(trainer, self)
+            self._tell_loggers(trainer, callback)
 
-    def _announce_saved(self, trainer: pl.Trainer, final: bool = False) -> None:
+    def announce(self, trainer: pl.Trainer, callback: Any, final: bool = False) -> None:
         """Tell the loggers of the asynchronous save that is durable now (if any); ``final``
         (the end of ``fit``, every save durable): MLflow's ``log_model=True`` logs the best."""
         if self._announce:
             self._announce = False
-            _tell_loggers(trainer, self)
+            self._tell_loggers(trainer, callback)
         for logger in trainer.loggers if final else ():
             if _compat.mlflow_log_model(logger) is True:
                 _mlflow_log_directories(logger, list(self.best_k_models) or [self.best_model_path])
 
-
-def _tell_loggers(trainer: pl.Trainer, callback: BestModels) -> None:
-    """Every logger's ``after_save_checkpoint``; MLflow's with ``log_model="all"`` also gets
-    the directory."""
-    for logger in trainer.loggers:
-        logger.after_save_checkpoint(callback)  # type: ignore[arg-type]
-        if _compat.mlflow_log_model(logger) == "all":
-            _mlflow_log_directories(logger, [callback.last_model_path])
+    def _tell_loggers(self, trainer: pl.Trainer, callback: Any) -> None:
+        """Every logger's ``after_save_checkpoint``; MLflow's with ``log_model="all"`` also
+        gets the directory."""
+        for logger in trainer.loggers:
+            logger.after_save_checkpoint(callback)
+            if _compat.mlflow_log_model(logger) == "all":
+                _mlflow_log_directories(logger, [self.last_model_path])
 
 
 def _mlflow_log_directories(logger: Any, paths: list[str]) -> None:
@@ -174,7 +172,7 @@ def take_last(trainer: pl.Trainer, fitting: bool) -> Any:
     """``ckpt_path="last"`` where Lightning found no file of its own: while fitting, whether a
     callback that resumes takes it as its newest complete checkpoint (it says which, in setup);
     otherwise the newest complete checkpoint of the first callback's directory (None: none)."""
-    callbacks: list[Any] = [c for c in trainer.callbacks if isinstance(c, BestModels)]  # type: ignore[attr-defined]
+    callbacks = _ours(trainer)
     if fitting:
         takers = [c for c in callbacks if c.resume]
         for callback in takers:
@@ -197,19 +195,25 @@ def take_last(trainer: pl.Trainer, fitting: bool) -> Any:
 def read_before_best(trainer: pl.Trainer) -> None:
     """Before Lightning resolves ``ckpt_path="best"``: each callback that has not read its
     directory yet (no ``fit`` in this process) reads its best and last checkpoints."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, BestModels) and not callback._standing_read:
+    for callback in _ours(trainer):
+        if not callback.best.read:
             directory = _runs.folder(callback, trainer)
             if open_store(directory, callback.storage_options).list(""):
-                callback._read_standing(_checkpointer(callback, directory))
+                callback.best.follow(_checkpointer(callback, directory))
 
 
-def _checkpointer(callback: BestModels, directory: Any) -> Checkpointer:
+def _ours(trainer: pl.Trainer) -> list[Any]:
+    """The checkpoint callbacks of ``trainer`` that keep a :class:`BestModels`."""
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    return [c for c in callbacks if isinstance(getattr(c, "best", None), BestModels)]
+
+
+def _checkpointer(callback: Any, directory: Any) -> Checkpointer:
     """A checkpointer of ``callback``'s settings over ``directory``, for reading."""
     return Checkpointer(
         directory,
         callback.checkpoint_file_prefix,
         callback.sentinel_file_identifier,
         storage_options=callback.storage_options,
-        best=callback._standing.rule,
+        best=callback.best.standing.rule,
     )

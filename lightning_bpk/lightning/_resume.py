@@ -7,7 +7,8 @@ what to do instead, in the callback's words: a ``ckpt_path`` that names one file
 checkpoint (:func:`member_of_checkpoint`), an override that names no complete checkpoint
 (:func:`override_problem`), a checkpoint of other optimizer or scheduler classes
 (:func:`check_classes`), complete checkpoints this run's saves would replace
-(:func:`save_over_problem`). Each is read-only.
+(:func:`save_over_problem`). Each is read-only. :func:`take_folder` makes the choice on rank 0
+and takes the folder over, every rank learning the outcome.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning_bpk.layout import parse_sentinel_name
 from lightning_bpk.lightning import _compat, _exact, _runs, sharded, trainer_state
 from lightning_bpk.lightning.triggers import FINISHED_KEY, describe, still_finished
 from lightning_bpk.runtime import resume
+from lightning_bpk.runtime.ranks import Ranks
 from lightning_bpk.runtime.resume import ResumeChoice
 from lightning_bpk.store import location, name_of, open_store, parent_of
 
@@ -121,6 +123,54 @@ def override_problem(choice: ResumeChoice, directory: Any) -> str | None:
         f"Complete checkpoints there: {choice.complete or 'none'}. Nothing was changed; bind "
         "override_number to one of them, or unbind it to resume from the newest"
     )
+
+
+def take_folder(
+    trainer: pl.Trainer,
+    dirpath: Any,
+    ranks: Ranks,
+    make: Callable[[Any], Checkpointer],
+    choose_in: Callable[[Any], ResumeChoice] | None,
+    *,
+    idle: str | None,
+    last_requested: bool,
+) -> tuple[Checkpointer, ResumeChoice]:
+    """A fit's checkpointer over ``dirpath`` (``make``) and what it resumes, on every rank.
+
+    Rank 0 chooses (``choose_in``; None: no resume) before anything is created (read-only),
+    then owns the directory (:meth:`~lightning_bpk.checkpointer.Checkpointer.take_over`) and
+    chooses again if a run saving there meanwhile committed a newer checkpoint; every rank
+    learns the outcome, or the :class:`CheckpointResumeError`. An ``idle`` fit (a smoke test, a
+    tuner: :mod:`lightning_bpk.lightning._runs`) neither resumes nor takes the folder over.
+    ``last_requested``: ``fit(ckpt_path="last")`` found no file of Lightning's (logged).
+    """
+    chosen, made = ResumeChoice(), None
+    resuming = None if idle else choose_in
+
+    def choose() -> tuple[int, str | None]:
+        nonlocal chosen, made
+        chosen = resuming(dirpath) if resuming is not None else chosen
+        problem = override_problem(chosen, dirpath)
+        if problem is None:
+            made = make(dirpath)
+            if idle:
+                log.info("BurnpackCheckpoint neither resumes nor saves in %s", idle)
+                return chosen.number, None
+            made.take_over()  # this run owns it (lightning_bpk.store.lease)
+            if resuming is not None and resume.superseded_by_a_newer(chosen, made):
+                chosen = resuming(dirpath)
+        return chosen.number, problem
+
+    number, error = ranks.decide(
+        choose, lambda e: (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
+    )
+    if error is not None:
+        raise CheckpointResumeError(error)
+    if last_requested and trainer.is_global_zero:
+        log_last(dirpath, number)
+    trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
+    checkpointer = made if made is not None else make(dirpath)  # made: rank 0's, choosing
+    return checkpointer, chosen if trainer.is_global_zero else ResumeChoice(number)
 
 
 def save_over_problem(

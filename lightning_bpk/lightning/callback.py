@@ -126,7 +126,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_bpk import _gin
 from lightning_bpk.checkpointer import Checkpointer, Retention, _check_settings
-from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.errors import CheckpointResumeError, CheckpointSaveError
 from lightning_bpk.layout import DEFAULT_IDENTIFIER, DEFAULT_PREFIX
 from lightning_bpk.lightning import (
@@ -146,7 +145,6 @@ from lightning_bpk.lightning.triggers import (
 )
 from lightning_bpk.runtime import resume, slurm
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
-from lightning_bpk.runtime.best import Standing
 from lightning_bpk.runtime.cadence import SaveTriggers
 from lightning_bpk.runtime.preemption import PREEMPTION_SIGNALS, Preemption
 from lightning_bpk.runtime.ranks import Ranks
@@ -179,7 +177,7 @@ def _ranks(trainer: pl.Trainer) -> Ranks:
 
 
 @_gin.configurable("lightning_bpk")
-class BurnpackCheckpoint(_best.BestModels, Checkpoint):
+class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
 
     Args:
@@ -259,11 +257,8 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         save_top_k: int = 1,
     ) -> None:
         super().__init__()
-        if monitor is None and save_top_k != 1:
-            raise ValueError(f"save_top_k={save_top_k!r} keeps the best by a metric: set monitor")
-        rule = None if monitor is None else BestK(monitor, mode, save_top_k)
+        self.best = _best.BestModels(monitor, mode, save_top_k)
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
-        self._standing = Standing(rule)
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
         if self.step_numbered and checkpoint_frequency != 1:
             raise ValueError(
@@ -318,6 +313,14 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         lambda self: self.triggers.auto_interval, doc='What ``"auto"`` chose last (rank 0).'
     )
     preemption_signals = property(lambda self: self.preemption.signals)
+    # ModelCheckpoint's attributes, which Lightning and the loggers read (lightning._best).
+    best_model_path = property(lambda self: self.best.best_model_path)
+    best_model_score = property(lambda self: self.best.best_model_score)
+    best_k_models = property(lambda self: self.best.best_k_models)
+    kth_best_model_path = property(lambda self: self.best.kth_best_model_path)
+    kth_value = property(lambda self: self.best.kth_value)
+    last_model_path = property(lambda self: self.best.last_model_path)
+    current_score = property(lambda self: self.best.current_score)
 
     @property
     def state_key(self) -> str:
@@ -344,39 +347,17 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         self._idle = _runs.idle_reason(trainer)
         dirpath = location(trainer.strategy.broadcast(str(_runs.folder(self, trainer))))
         ranks = self._ranks = _ranks(trainer)
-        # Rank 0 chooses before anything is created (read-only), then owns the directory and
-        # chooses again if a run saving there meanwhile committed a newer checkpoint; every
-        # rank learns the outcome.
-        chosen = ResumeChoice()
-
-        def choose() -> tuple[int, str | None]:
-            nonlocal chosen
-            chosen = self._choose_resume(dirpath) if self.resume and not self._idle else chosen
-            problem = _resume.override_problem(chosen, dirpath)
-            if problem is None:
-                self.checkpointer = self._make_checkpointer(dirpath)
-                if self._idle:
-                    log.info("BurnpackCheckpoint neither resumes nor saves in %s", self._idle)
-                    return chosen.number, None
-                self.checkpointer.take_over()  # this run owns it (lightning_bpk.store.lease)
-                if self.resume and resume.superseded_by_a_newer(chosen, self.checkpointer):
-                    chosen = self._choose_resume(dirpath)
-            return chosen.number, problem
-
-        number, error = ranks.decide(
-            choose, lambda e: (-1, f"cannot look for a checkpoint to resume from in {dirpath}: {e}")
+        checkpointer, choice = _resume.take_folder(
+            trainer,
+            dirpath,
+            ranks,
+            self._make_checkpointer,
+            self._choose_resume if self.resume else None,
+            idle=self._idle,
+            last_requested=self._last_requested,
         )
-        if error is not None:
-            raise CheckpointResumeError(error)
-        if self._last_requested and trainer.is_global_zero:
-            _resume.log_last(dirpath, number)
-        self._last_requested = False
-        trainer.strategy.barrier("BurnpackCheckpoint.setup")  # rank 0 created the directory
-        if not trainer.is_global_zero:
-            self.checkpointer = self._make_checkpointer(dirpath)
-        checkpointer = self.checkpointer
-        assert checkpointer is not None  # rank 0's: made choosing
-        self._read_standing(checkpointer)
+        self.checkpointer, self._last_requested = checkpointer, False
+        self.best.follow(checkpointer)
         self._saves = Saves(checkpointer, ranks, self._saver, self.storage_options)
         self._position = DataPosition()
         self._position.attach(trainer)
@@ -386,7 +367,6 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         self.triggers.due = None
         requeue = _compat.slurm_requeue_signal(trainer) if self.auto_requeue else None
         self.preemption.requeue_signal = requeue
-        choice = chosen if trainer.is_global_zero else ResumeChoice(number)
         if _runs.resumer(trainer, type(self)) is self:  # Lightning loads one checkpoint
             options, resumed = self.storage_options, self._resumed_from
             _resume.intercept(trainer, choice, checkpointer, options, resumed)
@@ -425,7 +405,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
             checkpoint_duration=self.checkpoint_duration,
             keep_every=self.keep_every,
             storage_options=self.storage_options,
-            best=self._standing.rule,
+            best=self.best.standing.rule,
         )
 
     def on_load_checkpoint(
@@ -463,7 +443,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
             )
         if error is not None:
             raise CheckpointResumeError(error)
-        self._read_standing(checkpointer)  # without what overwrite=True removed
+        self.best.follow(checkpointer)  # without what overwrite=True removed
         self._resumed.train_started(trainer, self._position.resumed_at)
         self.triggers.fit_started(trainer.global_step)
         if trainer.is_global_zero:
@@ -544,7 +524,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
             return  # this replayed epoch has not yet passed the checkpoint it resumed from
         ranks, capture = self._ranks, self._position.capture
         assert ranks is not None and self._saves is not None  # made in setup
-        value = self._monitored(trainer)
+        value = self.best.monitored(trainer)
         save = _save_data.collect(
             trainer,
             lambda: ranks.gather(capture(consumed or 0, consumed is None)),
@@ -556,7 +536,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
             retention = (retention or self._saves.checkpointer.retention).scored(value)
         self._saves.save(number, save.records, shards=save.shards, retention=retention, flush=flush)
         self.last_saved_number = number
-        self._saved(trainer, number, value, later=self._saver is not None and not flush)
+        self.best.saved(trainer, self, number, value, later=self._saver is not None and not flush)
         self.triggers.saved(trainer.global_step, started)
 
     def _retention(self, number: int, forced: bool) -> Retention | None:
@@ -566,7 +546,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
             return None
         # Saved whatever the frequency; the same retention (the last d, the same milestones).
         f, k = self.checkpoint_frequency, self.keep_every
-        rule = self._standing.rule
+        rule = self.best.standing.rule
         return Retention(1, self.checkpoint_duration, None if k is None else k * f, rule)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -613,7 +593,7 @@ class BurnpackCheckpoint(_best.BestModels, Checkpoint):
         # fit may have failed before Lightning restored anything
         _compat.release_resume_start(trainer)
         self._close_saves()  # the last checkpoint is complete when fit returns
-        self._announce_saved(trainer, final=stage == "fit")
+        self.best.announce(trainer, self, final=stage == "fit")
 
     def _close_saves(self) -> None:
         """Wait for an asynchronous write in flight (raising CheckpointSaveError if it failed),
