@@ -15,24 +15,9 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
-from lightning_tiny import TinyModel, make_trainer
+from lightning_tiny import CrashAt, Crashed, TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class _Killed(Exception):
-    pass
-
-
-class _KillAt(L.Callback):
-    """Raises after global step ``step`` (after the checkpoint callback's hook)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        if trainer.global_step == self.step:
-            raise _Killed
 
 
 class _EpochValues(L.Callback):
@@ -108,8 +93,8 @@ def _killed_then_resumed(root: Path, model_class: type, step: int, *callbacks, *
     """Killed after global step ``step``, then run again; ``callbacks`` in the second run, new
     ones of their classes (built without arguments) in the first."""
     first = [type(c)() for c in callbacks]
-    with pytest.raises(_Killed):
-        _fit(root, model_class, 4, *first, _KillAt(step), **options)
+    with pytest.raises(Crashed):
+        _fit(root, model_class, 4, *first, CrashAt(step), **options)
     return _fit(root, model_class, 4, *callbacks, **options)
 
 

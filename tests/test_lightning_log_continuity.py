@@ -12,22 +12,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_bpk.lightning.callback import BurnpackCheckpoint
 
-from lightning_tiny import TinyModel, make_trainer
+from lightning_tiny import CrashAt, Crashed, TinyModel, make_trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class _Killed(Exception):
-    pass
-
-
-class _KillAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-        if trainer.global_step == self.step:
-            raise _Killed
 
 
 class LoggingModel(TinyModel):
@@ -55,8 +42,8 @@ def _fit(root: Path, *callbacks: L.Callback) -> BurnpackCheckpoint:
 )
 def test_a_resumed_run_logs_on_in_its_version_without_a_step_twice(tmp_path, kill, saved):
     _fit(tmp_path / "ref")
-    with pytest.raises(_Killed):
-        _fit(tmp_path / "run", _KillAt(kill))
+    with pytest.raises(Crashed):
+        _fit(tmp_path / "run", CrashAt(kill))
     assert (tmp_path / "run" / "logs" / "lightning_logs" / "version_0" / "metrics.csv").exists()
     checkpoint = _fit(tmp_path / "run")
     assert checkpoint.restored_number == saved

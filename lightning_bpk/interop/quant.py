@@ -71,20 +71,6 @@ E2M1_VALUES = (
 _E8M0_BIAS = 127
 
 
-def _pairs(
-    op: ConversionOps, input_dict: dict[str, Tensors], source_patterns: list[str]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (values, scales) pairs a two-source converter matched, in order."""
-    if len(source_patterns) != 2 or any(p not in input_dict for p in source_patterns):
-        raise RemapError(f"{op!r}: needs two sources, the values and their scales")
-    values, scales = (input_dict[p] for p in source_patterns)
-    values = values if isinstance(values, list) else [values]
-    scales = scales if isinstance(scales, list) else [scales]
-    if len(values) != len(scales):
-        raise RemapError(f"{op!r}: {len(values)} tensors but {len(scales)} scales")
-    return list(zip(values, scales, strict=True))
-
-
 def _e8m0(scales: torch.Tensor) -> torch.Tensor:
     """Scales as float32 multipliers: E8M0 exponents (uint8 or ``float8_e8m0fnu``) decoded."""
     if scales.dtype == torch.uint8:
@@ -100,7 +86,32 @@ def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return pair.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-class Fp8Dequantize(ConversionOps):
+class _Dequantize(ConversionOps):
+    """A converter of two sources, the values and their scales, each pair dequantized into
+    one target (one tensor, or a list of them: the experts of a fused rule)."""
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def convert(
+        self,
+        input_dict: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
+    ) -> dict[str, Tensors]:
+        if len(source_patterns) != 2 or any(p not in input_dict for p in source_patterns):
+            raise RemapError(f"{self!r}: needs two sources, the values and their scales")
+        values, scales = (input_dict[p] for p in source_patterns)
+        values = values if isinstance(values, list) else [values]
+        scales = scales if isinstance(scales, list) else [scales]
+        if len(values) != len(scales):
+            raise RemapError(f"{self!r}: {len(values)} tensors but {len(scales)} scales")
+        out = [self.dequantize(v, s) for v, s in zip(values, scales, strict=True)]
+        return {target_patterns[0]: out if len(out) > 1 else out[0]}
+
+
+class Fp8Dequantize(_Dequantize):
     """Sources ``[weight, weight_scale_inv]`` -> the weight in ``dtype`` (see the module docs);
     ``int8``/``float4_e2m1fn_x2`` weights are FP4 pairs, unpacked first. Reverse:
     :class:`Fp8Quantize` with ``block_size``."""
@@ -127,16 +138,6 @@ class Fp8Dequantize(ConversionOps):
         q = values.reshape(-1, grid[0], rows // grid[0], grid[1], cols // grid[1])
         s = _e8m0(scales).reshape(-1, grid[0], grid[1]).unsqueeze(-1).unsqueeze(2)
         return (q * s).to(self.dtype).reshape(values.shape)
-
-    def convert(
-        self,
-        input_dict: dict[str, Tensors],
-        source_patterns: list[str],
-        target_patterns: list[str],
-        **kwargs: Any,
-    ) -> dict[str, Tensors]:
-        out = [self.dequantize(w, s) for w, s in _pairs(self, input_dict, source_patterns)]
-        return {target_patterns[0]: out if len(out) > 1 else out[0]}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -192,7 +193,7 @@ class Fp8Quantize(ConversionOps):
         return Fp8Dequantize(self.dtype, self.block_size)
 
 
-class Mxfp4Dequantize(ConversionOps):
+class Mxfp4Dequantize(_Dequantize):
     """Sources ``[*_blocks, *_scales]`` (gpt_oss MXFP4) -> the dequantized experts in ``dtype``
     (see the module docs). One way: its reverse refuses to save."""
 
@@ -214,16 +215,6 @@ class Mxfp4Dequantize(ConversionOps):
         exponents = (scales.to(torch.int32) - _E8M0_BIAS).reshape(-1, 1)
         out = torch.ldexp(out, exponents).to(self.dtype)
         return out.reshape(*prefix, groups * width * 2).transpose(1, 2).contiguous()
-
-    def convert(
-        self,
-        input_dict: dict[str, Tensors],
-        source_patterns: list[str],
-        target_patterns: list[str],
-        **kwargs: Any,
-    ) -> dict[str, Tensors]:
-        out = [self.dequantize(b, s) for b, s in _pairs(self, input_dict, source_patterns)]
-        return {target_patterns[0]: out if len(out) > 1 else out[0]}
 
     @property
     def reverse_op(self) -> ConversionOps:

@@ -111,6 +111,23 @@ class Stream(IterableDataset):
         return len(self.data)  # type: ignore[arg-type]
 
 
+class Crashed(Exception):
+    """What :class:`CrashAt` raises: training stops there as if the process had died (no later
+    save; an asynchronous one in flight is finished by teardown)."""
+
+
+class CrashAt(L.Callback):
+    """Raises :class:`Crashed` after global step ``step`` (after the checkpoint callback's
+    hook, so a save due at that step is made)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            raise Crashed
+
+
 class TinyModel(L.LightningModule):
     """Linear -> ReLU -> Dropout -> Linear classifier with Adam and a per-epoch StepLR."""
 
