@@ -13,12 +13,8 @@ import torch
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
-from lightning_bpk.runtime.async_save import (
-    _WRITER_THREAD_NAME,
-    AsyncCheckpointSaver,
-    _freeze,
-    _StagingArea,
-)
+from lightning_bpk.runtime._staging import StagingArea, freeze
+from lightning_bpk.runtime.async_save import _WRITER_THREAD_NAME, AsyncCheckpointSaver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,6 +57,21 @@ def _snapshot(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
+
+
+@pytest.mark.parametrize(
+    ("setting", "writer"), [(False, None), (True, "thread"), ("process", "process")]
+)
+def test_an_async_save_setting_names_its_saver(setting, writer):
+    saver = AsyncCheckpointSaver.from_setting(setting)
+    kind = None if saver is None else "process" if saver._writer is not None else "thread"
+    assert kind == writer
+
+
+@pytest.mark.parametrize("setting", ["thread", 1, None])
+def test_an_unknown_async_save_setting_is_named(setting):
+    with pytest.raises(ValueError, match=f"async_save={setting!r}: use False, True"):
+        AsyncCheckpointSaver.from_setting(setting)
 
 
 def test_snapshot_is_not_torn_by_steps_taken_while_the_write_is_in_flight(tmp_path):
@@ -136,7 +147,7 @@ def test_reserve_allocates_on_the_writer_thread_and_the_first_save_only_copies(t
 
 
 def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
-    area = _StagingArea()
+    area = StagingArea()
     first = area.copy("m", "a", torch.ones(4))
     area.copy("m", "b", torch.ones(2))
     area.prune()
@@ -155,7 +166,7 @@ def test_only_a_changed_shape_reallocates_and_dropped_tensors_are_freed():
 def test_host_tensors_are_staged_in_pageable_memory_and_nothing_waits():
     # The capability check picks the plain path for a CPU tensor (tests/test_gpu.py pins the
     # pinned one): no pinned buffer, no side stream, no event for the writer to wait on.
-    area = _StagingArea()
+    area = StagingArea()
     area.copy("m", "a", torch.ones(4))
     area.reserve([("m", "b", (2, 3), torch.bfloat16, False)])
     assert not any(slot.raw.is_pinned() for slot in area._slots.values())
@@ -200,23 +211,23 @@ def test_the_writer_reads_the_buffers_only_once_the_copies_have_landed(tmp_path)
 
 
 def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
-    """A tensor of _PLACED_MIN bytes or more starts at the same offset within a memory page as
+    """A tensor of PLACED_MIN bytes or more starts at the same offset within a memory page as
     its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
     there); the file is the one a synchronous save writes."""
-    from lightning_bpk.runtime.async_save import _PAGE, _PLACED_MIN
+    from lightning_bpk.runtime._staging import PAGE, PLACED_MIN
 
     torch.manual_seed(0)
-    big = torch.randn(_PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
-    state = {"a": big, "b": torch.randn(_PLACED_MIN // 4), "small": torch.ones(5)}
-    area = _StagingArea()
-    staged = _freeze(area, "state", ModuleRecord(state))
+    big = torch.randn(PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
+    state = {"a": big, "b": torch.randn(PLACED_MIN // 4), "small": torch.ones(5)}
+    area = StagingArea()
+    staged = freeze(area, "state", ModuleRecord(state))
     sync = tmp_path / "sync.bpk"
     ModuleRecord(state).save(sync)
     with burnpack.read(sync) as pack:
         offsets = {n: pack.data_start + pack.entries[n].data_offsets[0] for n in state}
     tensors = staged.content()[0]
     for name in ("a", "b"):
-        assert (tensors[name].data.data_ptr() - offsets[name]) % _PAGE == 0, name
+        assert (tensors[name].data.data_ptr() - offsets[name]) % PAGE == 0, name
     assert staged.to_bytes() == sync.read_bytes()
 
 
@@ -332,7 +343,7 @@ def test_save_record_writes_a_snapshot_at_the_path(tmp_path):
 
 
 def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
-    area = _StagingArea()
+    area = StagingArea()
     live = torch.arange(4, dtype=torch.float32)
     raw = bytearray(b"\x01\x02")
     calls = []
@@ -352,7 +363,7 @@ def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
                 {},
             )
 
-    frozen = _freeze(area, "m", Deferred({}))
+    frozen = freeze(area, "m", Deferred({}))
     assert calls == [1]
     live.add_(100)
     raw[0] = 9

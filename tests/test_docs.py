@@ -77,7 +77,7 @@ def test_api_pages_follow_all(site: Path) -> None:
     assert "_COPY_CHUNK" not in burnpack and "_PARALLEL_HASH_MIN" not in burnpack
     async_save = (site / "api" / "async_save" / "index.html").read_text()
     assert 'id="lightning_bpk.runtime.async_save.AsyncCheckpointSaver"' in async_save
-    assert "_StagingArea" not in async_save
+    assert "StagingArea" not in async_save  # runtime._staging: private
     callback = (site / "api" / "callback" / "index.html").read_text()
     assert 'id="lightning_bpk.lightning.callback.log"' not in callback  # a logger, not API
 

@@ -206,7 +206,7 @@ def test_fabric_async_saves_overlap_and_match_the_state_at_each_save(tmp_path):
 # --- Lightning: BurnpackCheckpoint(async_save=True) overlaps, bytes equal a synchronous run ----
 
 
-def _lightning_fit(root, async_save: bool, mode: str) -> None:
+def _lightning_fit(root, async_save: bool | str, mode: str) -> None:
     import lightning as L
 
     from lightning_bpk.lightning.callback import BurnpackCheckpoint
@@ -240,10 +240,14 @@ def _lightning_fit(root, async_save: bool, mode: str) -> None:
         assert callback._saver is not None and callback._saver._gate._watched
 
 
-@pytest.mark.parametrize("mode", ["automatic", "accumulate", "manual"])
-def test_lightning_overlapped_saves_hold_the_bytes_of_synchronous_ones(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "writer"),
+    [("automatic", True), ("accumulate", True), ("manual", True), ("automatic", "process")],
+)
+def test_lightning_overlapped_saves_hold_the_bytes_of_synchronous_ones(tmp_path, mode, writer):
+    """Overlapped saves, written by the writer thread or (``"process"``) a writer process."""
     _lightning_fit(tmp_path / "sync", False, mode)
-    _lightning_fit(tmp_path / "async", True, mode)
+    _lightning_fit(tmp_path / "async", writer, mode)
     sync = sorted(p.name for p in (tmp_path / "sync").glob("ckpt.*"))
     assert sync and sync == sorted(p.name for p in (tmp_path / "async").glob("ckpt.*"))
     for name in sync:

@@ -120,7 +120,8 @@ class CheckpointManager:
             of its time (measured; the first save comes 10 steps in).
         train_time_interval: :meth:`save_if_due` also saves when this much time has passed.
         max_overhead: the share of the loop's time ``"auto"`` may spend in saves.
-        async_save: write on a background thread; the loop pays for a copy of the tensors.
+        async_save: write on a background thread; the loop pays for a copy of the tensors;
+            ``"process"``: the commit runs in a writer process, off this interpreter's lock.
         verify: read every byte of the chosen checkpoint when restoring (falling back past a
             damaged one); ``False`` checks sentinels and sizes only and reads on load.
         override_number: restore this checkpoint instead of the newest (gin's
@@ -153,7 +154,7 @@ class CheckpointManager:
         every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
         max_overhead: float = 0.02,
-        async_save: bool = False,
+        async_save: bool | str = False,
         verify: bool = True,
         override_number: int | None = None,
         overwrite: bool = False,
@@ -197,7 +198,8 @@ class CheckpointManager:
             None if keep_every is None else keep_every * step,
         )
         self._standing.attach(self.checkpointer)  # the best so far, from the manifests
-        self._saver = AsyncCheckpointSaver() if async_save and fabric.is_global_zero else None
+        saver = AsyncCheckpointSaver.from_setting(async_save)  # checked on every rank
+        self._saver = saver if fabric.is_global_zero else None
         self._saves = Saves(self.checkpointer, self._ranks, self._saver, self.storage_options)
         self._reserved = False  # the async saver's staging buffers were requested
         self.preemption = FabricPreemption(preemption_signals, fabric.strategy, auto_requeue)

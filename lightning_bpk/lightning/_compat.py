@@ -23,6 +23,8 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
+from lightning_bpk.runtime.ranks import Ranks
+
 # The module whose handlers Lightning installs for SIGTERM (and SIGUSR1 under SLURM).
 SIGNAL_CONNECTOR_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
 
@@ -347,3 +349,16 @@ def route_ckpt_path(
 
     _parse_ckpt_path._lightning_bpk_routed = True  # type: ignore[attr-defined]
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign,assignment]
+
+
+def ranks(trainer: pl.Trainer) -> Ranks:
+    """The ranks of ``trainer``'s strategy: its ``reduce`` with MAX, its ``broadcast``, its root
+    device (the run layer's rank agreement, in Lightning's collectives)."""
+    strategy = trainer.strategy
+    return Ranks(
+        world_size=trainer.world_size,
+        is_global_zero=trainer.is_global_zero,
+        reduce=lambda tensor: strategy.reduce(tensor, reduce_op="max"),
+        device=strategy.root_device,
+        broadcast=strategy.broadcast,
+    )

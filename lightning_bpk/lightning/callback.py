@@ -45,7 +45,10 @@ complete (sentinel) once its data is durable; a failed write raises
 wait for the write. With a URL ``dirpath`` this is "upload behind": the upload and commit run
 on that thread. Sharded (FSDP2) state too: every rank copies its shards into its own staging
 buffers and writes them on its writer thread, over a process group of their own; a write that
-fails on one rank fails the next save on every rank.
+fails on one rank fails the next save on every rank. The parameters and optimizer state are
+copied beside the next forward and backward, and the next optimizer step waits for that copy
+(:mod:`lightning_bpk.runtime.overlap`). ``async_save="process"`` commits in a writer process
+that reads shared staging memory, so the commit's Python never holds this interpreter's lock.
 
 **Resuming.** In ``setup`` rank 0 finds the newest checkpoint that verifies
 (:func:`~lightning_bpk.checkpointer.get_latest_checkpoint_number` with ``verify=True``, which
@@ -163,19 +166,6 @@ __all__ = [
 log = logging.getLogger("lightning_bpk")
 
 
-def _ranks(trainer: pl.Trainer) -> Ranks:
-    """The ranks of ``trainer``'s strategy: its ``reduce`` with MAX, its ``broadcast``, its root
-    device (the run layer's rank agreement, in Lightning's collectives)."""
-    strategy = trainer.strategy
-    return Ranks(
-        world_size=trainer.world_size,
-        is_global_zero=trainer.is_global_zero,
-        reduce=lambda tensor: strategy.reduce(tensor, reduce_op="max"),
-        device=strategy.root_device,
-        broadcast=strategy.broadcast,
-    )
-
-
 @_gin.configurable("lightning_bpk")
 class BurnpackCheckpoint(Checkpoint):
     """Checkpoint every epoch in burnpack through a Dopamine-style Checkpointer, and resume.
@@ -215,7 +205,8 @@ class BurnpackCheckpoint(Checkpoint):
         train_time_interval: also save when this much wall-clock time passed since the last
             save (rank 0's clock decides, all ranks follow); numbered by global step too.
         async_save: write checkpoints on a background thread; training waits only for a copy
-            into reused staging buffers (see "Asynchronous saves" above).
+            into reused staging buffers (see "Asynchronous saves" above); ``"process"``: the
+            commit runs in a writer process, off this interpreter's lock.
         storage_options: passed to fsspec for a URL ``dirpath`` (credentials, endpoint).
         auto_requeue: under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)`` (the
             default), when its requeue signal (SIGUSR1) stopped training, rank 0 runs
@@ -245,7 +236,7 @@ class BurnpackCheckpoint(Checkpoint):
         overwrite: bool = False,
         verify: bool = True,
         preemption_signals: Sequence[int | str] = PREEMPTION_SIGNALS,
-        async_save: bool = False,
+        async_save: bool | str = False,
         every_n_train_steps: int | str | None = None,
         train_time_interval: timedelta | None = None,
         max_overhead: float = 0.02,
@@ -292,7 +283,7 @@ class BurnpackCheckpoint(Checkpoint):
         self.async_save = async_save
         self.auto_requeue = auto_requeue
         self.distributed_save = distributed_save
-        self._saver = AsyncCheckpointSaver() if async_save else None
+        self._saver = AsyncCheckpointSaver.from_setting(async_save)
         self._ranks: Ranks | None = None  # this fit's ranks (setup)
         self._saves: Saves | None = None  # this fit's saves (setup)
         self.checkpointer: Checkpointer | None = None
@@ -346,7 +337,7 @@ class BurnpackCheckpoint(Checkpoint):
             raise CheckpointResumeError(problem)
         self._idle = _runs.idle_reason(trainer)
         dirpath = location(trainer.strategy.broadcast(str(_runs.folder(self, trainer))))
-        ranks = self._ranks = _ranks(trainer)
+        ranks = self._ranks = _compat.ranks(trainer)
         checkpointer, choice = _resume.take_folder(
             trainer,
             dirpath,

@@ -1,0 +1,269 @@
+"""Staging buffers: where an asynchronous save's snapshot lives while the writer reads it.
+
+:class:`StagingArea` holds reused CPU buffers (shared memory for a writer process, pinned memory
+for a GPU's tensors) keyed by owner and tensor name; :func:`freeze` snapshots a record into it,
+each large tensor placed where its bytes lie in the file the writer will write (so an O_DIRECT
+writer needs no copy); :func:`map_tree` snapshots nested state (a DCP state dict) the same way.
+:mod:`lightning_bpk.runtime.async_save` owns one area per saver.
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_bpk import _device, burnpack
+from lightning_bpk.records.base import Record, StateRecord
+from lightning_bpk.runtime._writer import StagedRecord
+
+# A staging buffer of at least this many bytes starts where its bytes lie within a page of
+# the file written from it (a page of room per buffer), so an O_DIRECT writer writes it with
+# no copy; below it a copy into the writer's own buffers costs little.
+PLACED_MIN = 8 * 1024 * 1024
+PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class _Slot:
+    """One staging buffer: ``view`` (the tensor a snapshot holds) inside ``raw``, the memory
+    (touched once, reused; pinned when it stages a tensor of an accelerator); for a ``DTensor``,
+    ``shard`` is the DTensor around ``view``."""
+
+    raw: torch.Tensor
+    view: torch.Tensor
+    shard: DTensor | None = None
+
+
+class StagingArea:
+    """CPU buffers that snapshots are copied into, allocated once and reused.
+
+    Buffers are keyed by ``(owner, tensor name)``; a buffer is replaced only when the tensor's
+    shape or dtype changes, and buffers no snapshot used last time are dropped by :meth:`prune`.
+
+    A tensor on an accelerator (CUDA) is staged in pinned memory by a non-blocking copy on a
+    side stream (:class:`lightning_bpk._device.DeviceToHost`): nothing of it is copied on the
+    device, and the buffers are complete only once the :meth:`settle` after the snapshot has
+    been waited on (the writer does, before it reads).
+
+    >>> area = StagingArea()
+    >>> a = area.copy("model", "w", torch.ones(3)); b = area.copy("model", "w", torch.zeros(3))
+    >>> a is b, area.allocations, b.tolist()
+    (True, 1, [0.0, 0.0, 0.0])
+    """
+
+    def __init__(self, shared: bool = False) -> None:
+        self.shared = shared  # buffers in shared memory, for a writer process to read
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._used: set[tuple[str, str]] = set()
+        self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
+        self._copies = _device.DeviceToHost()
+        # host copies left to the writer thread (parameters, optimizer state), as (dst, src)
+        self.late: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy(
+        self,
+        owner: str,
+        name: str,
+        tensor: torch.Tensor,
+        at: int | None = None,
+        stable: frozenset[int] = frozenset(),
+    ) -> torch.Tensor:
+        """Copy ``tensor`` into the staging buffer for ``(owner, name)`` and return the frozen
+        view: the buffer, or for a ``DTensor`` (one rank's shard of a sharded tensor) a
+        ``DTensor`` of the same layout around the buffer its local shard was copied into.
+
+        ``at``: the offset the tensor's bytes will have in the file written from the snapshot;
+        a buffer of :data:`PLACED_MIN` bytes or more then starts at the same offset within a
+        memory page, so an ``O_DIRECT`` writer writes it from where it lies, with no copy.
+
+        The one place where a snapshot's bytes are copied (a device's tensors too: the copy
+        lands in host memory, pinned, and is complete once :meth:`settle`'s result is waited
+        on). ``stable``: the storages only the next optimizer step changes
+        (:meth:`~lightning_bpk.runtime.overlap.StepGate.stable`): a tensor in one is copied
+        late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`."""
+        key = (owner, name)
+        with torch.no_grad():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            source = local.detach()
+            pinned = _device.accelerated(source.device)
+            slot = self._place(key, source.shape, source.dtype, at, pinned)
+            late = bool(stable) and source.untyped_storage().data_ptr() in stable
+            if late and not pinned:
+                self.late.append((slot.view, source))
+            else:
+                self._copies.copy(slot.view, source, late=late)
+        self._used.add(key)
+        if not isinstance(tensor, DTensor):
+            return slot.view
+        shard = slot.shard
+        if (
+            shard is None
+            or shard.device_mesh != tensor.device_mesh
+            or shard.placements != tensor.placements
+            or shard.shape != tensor.shape
+            or shard.stride() != tensor.stride()
+        ):
+            shard = slot.shard = DTensor.from_local(
+                slot.view,
+                tensor.device_mesh,
+                tensor.placements,
+                run_check=False,
+                shape=tensor.shape,
+                stride=tensor.stride(),
+            )
+        return shard
+
+    def settle(self) -> _device.Ready:
+        """End a snapshot: what its reader waits on before reading the buffers (nothing, unless
+        tensors of an accelerator were copied)."""
+        return self._copies.settle()
+
+    def _place(
+        self,
+        key: tuple[str, str],
+        shape: torch.Size,
+        dtype: torch.dtype,
+        at: int | None,
+        pinned: bool = False,
+    ) -> _Slot:
+        """The slot of ``key`` for a tensor of ``shape`` and ``dtype`` (placed for file offset
+        ``at``; in pinned memory when ``pinned``): the one it had when that fits, else a new
+        one."""
+        nbytes = shape.numel() * dtype.itemsize
+        slot = self._slots.get(key)
+        if (
+            slot is None
+            or slot.view.dtype != dtype
+            or slot.raw.numel() < nbytes
+            or (pinned and not slot.raw.is_pinned())
+        ):
+            room = PAGE if nbytes >= PLACED_MIN else 0
+            raw = _device.host_buffer(nbytes + room, pinned=pinned and not self.shared)
+            if self.shared:
+                raw.share_memory_()
+            slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
+            self.allocations += 1
+        start = 0
+        if at is not None and slot.raw.numel() >= nbytes + PAGE:
+            start = (at - slot.raw.data_ptr()) % PAGE
+        if slot.view.shape != shape or slot.view.data_ptr() != slot.raw.data_ptr() + start:
+            slot.view = slot.raw[start : start + nbytes].view(dtype).view(shape)
+            slot.shard = None
+        return slot
+
+    def reserve(self, wanted: list[tuple[str, str, tuple[int, ...], torch.dtype, bool]]) -> None:
+        """Allocate and fault in buffers for ``(owner, name, shape, dtype, pinned)`` ahead of
+        the first snapshot (fresh memory is slow to touch, pinning it slower still; see
+        :meth:`AsyncCheckpointSaver.reserve`)."""
+        for owner, name, shape, dtype, pinned in wanted:
+            before = self.allocations
+            slot = self._place((owner, name), torch.Size(shape), dtype, None, pinned)
+            if self.allocations != before:
+                slot.raw.zero_()  # touch every page now, not during the first save
+
+    def prune(self) -> None:
+        """Free buffers the snapshots since the last prune did not use (removed tensors)."""
+        for key in set(self._slots) - self._used:
+            del self._slots[key]
+        self._used = set()
+
+    def clear(self) -> None:
+        """Free every buffer (the next save allocates them again)."""
+        self._slots.clear()
+        self._used = set()
+
+    @property
+    def buffers(self) -> dict[tuple[str, str], torch.Tensor]:
+        """The buffers, by ``(owner, tensor name)``."""
+        return {key: slot.view for key, slot in self._slots.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(slot.raw.numel() for slot in self._slots.values())
+
+
+def _freeze_entry(
+    area: StagingArea,
+    owner: str,
+    name: str,
+    value: Any,
+    at: int | None = None,
+    stable: frozenset[int] = frozenset(),
+) -> Any:
+    """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging (placed for
+    file offset ``at``, late when in ``stable``: see :meth:`StagingArea.copy`)."""
+    if isinstance(value, torch.Tensor):
+        return area.copy(owner, name, value, at, stable)
+    if not isinstance(value, burnpack.TensorEntry):
+        return value  # not a tensor: the writer reports it as the synchronous path would
+    data = value.data
+    if callable(data) and not isinstance(data, torch.Tensor):
+        data = data()  # a deferred provider reads live state: call it now, not on the writer
+    if isinstance(data, torch.Tensor):
+        data = area.copy(owner, name, data, at, stable)
+    elif not isinstance(data, bytes):
+        data = bytes(data)  # bytearray/memoryview may change under the writer
+    return burnpack.TensorEntry(
+        value.dtype, value.shape, data, param_id=value.param_id, nbytes=value.nbytes
+    )
+
+
+def freeze(
+    area: StagingArea, owner: str, value: Any, stable: frozenset[int] = frozenset()
+) -> Record:
+    """Snapshot a record (or plain data, as a :class:`StateRecord`) into ``area`` (what lies in
+    ``stable`` copied late).
+
+    The result shares no mutable memory with ``value``: tensors live in staging buffers,
+    scalars and strings are immutable.
+    """
+    record = value if isinstance(value, Record) else StateRecord(value)
+    tensors, scalars, metadata = record.to_content()
+    at = _offsets(StagedRecord(record.kind, tensors, scalars, metadata))
+    frozen = {
+        name: _freeze_entry(area, owner, name, t, at.get(name), stable)
+        for name, t in tensors.items()
+    }
+    return StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+
+
+def _offsets(record: Record) -> dict[str, int]:
+    """The file offset of each tensor of ``record`` that is staged where it lies in the file
+    (:data:`PLACED_MIN` bytes or more): the writer plans the same content the same way. No
+    plan when there is none (a few small tensors: nothing to gain)."""
+    tensors, scalars, metadata = record.content()
+    if not any(_nbytes(t) >= PLACED_MIN for t in tensors.values()):
+        return {}
+    at = burnpack.offsets(tensors, metadata=metadata, scalars=scalars)
+    return {name: at[name] for name, t in tensors.items() if _nbytes(t) >= PLACED_MIN}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, burnpack.TensorEntry):
+        return value.nbytes
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+# Leaves a snapshot shares with the live state: nothing can change them in place.
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def map_tree(value: Any, tensor: Callable[[str, torch.Tensor], Any], path: str = "") -> Any:
+    """Nested state (dicts, lists, tuples: a DCP state dict) rebuilt with every tensor replaced
+    by ``tensor(path, it)`` (``path``: where it lies, ``/model/net.0.weight``), immutable leaves
+    kept and any other leaf deep-copied: nothing of the result changes with the live state."""
+    if isinstance(value, torch.Tensor):
+        return tensor(path, value)
+    if isinstance(value, Mapping):
+        return {k: map_tree(v, tensor, f"{path}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [map_tree(v, tensor, f"{path}/{i}") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)
