@@ -50,6 +50,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -277,7 +278,8 @@ class ModuleRecord(Record):
         Record entries match module tensors by exact name. Checked before anything is changed,
         and reported together in one :class:`RecordError` (kind ``validation``):
 
-        - shape mismatches ("apply errors"), unless ``validate=False`` (then skipped silently);
+        - shape mismatches ("apply errors"), unless ``validate=False`` (then skipped: those
+          tensors keep the module's values, and one warning names each of them);
         - module tensors absent from the record ("missing"), unless ``allow_partial``;
         - record entries matching nothing ("unused"), unless ``allow_unused``.
 
@@ -301,7 +303,7 @@ class ModuleRecord(Record):
             raise ValueError(f"dtype_policy must be one of {_DTYPE_POLICIES}, not {dtype_policy!r}")
         incoming = self._incoming(module, adapter)
         targets = module.state_dict(keep_vars=True)
-        apply_errors, missing, plan = [], [], []
+        apply_errors, missing, plan, skipped = [], [], [], []
         # a meta target's id -> its names; a record of meta tensors only checks (interop's dry run)
         data = any(not tensor.is_meta for tensor, _ in incoming.values())
         meta: dict[int, list[str]] = {}
@@ -326,11 +328,14 @@ class ModuleRecord(Record):
                     f"Apply error: '{name}': module holds a {type(target).__name__}"
                 )
             elif tuple(tensor.shape) != tuple(target.shape):
+                mismatch = (
+                    f"'{name}': shape mismatch, expected {list(target.shape)} "
+                    f"but record has {list(tensor.shape)}"
+                )
                 if validate:
-                    apply_errors.append(
-                        f"Apply error: '{name}': shape mismatch, expected {list(target.shape)} "
-                        f"but record has {list(tensor.shape)}"
-                    )
+                    apply_errors.append(f"Apply error: {mismatch}")
+                else:
+                    skipped.append(mismatch)
             elif (
                 dtype_policy == "from_record"
                 and target.requires_grad
@@ -349,6 +354,12 @@ class ModuleRecord(Record):
             problems += [f"Unused tensor: '{n}'" for n in incoming if n not in targets]
         if problems:
             raise RecordError("validation", problems)
+        if skipped:
+            warnings.warn(
+                f"validate=False skipped {len(skipped)} shape mismatches, which keep the "
+                f"module's values: {'; '.join(skipped)}",
+                stacklevel=2,
+            )
         cast = dtype_policy == "cast_to_module"
         _load_all([p for p in plan if id(p[0]) not in meta], cast=cast)
         for target, tensor, pid in plan:
