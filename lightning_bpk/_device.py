@@ -29,7 +29,7 @@ where these branches are the ones tested.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,20 @@ def accelerated(device: torch.device) -> bool:
     (False, False)
     """
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU, for every dtype a file can hold: the
+    one-byte dtypes torch has no fill kernel for (fp4 pairs, ``bits8``) are allocated as bytes
+    and viewed, since under ``torch.use_deterministic_algorithms(True)`` (Lightning's
+    ``deterministic=True``) ``torch.empty`` fills new memory and fails for them.
+
+    >>> empty((0, 2), torch.float4_e2m1fn_x2).shape
+    torch.Size([0, 2])
+    """
+    if dtype.itemsize == 1:
+        return torch.empty(tuple(shape), dtype=torch.uint8).view(dtype)
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_bpk.checkpointer import Checkpointer, CheckpointWarning, choose_resume
 from lightning_bpk.records.base import RecordError
@@ -78,6 +79,17 @@ def start_process(
 
 
 _STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_is_the_tests_own() -> Iterator[None]:
+    """Put torch's deterministic mode back after each test: a ``Trainer(deterministic=True)``
+    turns it on for the whole process and never off, and it changes what later tests of the
+    same worker run (``torch.empty`` then fills memory, which some dtypes cannot)."""
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 @pytest.fixture(autouse=True)

@@ -223,7 +223,9 @@ def test_a_wrong_expert_shape_names_the_file_the_tensor_and_both_shapes(tmp_path
 def test_write_set_never_touches_an_existing_directory(tmp_path, sets):
     with pytest.raises(RecordError, match="exists"):
         write_set(Content(dict(EXPERTS)), sets[".bpk"].parent, max_shard_size=SHARD_BYTES)
-    broken = Content({"w": torch.ones(1), "q": torch.empty(1, dtype=torch.bits8)})  # no dtype
+    broken = Content(
+        {"w": torch.ones(1), "q": torch.zeros(1, dtype=torch.uint8).view(torch.bits8)}
+    )  # no dtype
     with pytest.raises(RecordError):
         write_set(broken, tmp_path / "new", max_shard_size=4)
     assert list(tmp_path.iterdir()) == []  # nothing left behind

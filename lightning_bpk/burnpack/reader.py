@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
+from lightning_bpk import _device
 from lightning_bpk.burnpack import _parallel
 from lightning_bpk.burnpack._inplace import READ_STEP, Into, damaged, fill, writable_bytes
 from lightning_bpk.burnpack._metadata import (
@@ -287,7 +288,7 @@ class Pack:
         if info.carried is not None or view.nbytes == 0:
             shape, dtype = info.torch_spec()
             if view.nbytes == 0:
-                return torch.empty(shape, dtype=dtype)
+                return _device.empty(shape, dtype)
             return torch.frombuffer(view, dtype=dtype).reshape(shape)
         assert dinfo.torch_dtype is not None  # only QFloat has none, refused above
         flat = torch.frombuffer(view, dtype=dinfo.torch_dtype)

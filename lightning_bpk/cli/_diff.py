@@ -1,16 +1,17 @@
 """``diff A B``: compare two record files, checkpoint sets or checkpoint directories.
 
 Tensors are compared by name (shape, dtype, bytes, largest absolute difference, ``param_id``),
-then scalars and metadata entry by entry; two checkpoint directories file by file. Either side
-may be a URL (copied into a temporary folder first) or a sharded checkpoint (its assembled
-model). Any difference exits with :data:`~lightning_bpk.cli.EXIT_FOUND`; with
-``--ignore-metadata`` a difference of metadata alone is shown, flagged ``metadata_only``, and
-exits 0.
+then scalars and metadata entry by entry (an encoded state's leaves by their dotted paths); two
+checkpoint directories file by file. Either side may be a URL (copied into a temporary folder
+first) or a sharded checkpoint (its assembled model). Any difference exits with
+:data:`~lightning_bpk.cli.EXIT_FOUND`; with ``--ignore-metadata`` a difference of metadata alone
+is shown, flagged ``metadata_only``, and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,13 +19,14 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack
+from lightning_bpk import burnpack, state
 from lightning_bpk.cli._locations import local_copies
 from lightning_bpk.cli._output import EXIT_FOUND, EXIT_OK, emit, json_value, progress, table
 from lightning_bpk.dcp import is_sharded
 from lightning_bpk.interop import Content
 from lightning_bpk.interop import sets as interop_sets
 from lightning_bpk.layout import MODEL_FILE, RECORD_SUFFIX
+from lightning_bpk.state import _STRUCTURE_KEY
 from lightning_bpk.store import join, location
 
 
@@ -80,7 +82,36 @@ def _diff_contents(
 
 
 def _scalars(content: Content) -> dict[str, dict[str, Any]]:
+    """The file's scalars by name; for an encoded state (a trainer or loop state, whose leaves
+    live in one structure entry: :mod:`lightning_bpk.state`), every leaf that is not a tensor
+    by its dotted path, so a changed counter shows as itself."""
+    if _STRUCTURE_KEY in content.metadata:
+        with contextlib.suppress(state.StateError):
+            leaves: dict[str, dict[str, Any]] = {}
+            _leaves(state.decode(content), "", leaves)
+            return leaves
     return {k: {"kind": s.kind, "value": json_value(s)} for k, s in content.scalars.items()}
+
+
+def _leaves(value: Any, path: str, out: dict[str, dict[str, Any]]) -> None:
+    """The non-tensor leaves of a decoded state, by dotted path (tensors are compared as such)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _leaves(item, f"{path}.{key}" if path else str(key), out)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _leaves(item, f"{path}.{i}" if path else str(i), out)
+    elif not isinstance(value, torch.Tensor):
+        plain = value is None or isinstance(value, (bool, int, str))
+        finite = isinstance(value, float) and math.isfinite(value)
+        shown = value if plain or finite else repr(value)
+        out[path or "<root>"] = {"kind": type(value).__name__, "value": shown}
+
+
+def _metadata(content: Content) -> Mapping[str, str]:
+    """The file's metadata, without an encoded state's structure (its leaves are compared as
+    scalars)."""
+    return {k: v for k, v in content.metadata.items() if k != _STRUCTURE_KEY}
 
 
 def _close(x: Any, y: Any, atol: float) -> bool:
@@ -146,7 +177,7 @@ def _diff_files(
             if not (r["status"] == "values differ" and r["max_abs_diff"] <= args.atol)
         ]
     scalars = _diff_entries(_scalars(ca), _scalars(cb), atol)
-    metadata = _diff_entries(ca.metadata, cb.metadata)
+    metadata = _diff_entries(_metadata(ca), _metadata(cb))
     entries_differ = [
         (what, r)
         for what, entries in (("scalar", scalars), ("metadata", metadata))

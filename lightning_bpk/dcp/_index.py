@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -175,7 +174,7 @@ def _tensor(fqn: str, value: object, placer: _Placer) -> None:
     t = _dict(value, f"tensor '{fqn}'", ("dtype", "shape", "requires_grad", "chunks"))
     dtype = t["dtype"]
     try:
-        itemsize = torch.empty((), dtype=burnpack._torch_dtype(dtype)).element_size()
+        itemsize = burnpack._torch_dtype(dtype).itemsize
     except (burnpack.BurnpackError, TypeError):
         raise _Problem(f"tensor '{fqn}': unknown dtype {_short(dtype)}") from None
     if not isinstance(t["requires_grad"], bool):

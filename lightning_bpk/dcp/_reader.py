@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.dcp import ShardedCheckpointError, is_sharded
 from lightning_bpk.dcp._packs import Index, _object, _opened, _Packs, read_index, servable
 from lightning_bpk.errors import summarise
@@ -150,7 +150,7 @@ def load_full_state_dict(
     out: dict[str, Any] = {}
     with _opened(index, verify) as packs:
         for fqn, t in index.tensors.items():  # read_index checked that the chunks tile it
-            full = torch.empty(t["shape"], dtype=burnpack._torch_dtype(t["dtype"]))
+            full = _device.empty(t["shape"], burnpack._torch_dtype(t["dtype"]))
             for c in t["chunks"]:
                 region = full
                 for dim, (start, length) in enumerate(zip(c["offsets"], c["sizes"], strict=True)):

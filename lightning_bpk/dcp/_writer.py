@@ -84,7 +84,7 @@ def _entry(planner: SavePlanner, item: WriteItem) -> burnpack.TensorEntry:
         assert isinstance(tensor, torch.Tensor)
         return tensor.detach().to("cpu", dtype).contiguous()
 
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     return burnpack.TensorEntry(burnpack._burn_dtype(dtype), shape, resolve, nbytes=nbytes)
 
 

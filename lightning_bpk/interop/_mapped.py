@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.burnpack.base import MAX_RANK, _short
 from lightning_bpk.records.base import RecordError
 from lightning_bpk.store import open_store
@@ -260,7 +260,7 @@ def open_safetensors(
             shape, dtype = specs[name]
             begin, end = offsets[name]
             if begin == end:
-                return torch.empty(shape, dtype=dtype)
+                return _device.empty(shape, dtype)
             with store_errors(loc):
                 mapped.fetch(start + begin, start + end)
             view = buffer[start + begin : start + end]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.interop._index import Location, Options
 from lightning_bpk.interop._sources import Span, ranged_reader
 
@@ -80,7 +80,7 @@ class RangedFiles:
         ):
             raise ValueError(f"{span.file}: box {list(box)} outside a tensor of {list(shape)}")
         if out is None:
-            out = torch.empty([stop - begin for begin, stop in box], dtype=span.stored)
+            out = _device.empty([stop - begin for begin, stop in box], span.stored)
         flat = burnpack.tensor_bytes(out)  # zero-copy: reads land in ``out``
         pieces = []
         at = 0

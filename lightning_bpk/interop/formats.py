@@ -147,7 +147,7 @@ def _default_dtype(dtype: torch.dtype) -> burnpack.DType | None:
     """The Burn dtype a tensor of ``dtype`` is written as by default (a carried one's stand-in:
     :meth:`burnpack.TensorEntry.from_tensor`); ``None`` where there is none."""
     try:
-        return burnpack.TensorEntry.from_tensor(torch.empty(0, dtype=dtype)).dtype
+        return burnpack.TensorEntry.from_tensor(_device.empty((0,), dtype)).dtype
     except burnpack.ValidationError:
         return None
 
