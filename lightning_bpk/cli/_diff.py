@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -82,15 +83,30 @@ def _diff_contents(
 
 
 def _scalars(content: Content) -> dict[str, dict[str, Any]]:
-    """The file's scalars by name; for an encoded state (a trainer or loop state, whose leaves
-    live in one structure entry: :mod:`lightning_bpk.state`), every leaf that is not a tensor
-    by its dotted path, so a changed counter shows as itself."""
-    if _STRUCTURE_KEY in content.metadata:
+    """The file's scalars by name; for a state encoded inline (a trainer or loop state, whose
+    leaves live in its one structure entry: :mod:`lightning_bpk.state`), also each leaf that is
+    not a tensor, by its dotted path, so a changed counter shows as itself."""
+    rows = {k: {"kind": s.kind, "value": json_value(s)} for k, s in content.scalars.items()}
+    if _inline_state(content):
         with contextlib.suppress(state.StateError):
-            leaves: dict[str, dict[str, Any]] = {}
-            _leaves(state.decode(content), "", leaves)
-            return leaves
-    return {k: {"kind": s.kind, "value": json_value(s)} for k, s in content.scalars.items()}
+            packed = state.Content(
+                dict(content.tensors), dict(content.scalars), dict(content.metadata)
+            )
+            _leaves(state.decode(packed), "", rows)
+    return rows
+
+
+def _inline_state(content: Content) -> bool:
+    """Whether ``content`` holds a state whose leaves are inline (structure version 2)."""
+    raw = content.metadata.get(_STRUCTURE_KEY)
+    try:
+        return raw is not None and json.loads(raw).get("version", 1) >= 2
+    except (ValueError, AttributeError):
+        return False  # not a structure this reads: its metadata entry is compared as text
+
+
+# The scalar kinds of burnpack, for leaves of these Python types.
+_KINDS = {bool: "Bool", int: "Int", float: "Float", str: "Str"}
 
 
 def _leaves(value: Any, path: str, out: dict[str, dict[str, Any]]) -> None:
@@ -102,10 +118,13 @@ def _leaves(value: Any, path: str, out: dict[str, dict[str, Any]]) -> None:
         for i, item in enumerate(value):
             _leaves(item, f"{path}.{i}" if path else str(i), out)
     elif not isinstance(value, torch.Tensor):
-        plain = value is None or isinstance(value, (bool, int, str))
-        finite = isinstance(value, float) and math.isfinite(value)
-        shown = value if plain or finite else repr(value)
-        out[path or "<root>"] = {"kind": type(value).__name__, "value": shown}
+        kind = _KINDS.get(type(value), type(value).__name__)
+        shown: Any = repr(value)  # a Path, a datetime...: compared by their text
+        if value is None or kind in ("Bool", "Int", "Str"):
+            shown = value
+        elif kind == "Float" and math.isfinite(value):
+            shown = value  # strict JSON has no NaN or infinity: those stay text
+        out.setdefault(path or "<root>", {"kind": kind, "value": shown})
 
 
 def _metadata(content: Content) -> Mapping[str, str]:
