@@ -191,6 +191,26 @@ def _materialise(
         slots[leaf] = data  # type: ignore[assignment]
 
 
+def _mismatch(
+    name: str, target: Any, tensor: torch.Tensor, dtype_policy: str
+) -> tuple[str, bool] | None:
+    """Why record tensor ``tensor`` cannot be loaded into the module's ``target`` named
+    ``name``, and whether ``validate=False`` skips it (a shape mismatch); None: it can be. The
+    others: not a tensor, a dtype that cannot hold a trainable parameter."""
+    if not isinstance(target, torch.Tensor):
+        return f"'{name}': module holds a {type(target).__name__}", False
+    if tuple(tensor.shape) != tuple(target.shape):
+        shapes = f"expected {list(target.shape)} but record has {list(tensor.shape)}"
+        return f"'{name}': shape mismatch, {shapes}", True
+    trainable = target.requires_grad and dtype_policy == "from_record"
+    if trainable and not (tensor.is_floating_point() or tensor.is_complex()):
+        return (
+            f"'{name}': record dtype {tensor.dtype} cannot hold a trainable parameter "
+            "(use dtype_policy='cast_to_module')"
+        ), False
+    return None
+
+
 class ModuleRecord(Record):
     """Parameters and buffers of a module, each parameter with its u64 ``param_id``.
 
@@ -323,30 +343,13 @@ class ModuleRecord(Record):
                     missing.append(f"Missing tensor: '{name}'")
                 continue
             tensor, pid = incoming[name]
-            if not isinstance(target, torch.Tensor):
-                apply_errors.append(
-                    f"Apply error: '{name}': module holds a {type(target).__name__}"
-                )
-            elif tuple(tensor.shape) != tuple(target.shape):
-                mismatch = (
-                    f"'{name}': shape mismatch, expected {list(target.shape)} "
-                    f"but record has {list(tensor.shape)}"
-                )
-                if validate:
-                    apply_errors.append(f"Apply error: {mismatch}")
-                else:
-                    skipped.append(mismatch)
-            elif (
-                dtype_policy == "from_record"
-                and target.requires_grad
-                and not (tensor.is_floating_point() or tensor.is_complex())
-            ):
-                apply_errors.append(
-                    f"Apply error: '{name}': record dtype {tensor.dtype} cannot hold a trainable "
-                    "parameter (use dtype_policy='cast_to_module')"
-                )
-            else:
+            found = _mismatch(name, target, tensor, dtype_policy)
+            if found is None:
                 plan.append((target, tensor, pid))
+            elif validate or not found[1]:
+                apply_errors.append(f"Apply error: {found[0]}")
+            else:
+                skipped.append(found[0])
         problems = apply_errors
         if not allow_partial:
             problems += missing
