@@ -48,6 +48,12 @@ def accelerated(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """Where a tensor's memory starts: its storage's, so a view of a tensor (a slice of a
+    parameter, a tensor inside a staging buffer) counts as that tensor's memory."""
+    return tensor.untyped_storage().data_ptr()
+
+
 def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` on the CPU, for every dtype a file can hold: the
     one-byte dtypes torch has no fill kernel for (fp4 pairs, ``bits8``) are allocated as bytes

@@ -93,7 +93,7 @@ class StagingArea:
             source = local.detach()
             pinned = _device.accelerated(source.device)
             slot = self._place(key, source.shape, source.dtype, at, pinned)
-            late = bool(stable) and source.untyped_storage().data_ptr() in stable
+            late = bool(stable) and _device.storage_ptr(source) in stable
             if late and not pinned:
                 self.late.append((slot.view, source))
             else:

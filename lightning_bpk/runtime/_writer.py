@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from lightning_bpk import burnpack
+from lightning_bpk import _device, burnpack
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records.base import Record
 
@@ -59,21 +59,17 @@ class WriterProcessDied(LightningBpkError, RuntimeError):
     """The writer process ended while it was writing a checkpoint (never committed)."""
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
 def _describe(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
     """A tensor in a staging buffer as ``("staged", buffer, byte offset, dtype, shape)``; a
     :class:`burnpack.TensorEntry` with its data so described; anything else as it is."""
     if isinstance(value, burnpack.TensorEntry):
         entry = (value.dtype, value.shape, value.param_id, value.nbytes)
         return ("entry", entry, _describe(value.data, buffers))
-    if isinstance(value, torch.Tensor) and _storage(value) in buffers:
-        raw = buffers[_storage(value)]
-        offset = value.data_ptr() - raw.data_ptr()
-        return ("staged", _storage(value), offset, value.dtype, tuple(value.shape))
-    return value
+    raw = buffers.get(_device.storage_ptr(value)) if isinstance(value, torch.Tensor) else None
+    if raw is None:
+        return value
+    offset = value.data_ptr() - raw.data_ptr()
+    return ("staged", _device.storage_ptr(raw), offset, value.dtype, tuple(value.shape))
 
 
 def _rebuild(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
@@ -154,7 +150,7 @@ class WriterProcess:
         memory) as checkpoint ``number``; return its path, raise its error."""
         if self._process is None or not self._process.is_alive():
             self.start()
-        by_storage = {_storage(raw): raw for raw in buffers}
+        by_storage = {_device.storage_ptr(raw): raw for raw in buffers}
         records = {}
         for key, record in staged.items():
             tensors, scalars, metadata = record.to_content()

@@ -38,11 +38,6 @@ from lightning_bpk import _device
 __all__ = ["StepGate"]
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    """Where a tensor's memory starts (its storage's, so a view of a parameter counts too)."""
-    return tensor.untyped_storage().data_ptr()
-
-
 def _optimizer(value: Any) -> torch.optim.Optimizer:
     """The torch optimizer under a framework's wrapper (Fabric's ``_FabricOptimizer``,
     Lightning's ``LightningOptimizer``: both keep it as ``.optimizer``)."""
@@ -59,7 +54,7 @@ class StepGate:
 
     >>> net = torch.nn.Linear(2, 2); opt = torch.optim.SGD(net.parameters(), lr=1.0)
     >>> gate = StepGate(); gate.watch([opt])
-    >>> _storage(net.weight) in gate.stable()
+    >>> _device.storage_ptr(net.weight) in gate.stable()
     True
     >>> copied = threading.Event(); gate.hold(copied, _device.Ready())
     >>> copied.set(); net(torch.ones(2)).sum().backward(); opt.step()  # waits (here: done)
@@ -91,9 +86,10 @@ class StepGate:
             if optimizer is None:
                 continue
             for group in optimizer.param_groups:
-                found.update(_storage(p) for p in group["params"])
+                found.update(_device.storage_ptr(p) for p in group["params"])
             for state in optimizer.state.values():
-                found.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
+                tensors = (v for v in state.values() if isinstance(v, torch.Tensor))
+                found.update(_device.storage_ptr(v) for v in tensors)
         found.discard(0)  # empty tensors own no memory
         return frozenset(found)
 
