@@ -188,7 +188,7 @@ def take_last(trainer: pl.Trainer, fitting: bool) -> Any:
             required_keys=trainer_state.REQUIRED_KEYS,
         )
         if number >= 0:
-            return str(_checkpointer(callback, directory).checkpoint_path(number))
+            return str(callback._make_checkpointer(directory).checkpoint_path(number))
     return None
 
 
@@ -199,21 +199,10 @@ def read_before_best(trainer: pl.Trainer) -> None:
         if not callback.best.read:
             directory = _runs.folder(callback, trainer)
             if open_store(directory, callback.storage_options).list(""):
-                callback.best.follow(_checkpointer(callback, directory))
+                callback.best.follow(callback._make_checkpointer(directory))
 
 
 def _ours(trainer: pl.Trainer) -> list[Any]:
     """The checkpoint callbacks of ``trainer`` that keep a :class:`BestModels`."""
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
     return [c for c in callbacks if isinstance(getattr(c, "best", None), BestModels)]
-
-
-def _checkpointer(callback: Any, directory: Any) -> Checkpointer:
-    """A checkpointer of ``callback``'s settings over ``directory``, for reading."""
-    return Checkpointer(
-        directory,
-        callback.checkpoint_file_prefix,
-        callback.sentinel_file_identifier,
-        storage_options=callback.storage_options,
-        best=callback.best.standing.rule,
-    )
