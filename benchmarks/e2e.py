@@ -47,6 +47,7 @@ Run alone (prints the tables; ``make bench`` runs them too and writes ``docs/ben
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
 import sys
@@ -305,6 +306,7 @@ class StepOverhead:
     blocked: list[float]  # seconds the training thread spent in each later async save
     first: list[float]  # ... in the first save of each run
     auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
+    dumped: list[float]  # ModelCheckpoint's own part at the same steps (see _DumpCost)
     epochs: int = STEP_EPOCHS
     repeat: int = REPEAT
     what: str = (
@@ -334,7 +336,10 @@ class StepOverhead:
             f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}; "
             f"range {min(self.blocked) * 1000:.1f} - {max(self.blocked) * 1000:.1f} ms), the "
             f"first save of a run for {statistics.median(self.first) * 1000:.1f} ms (median of "
-            f"{len(self.first)}). {_PAIRED}",
+            f"{len(self.first)}). ModelCheckpoint's own part of a save at the same steps "
+            "(`dump_checkpoint` + `torch.save` into memory, before any file is written): "
+            f"{statistics.median(self.dumped) * 1000:.1f} ms (median of {len(self.dumped)}). "
+            f"{_PAIRED}",
             "",
             *_HEADER,
         ]
@@ -357,6 +362,24 @@ class StepOverhead:
             ),
         ]
         return lines
+
+
+class _DumpCost(L.Callback):
+    """Times, every ``STEP_INTERVAL`` steps, what Lightning's ``ModelCheckpoint`` does on the
+    training thread before it writes a byte: ``dump_checkpoint`` (the whole checkpoint dict)
+    and ``torch.save`` of it into memory (``_atomic_save`` serializes into a ``BytesIO``, then
+    writes that to the file)."""
+
+    def __init__(self, costs: list[float]) -> None:
+        self.costs = costs
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step % STEP_INTERVAL:
+            return
+        start = time.perf_counter()
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        torch.save(checkpoint, io.BytesIO())
+        self.costs.append(time.perf_counter() - start)
 
 
 class _CountingCheckpoint(BurnpackCheckpoint):
@@ -400,7 +423,10 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
         with tempfile.TemporaryDirectory(dir=directory) as root:
             _fit(Path(root), epochs, [callback], REPEAT)
         auto[budget] = (callback.auto_interval, callback.saves)
-    return StepOverhead(times, laps, blocked, first, auto, epochs)
+    dumped: list[float] = []
+    with tempfile.TemporaryDirectory(dir=directory) as root:
+        _fit(Path(root), epochs, [_DumpCost(dumped)], REPEAT)
+    return StepOverhead(times, laps, blocked, first, auto, dumped[1:], epochs)
 
 
 @dataclass

@@ -186,8 +186,18 @@ def targets(
             Target(f"{state}: peak extra RSS, burnpack.write", peak["burnpack.write"], limit, "B")
         )
     for result in e2e_results:
-        if isinstance(result, (e2e.FirstSave, overlap.OverlapResult)):
+        if isinstance(result, overlap.OverlapResult):
+            out += [Target(what, measured, limit) for what, measured, limit in result.targets()]
+            continue
+        if isinstance(result, e2e.FirstSave):
             continue  # a table of its own, no target
+        if isinstance(result, e2e.StepOverhead):
+            what = (
+                f"digits, every {e2e.STEP_INTERVAL} steps: the training thread's part of an "
+                "async save / ModelCheckpoint's dump_checkpoint + torch.save into memory"
+            )
+            ours = statistics.median(result.blocked)
+            out.append(Target(what, ours / statistics.median(result.dumped), 1.0))
         what = getattr(result, "what", "training with async per-epoch checkpoints: overhead")
         if result.repeat != 1 and not hasattr(result, "what"):
             what += f" (extra row: data passed {result.repeat}x per epoch, longer epochs)"
