@@ -383,9 +383,10 @@ def _one_copy(net: torch.nn.Module, opt: Any) -> float:
 def _durable(directory: Path, net: torch.nn.Module, opt: Any) -> tuple[float, float]:
     """Medians of :data:`DURABLE_ROUNDS` rounds: the overlapped + process variant's save from
     the call until its checkpoint is committed (late copies, the writer process's write, fsyncs,
-    sentinel), and a raw ``O_DIRECT`` write + fsync of the same tensors into a new file. Both
-    write new files only: no earlier checkpoint is collected and no file is overwritten while
-    timed (freeing a large file's blocks is the removal's cost, not the write's)."""
+    sentinel), and a raw ``O_DIRECT`` write + fsync of the same tensors into a new file, in
+    alternating order. Both write new files only: nothing is collected, overwritten or removed
+    until the end (freeing a large file's blocks is a removal's cost, and the device may still
+    be busy with it when the next write starts)."""
     variant = _Variant(OVERLAPPED, directory, net, opt)
     assert variant.saver is not None
     variant.checkpointer = Checkpointer(directory / "kept", checkpoint_duration=DURABLE_ROUNDS + 2)
@@ -393,15 +394,16 @@ def _durable(directory: Path, net: torch.nn.Module, opt: Any) -> tuple[float, fl
     durable, direct = [], []
     try:
         for round_ in range(DURABLE_ROUNDS + 1):  # the first: a warm-up
-            start = time.perf_counter()
-            variant.save(round_)
-            variant.saver.wait()
-            durable.append(time.perf_counter() - start)
             raw = directory / f"raw-direct-{round_}.bin"
-            start = time.perf_counter()
-            methods.raw_direct_write(raw, tensors)
-            direct.append(time.perf_counter() - start)
-            raw.unlink()
+            for which in ("ours", "raw") if round_ % 2 else ("raw", "ours"):  # no order bias
+                start = time.perf_counter()
+                if which == "ours":
+                    variant.save(round_)
+                    variant.saver.wait()
+                    durable.append(time.perf_counter() - start)
+                else:
+                    methods.raw_direct_write(raw, tensors)
+                    direct.append(time.perf_counter() - start)
     finally:
         variant.close()
     return statistics.median(durable[1:]), statistics.median(direct[1:])
