@@ -146,6 +146,10 @@ class StagingArea:
             room = PAGE if nbytes >= PLACED_MIN else 0
             raw = _device.host_buffer(nbytes + room, pinned=pinned and not self.shared)
             if self.shared:
+                # Touched first, then moved into shared memory (one copy fills every page):
+                # O_DIRECT writes from pages that were instead faulted in through the shared
+                # mapping ran 2-3x slower here (288 MiB: ~630 ms against ~200 ms).
+                raw.zero_()
                 raw.share_memory_()
             slot = self._slots[key] = _Slot(raw, raw[:nbytes].view(dtype).view(shape))
             self.allocations += 1
