@@ -425,13 +425,21 @@ class DirectSink:
         if self._finished:
             raise ValueError(f"{self.name}: write after finish")
         view = memoryview(data).cast("B")
-        if not self._used and view.nbytes >= _BUFFER_SIZE and not _address(view) % mmap.PAGESIZE:
-            whole = view.nbytes - view.nbytes % self._alignment
-            self._drain()
-            write_all(_At(self._fd, self._start, self.name), view[:whole])
-            self._start += whole
-            view = view[whole:]
         while view:
+            # At a buffer boundary, aligned memory is written from where it lies: a tensor
+            # staged as the file lays it out passes the buffers only until the first one is
+            # full (the header before it fills that one), the rest with no copy.
+            if (
+                not self._used
+                and view.nbytes >= _BUFFER_SIZE
+                and not _address(view) % mmap.PAGESIZE
+            ):
+                whole = view.nbytes - view.nbytes % self._alignment
+                self._drain()
+                write_all(_At(self._fd, self._start, self.name), view[:whole])
+                self._start += whole
+                view = view[whole:]
+                continue
             buffer = self._views[self._index]
             n = min(view.nbytes, buffer.nbytes - self._used)
             buffer[self._used : self._used + n] = view[:n]

@@ -324,6 +324,24 @@ def test_aligned_memory_is_written_without_a_copy(direct_dir):
     assert (direct_dir / "image").read_bytes() == data
 
 
+def test_memory_laid_out_as_the_file_passes_the_buffers_only_until_the_first_is_full(direct_dir):
+    """A header, then a tensor whose memory lies at its file offset modulo the page (how an
+    async saver stages it): the buffer the header started is filled from the tensor and
+    written, and the rest of the tensor, aligned from there on, is written from where it lies."""
+    header, size = 1000, 20 * 1024 * 1024 + 300
+    image = _fs.aligned_buffer(header + size + (-(header + size)) % mmap.PAGESIZE)
+    data = random.Random(6).randbytes(header + size)
+    image[: header + size] = data
+    with _fs.atomic_sink(direct_dir / "staged", header + size) as sink:
+        sink.write(memoryview(image)[:header])
+        sink.write(memoryview(image)[header : header + size])  # at file offset `header`
+    assert sink.direct
+    buffer = _fs._BUFFER_SIZE
+    whole = (header + size - buffer) - (header + size - buffer) % sink._alignment
+    assert sink.copied == header + size - whole  # the first buffer and the unaligned tail
+    assert (direct_dir / "staged").read_bytes() == data
+
+
 def test_a_forked_child_writes_with_its_own_io_thread(direct_dir):
     data = random.Random(7).randbytes(3 * 1024 * 1024)
     _write(direct_dir / "parent", [data], [])  # the parent's I/O thread exists now
