@@ -168,7 +168,7 @@ class StagingArea:
         for owner, name, shape, dtype, pinned in wanted:
             before = self.allocations
             slot = self._place((owner, name), torch.Size(shape), dtype, None, pinned)
-            if self.allocations != before:
+            if self.allocations != before and not self.shared:  # shared: touched in _place
                 slot.raw.zero_()  # touch every page now, not during the first save
 
     def prune(self) -> None:
