@@ -134,6 +134,19 @@ def test_layout_scalars_strings_and_indexed_lists() -> None:
         assert pack.metadata[scheduler_mod._SCHEDULER_CLASS_KEY].endswith("ReduceLROnPlateau")
 
 
+def test_a_record_holds_the_scheduler_as_it_was_when_taken() -> None:
+    # state_dict() shares the scheduler's own lists: one changed in place after the record was
+    # taken (before an asynchronous save writes it) must not reach the file
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = L.StepLR(opt, step_size=2)
+    record = LrSchedulerRecord.from_scheduler(sched)
+    sched.base_lrs[0] = 99.0
+    sched.step()
+    with burnpack.loads(record.to_bytes()) as pack:
+        assert pack.scalars["base_lrs.0"] == burnpack.Scalar.Float(0.1)
+        assert pack.scalars["last_epoch"] == burnpack.Scalar.Int(0)
+
+
 def test_composed_children_use_index_prefixes() -> None:
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     sched = CASES["nested"](opt)

@@ -78,17 +78,23 @@ class LrSchedulerRecord(Record):
     composed children under integer keys, ``scheduler_class`` the scheduler's class name."""
 
     kind = "lr_scheduler"
+    # the content encoded when the record was taken (from_scheduler), else None
+    _content: state.Content | None
 
     def __init__(self, state: Mapping[Any, Any], scheduler_class: str) -> None:
         self.state = dict(state)
         self.scheduler_class = scheduler_class
+        self._content = None
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerLike) -> LrSchedulerRecord:
         """Record ``scheduler.state_dict()``; raises :class:`RecordError` if it holds a tensor or
-        anything else that is not plain data."""
+        anything else that is not plain data.
+
+        The state is encoded here, once: the record is the scheduler as it is now (the
+        content saved later is this one, whatever the scheduler does meanwhile)."""
         record = cls(_indexed(scheduler.state_dict()), _class_name(scheduler))
-        record._encode()  # fail now, naming the key, rather than at save time
+        record._content = record._encode()  # fails now, naming the key, not at save time
         return record
 
     def state_dict(self) -> dict[str, Any]:
@@ -125,7 +131,7 @@ class LrSchedulerRecord(Record):
         return content
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        content = self._encode()
+        content = self._content if self._content is not None else self._encode()
         return {}, content.scalars, {**content.metadata, _SCHEDULER_CLASS_KEY: self.scheduler_class}
 
     @classmethod
