@@ -88,6 +88,8 @@ CLASSES_KEY = "lightning_bpk_classes"
 HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 # ... and the OmegaConf container *type* it stores beside them (a class: never storable).
 HPARAM_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
+# Hyper-parameter values of these exact types always store (the rest are tried first).
+_PLAIN = (bool, int, float, str)
 # Keys whose content lives in the module/optimizer/scheduler records, not in trainer.bpk.
 _RECORD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 
@@ -139,6 +141,9 @@ def _storable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
             continue
         kept = {}
         for name, value in hparams.items():
+            if value is None or type(value) in _PLAIN:
+                kept[name] = value  # stored as it is: no trial encode, at every save
+                continue
             try:
                 state.encode({name: value})
             except state.StateError as e:
