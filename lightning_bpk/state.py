@@ -102,7 +102,7 @@ class Content(NamedTuple):
 
 
 def _escape(key: str) -> str:
-    return key.replace("%", "%25").replace(".", "%2E")
+    return key.replace("%", "%25").replace(".", "%2E") if "%" in key or "." in key else key
 
 
 def _segment(key: object) -> str:
@@ -199,9 +199,9 @@ class _Encoder:
         """The leaf's name: ``dotted`` (its path, escaped and joined as :meth:`node` built it)
         unless the ``name_path`` hook names it, made unique."""
         if self.name_path is not None:
-            dotted = ".".join(_segment(k) for k in self.name_path(path))
+            dotted = ".".join([_segment(k) for k in self.name_path(path)])
         elif self.inline:
-            dotted = ".".join(_segment(k) for k in path)
+            dotted = ".".join([_segment(k) for k in path])
         base = dotted or _ROOT_NAME
         if base.startswith(_RESERVED_PREFIX):
             base = f"%{ord(base[0]):02X}{base[1:]}"
@@ -301,8 +301,11 @@ class _Encoder:
 
     def items(self, values: Any, path: tuple, dotted: str | None) -> list:
         """The nodes of a sequence's items (one left out by lenient encoding becomes None)."""
+        inline = self.inline
         nodes = [
-            self.lenient(self.node, v, (*path, i), self.dotted(dotted, i))
+            v
+            if inline and type(v) in _INLINE  # kept as they are: no call per item
+            else self.lenient(self.node, v, (*path, i), self.dotted(dotted, i))
             for i, v in enumerate(values)
         ]
         return [None if n is _DROP else n for n in nodes]

@@ -88,16 +88,16 @@ class StagingArea:
         (:meth:`~lightning_bpk.runtime.overlap.StepGate.stable`): a tensor in one is copied
         late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`."""
         key = (owner, name)
-        with torch.no_grad():
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            source = local.detach()
-            pinned = _device.accelerated(source.device)
-            slot = self._place(key, source.shape, source.dtype, at, pinned)
-            late = bool(stable) and _device.storage_ptr(source) in stable
-            if late and not pinned:
-                self.late.append((slot.view, source))
-            else:
-                self._copies.copy(slot.view, source, late=late)
+        # detached, the source records nothing for autograd: no no_grad() block (a few us a
+        # tensor, at every save)
+        source = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        pinned = _device.accelerated(source.device)
+        slot = self._place(key, source.shape, source.dtype, at, pinned)
+        late = bool(stable) and _device.storage_ptr(source) in stable
+        if late and not pinned:
+            self.late.append((slot.view, source))
+        else:
+            self._copies.copy(slot.view, source, late=late)
         self._used.add(key)
         if not isinstance(tensor, DTensor):
             return slot.view
