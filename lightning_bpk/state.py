@@ -187,6 +187,7 @@ class _Encoder:
         self.as_scalar = as_scalar
         self.inline = inline
         self.dropped = dropped
+        self.from_paths = inline or name_path is not None  # see dotted()
         # 2 once a node a version-1 reader does not know is written (every inline leaf is one)
         self.version = 2 if inline else 1
         self.content = Content({}, {}, {})
@@ -311,9 +312,10 @@ class _Encoder:
         return [None if n is _DROP else n for n in nodes]
 
     def dotted(self, dotted: str | None, key: object) -> str | None:
-        """A child's dotted name, built one level at a time; None when encoding ``inline``,
-        where the few named leaves (tensors) build theirs from the path in :meth:`name_for`."""
-        return None if self.inline else _child(dotted, key)
+        """A child's dotted name, built one level at a time; None when :meth:`name_for` names
+        leaves from their paths instead (a ``name_path`` hook, or ``inline``, where the few
+        named leaves are tensors)."""
+        return None if self.from_paths else _child(dotted, key)
 
     def key(self, key: Any, path: tuple) -> Any:
         """A dict key or set element, kept in the structure: a plain value as it is, a tuple,
