@@ -13,6 +13,7 @@ import chart
 import e2e
 import methods
 import overlap
+import save_parts
 import sharded
 
 # Targets of issue 6 (ratios of medians measured in the same run; at most).
@@ -189,7 +190,7 @@ def targets(
         if isinstance(result, overlap.OverlapResult):
             out += [Target(what, measured, limit) for what, measured, limit in result.targets()]
             continue
-        if isinstance(result, e2e.FirstSave):
+        if isinstance(result, save_parts.FirstSave):
             continue  # a table of its own, no target
         if isinstance(result, e2e.StepOverhead):
             what = (

@@ -54,6 +54,7 @@ import object_store
 import overlap
 import report
 import safetensors
+import save_parts
 import sharded
 import torch
 import xxhash
@@ -265,7 +266,7 @@ def main() -> None:
         e2e_results: list[
             e2e.Overhead
             | e2e.StepOverhead
-            | e2e.FirstSave
+            | save_parts.FirstSave
             | fabric.FabricOverhead
             | overlap.OverlapResult
         ] = []
@@ -274,7 +275,7 @@ def main() -> None:
             if not args.quick:
                 e2e_results.append(e2e.measure(Path(tmp), quick=False, repeat=e2e.REPEAT))
             e2e_results.append(e2e.measure_steps(Path(tmp), quick=args.quick))
-            e2e_results.append(e2e.measure_first_save(Path(tmp), quick=args.quick))
+            e2e_results.append(save_parts.measure_first_save(Path(tmp), quick=args.quick))
             e2e_results.append(fabric.measure(Path(tmp), quick=args.quick))
             e2e_results.append(overlap.measure(Path(tmp), quick=args.quick))
         s3_states = {k: STATES[k] for k in ("64 MiB (16 tensors)", "1 GiB (16 tensors)")}
