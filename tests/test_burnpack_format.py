@@ -245,13 +245,6 @@ def test_non_contiguous_and_requires_grad_tensors_are_written_by_value():
     assert torch.equal(pack.tensor("t"), base.t()) and torch.equal(pack.tensor("p"), p.detach())
 
 
-def test_entry_shape_must_be_integers():
-    with pytest.raises(TypeError):
-        TensorEntry("F32", [2.5], b"\0" * 8)
-    with pytest.raises(ValueError, match="nbytes"):
-        TensorEntry("F32", [2], lambda: b"")
-
-
 # =============================== scalars and metadata ==========================================
 
 

@@ -1,11 +1,10 @@
 """Writing files (burnpack.writer): O_DIRECT and the page cache give the same bytes as dumps,
 atomic writes survive injected faults (ENOSPC at every write call, a kernel file-size limit),
-checksums are patched into the metadata in place, suffix rules, zero-copy tensor bytes."""
+checksums are patched into the metadata in place, suffix rules."""
 
 from __future__ import annotations
 
 import errno
-import gc
 import logging
 import os
 import sys
@@ -17,7 +16,7 @@ import xxhash
 
 from lightning_bpk import _fs, burnpack
 
-from _burnpack_helpers import _ALL_DTYPES, TORCH_DTYPES, listdir
+from _burnpack_helpers import TORCH_DTYPES, listdir
 from conftest import run_process
 
 # =============================== atomicity under injected faults ===============================
@@ -174,20 +173,3 @@ def test_write_add_suffix_false_writes_exactly_the_path(tmp_path):
     assert path == tmp_path / "manual"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manual"]
     assert burnpack.read(path).tensor("w").tolist() == [1.0, 1.0]
-
-
-# =============================== tensor bytes without a copy ===================================
-
-
-def test_tensor_bytes_are_the_storage_and_keep_the_tensor_alive():
-    for dtype in _ALL_DTYPES:
-        t = torch.arange(6).to(dtype)
-        view = burnpack.tensor_bytes(t)
-        assert bytes(view) == t.view(torch.uint8).numpy().tobytes() and view.nbytes == t.nbytes
-    view = burnpack.tensor_bytes(torch.arange(1000.0))
-    gc.collect()  # the tensor has no other reference
-    assert torch.frombuffer(bytearray(view), dtype=torch.float32).tolist() == list(range(1000))
-    param = torch.nn.Parameter(torch.ones(3))
-    assert bytes(burnpack.tensor_bytes(param)) == bytes(burnpack.tensor_bytes(param.detach()))
-    strided = torch.arange(12.0).reshape(3, 4).t()  # copied into a contiguous tensor
-    assert bytes(burnpack.tensor_bytes(strided)) == strided.contiguous().numpy().tobytes()

@@ -62,10 +62,10 @@ from lightning_bpk.burnpack.base import TENSOR_ALIGNMENT as TENSOR_ALIGNMENT
 from lightning_bpk.burnpack.base import _burn_dtype as _burn_dtype
 from lightning_bpk.burnpack.base import _decode_json as _decode_json
 from lightning_bpk.burnpack.base import _torch_dtype as _torch_dtype
+from lightning_bpk.burnpack.entry import BytesLike, TensorEntry
+from lightning_bpk.burnpack.entry import tensor_bytes as tensor_bytes
 from lightning_bpk.burnpack.reader import Pack, loads, read, read_into
 from lightning_bpk.burnpack.writer import (
-    BytesLike,
-    TensorEntry,
     TensorsArg,
     data_section_start,
     dumps,
@@ -73,7 +73,6 @@ from lightning_bpk.burnpack.writer import (
     size,
     write,
 )
-from lightning_bpk.burnpack.writer import tensor_bytes as tensor_bytes
 
 __all__ = [
     "CHECKSUM_PREFIX",

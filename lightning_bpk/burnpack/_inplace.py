@@ -37,7 +37,7 @@ from lightning_bpk.burnpack.base import (
     _stored_dtype,
     _torch_dtype,
 )
-from lightning_bpk.burnpack.writer import tensor_bytes
+from lightning_bpk.burnpack.entry import tensor_bytes
 
 __all__ = ["READ_STEP", "Into", "damaged", "fill", "writable_bytes"]
 

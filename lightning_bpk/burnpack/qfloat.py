@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lightning_bpk.burnpack.base import DType, ValidationError
-from lightning_bpk.burnpack.writer import BytesLike, TensorEntry, tensor_bytes
+from lightning_bpk.burnpack.entry import BytesLike, TensorEntry, tensor_bytes
 
 __all__ = ["decode", "encode", "scheme"]
 

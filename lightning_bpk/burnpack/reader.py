@@ -53,7 +53,8 @@ from lightning_bpk.burnpack.base import (
     _parsed_dtype_info,
     _short,
 )
-from lightning_bpk.burnpack.writer import BytesLike, data_section_start
+from lightning_bpk.burnpack.entry import BytesLike
+from lightning_bpk.burnpack.writer import data_section_start
 
 __all__ = [
     "Pack",

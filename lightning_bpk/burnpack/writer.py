@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import math
-import operator
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -28,7 +26,6 @@ from lightning_bpk.burnpack.base import (
     _MAGIC_BYTES,
     _QFLOAT,
     _TORCH_DTYPE_KEY,
-    _TORCH_TO_BURN,
     _U32_MAX,
     _U64_MAX,
     CHECKSUM_PREFIX,
@@ -36,141 +33,26 @@ from lightning_bpk.burnpack.base import (
     TENSOR_ALIGNMENT,
     BurnpackError,
     BurnpackIOError,
-    DType,
     MetadataError,
     Scalar,
     SizeMismatchError,
     ValidationError,
     _carried_spec,
-    _carrier,
     _dtype_info,
 )
+from lightning_bpk.burnpack.entry import TensorEntry, _as_bytes
 
 __all__ = [
-    "BytesLike",
-    "TensorEntry",
     "TensorsArg",
     "data_section_start",
     "dumps",
     "offsets",
     "size",
-    "tensor_bytes",
     "write",
 ]
 
 
 # --- Writing ------------------------------------------------------------------------------------
-
-BytesLike = bytes | bytearray | memoryview
-"""What :func:`~lightning_bpk.burnpack.loads` reads and a :class:`TensorEntry` may hold: any
-contiguous byte buffer, used without a copy."""
-
-
-class TensorEntry:
-    """A tensor to write: Burn dtype, shape, bytes (or a provider of them) and an optional param id.
-
-    ``data`` is a bytes-like object, a ``torch.Tensor`` or a zero-argument callable returning
-    either (a *deferred* tensor, called exactly once while writing; ``nbytes`` is then required).
-    ``torch_dtype`` names the torch dtype of a tensor Burn has no dtype for, stored as ``dtype``
-    (the same bytes; a complex one with a trailing dimension of 2): :meth:`from_tensor` sets both.
-
-    >>> TensorEntry("F32", [2], b"\\x00" * 8, param_id=7).nbytes
-    8
-    >>> e = TensorEntry.from_tensor(torch.zeros(3, dtype=torch.complex64))
-    >>> e.dtype, e.shape, e.torch_dtype
-    ('F32', (3, 2), 'complex64')
-    """
-
-    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape", "torch_dtype")
-
-    def __init__(
-        self,
-        dtype: DType,
-        shape: Iterable[int],
-        data: BytesLike | torch.Tensor | Callable[[], BytesLike | torch.Tensor],
-        param_id: int | None = None,
-        nbytes: int | None = None,
-        torch_dtype: str | None = None,
-    ) -> None:
-        self.dtype = dtype
-        self.torch_dtype = torch_dtype
-        self.shape = tuple(operator.index(d) for d in shape)  # 2.5 is an error, not 2
-        self.data = data
-        self.param_id = param_id
-        if nbytes is None:
-            if callable(data) and not isinstance(data, torch.Tensor):
-                raise ValueError("a deferred TensorEntry needs nbytes")
-            nbytes = _nbytes_of(data)
-        self.nbytes = int(nbytes)
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
-        """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU.
-        A dtype Burn has none for (fp8, fp4, complex) is stored in one of the same bytes and
-        named in the descriptor (key ``torch_dtype``)."""
-        dtype, torch_name = _carrier(tensor.dtype)
-        shape = (*tensor.shape, 2) if tensor.dtype.is_complex else tuple(tensor.shape)
-        return cls(
-            dtype,
-            shape,
-            tensor,
-            param_id=param_id,
-            nbytes=tensor.numel() * tensor.element_size(),
-            torch_dtype=torch_name,
-        )
-
-
-def _nbytes_of(data: Any) -> int:
-    if isinstance(data, torch.Tensor):
-        return data.numel() * data.element_size()
-    return memoryview(data).nbytes
-
-
-# dtypes numpy can view directly (not bfloat16); the others are reinterpreted as uint8 first.
-_NUMPY_DTYPES = frozenset(
-    d for d in _TORCH_TO_BURN if d not in (torch.bfloat16, torch.uint16, torch.uint32, torch.uint64)
-)
-
-
-# Tensor classes whose bytes are their storage's at data_ptr() (a subclass such as DTensor may
-# hold them elsewhere).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor, without a copy when it is contiguous on CPU."""
-    if (
-        type(tensor) in _PLAIN_TENSORS
-        and tensor.is_cpu
-        and tensor.layout is torch.strided
-        and tensor.dtype in _TORCH_TO_BURN
-        and tensor.is_contiguous()
-    ):
-        # The storage's bytes as they lie: 2 us a tensor where numpy's view took 6 (5,000
-        # tensors are written and read in tens of milliseconds, so it counts).
-        size = tensor.nbytes
-        if not size:
-            return memoryview(b"")
-        array = (ctypes.c_char * size).from_address(tensor.data_ptr())
-        array._tensor = tensor  # type: ignore[attr-defined]  # the view keeps the tensor alive
-        return memoryview(array).cast("B")
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
-    if t.dtype in _NUMPY_DTYPES:
-        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def _as_bytes(data: Any) -> memoryview:
-    if isinstance(data, torch.Tensor):
-        return tensor_bytes(data)
-    return memoryview(data).cast("B")
 
 
 class _Float:
