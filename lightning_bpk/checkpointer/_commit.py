@@ -45,7 +45,12 @@ from typing import Any
 
 from lightning_bpk import _fs
 from lightning_bpk.checkpointer._best import BestK
-from lightning_bpk.checkpointer._view import CheckpointView, CheckpointWarning, sentinels
+from lightning_bpk.checkpointer._view import (
+    CheckpointView,
+    CheckpointWarning,
+    complete_numbers,
+    sentinels,
+)
 from lightning_bpk.checkpointer.manifest import FileEntry, Manifest, Metric, encode
 from lightning_bpk.errors import StorageError
 from lightning_bpk.layout import (
@@ -329,7 +334,7 @@ def collect_garbage(names: Names, n: int, lease: Lease | None, retention: Retent
         data = _data_names(listing, names.prefix)
         metrics = None
         if retention.best is not None:
-            complete = [m for m in found if m in data and m <= n]
+            complete = complete_numbers(listing, names.identifier, names.prefix, n)
             metrics = recorded_metrics(store, names.identifier, listing, complete)
         doomed_sentinels, doomed_data = retention.doomed(n, set(found), set(data), metrics)
         store.remove(found[m] for m in sorted(doomed_sentinels))

@@ -72,6 +72,22 @@ def sentinels(listing: Mapping[str, int | None], identifier: str) -> dict[int, s
     return {n: name for name, n in _numbered(listing, _sentinel_stem(identifier))}
 
 
+def complete_numbers(
+    listing: Mapping[str, int | None], identifier: str, prefix: str, at_most: int | None = None
+) -> list[int]:
+    """The numbers with both a sentinel and data in a listing (up to ``at_most``), ascending:
+    the complete checkpoints, before any manifest is read.
+
+    >>> listing = {"ckpt.3": None, "sentinel_x_complete.3": 234, "ckpt.4": None,
+    ...            "sentinel_x_complete.5": 234}
+    >>> complete_numbers(listing, "x", "ckpt"), complete_numbers(listing, "x", "ckpt", 2)
+    ([3], [])
+    """
+    data = _data_names(listing, prefix)
+    found = sentinels(listing, identifier)
+    return sorted(m for m in found if m in data and (at_most is None or m <= at_most))
+
+
 def _read_twice(
     read: Callable[[], T],
     damage: type[Exception] | tuple[type[Exception], ...] = (burnpack.BurnpackError, RecordError),

@@ -20,8 +20,7 @@ from typing import Any
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.checkpointer._best import BestK
 from lightning_bpk.checkpointer._commit import recorded_metrics
-from lightning_bpk.checkpointer._view import sentinels
-from lightning_bpk.layout import _data_names
+from lightning_bpk.checkpointer._view import complete_numbers
 
 __all__ = ["Standing", "metric_value"]
 
@@ -68,15 +67,12 @@ class Standing:
         self._unread = False
         store = checkpointer.store
         listing = store.list("")
-        found = sentinels(listing, checkpointer.sentinel_file_identifier)
-        data = _data_names(listing, checkpointer.checkpoint_file_prefix)
-        complete = sorted(m for m in found if m in data)
+        identifier = checkpointer.sentinel_file_identifier
+        complete = complete_numbers(listing, identifier, checkpointer.checkpoint_file_prefix)
         self._last = complete[-1] if complete else None
         self._values = {}
         if self.rule is not None:
-            metrics = recorded_metrics(
-                store, checkpointer.sentinel_file_identifier, listing, complete
-            )
+            metrics = recorded_metrics(store, identifier, listing, complete)
             self._values = {m: self.rule.value_of(metric) for m, metric in metrics.items()}
             self._prune()
 
