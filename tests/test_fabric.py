@@ -6,6 +6,7 @@ test_fabric_e2e.py; the examples: test_fabric_examples.py.)"""
 
 from __future__ import annotations
 
+import re
 import signal
 import uuid
 from datetime import timedelta
@@ -424,6 +425,32 @@ def test_gin_configures_the_manager(tmp_path):
     finally:
         gin.clear_config()
     assert manager.checkpointer.checkpoint_duration == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (
+            "Checkpointer.checkpoint_duration = 2",
+            "Checkpointer.checkpoint_duration = 2 (bind CheckpointManager.checkpoint_duration)",
+        ),
+        (
+            "Checkpointer.checkpoint_frequency = 5",
+            "Checkpointer.checkpoint_frequency = 5 (bind CheckpointManager.every_n_train_steps)",
+        ),
+        ("get_latest_checkpoint_number.verify = False", "(bind CheckpointManager.verify)"),
+    ],
+)
+def test_a_gin_binding_the_manager_cannot_apply_is_an_error(tmp_path, config, named):
+    # the manager builds its Checkpointer with its own settings: the binding would change nothing
+    with gin.unlock_config():
+        gin.parse_config(f"lightning_bpk.checkpointer.{config}")
+    try:
+        with pytest.raises(CheckpointResumeError, match="does not read: .*" + re.escape(named)):
+            CheckpointManager(make_fabric(), tmp_path / "run")
+    finally:
+        gin.clear_config()
+    assert not (tmp_path / "run").exists()
 
 
 # --- adapters and export --------------------------------------------------------------------------

@@ -83,6 +83,25 @@ __all__ = ["CheckpointManager", "Restored"]
 log = logging.getLogger("lightning_bpk")
 
 
+# gin configurables the manager reads no binding of -> {parameter: the manager's own}
+_MANAGER_SETTINGS = {
+    "lightning_bpk.checkpointer.Checkpointer": {
+        "checkpoint_file_prefix": "checkpoint_file_prefix",
+        "sentinel_file_identifier": "sentinel_file_identifier",
+        "checkpoint_frequency": "every_n_train_steps",
+        "checkpoint_duration": "checkpoint_duration",
+        "keep_every": "keep_every",
+        "storage_options": "storage_options",
+    },
+    "lightning_bpk.checkpointer.get_latest_checkpoint_number": {
+        "sentinel_file_identifier": "sentinel_file_identifier",
+        "checkpoint_file_prefix": "checkpoint_file_prefix",
+        "verify": "verify",
+        "storage_options": "storage_options",
+    },
+}
+
+
 class Restored(NamedTuple):
     """What :meth:`CheckpointManager.restore` did: the ``remainder`` (what the checkpoint holds
     that the state did not ask for, as ``fabric.load`` returns it) and the ``step`` restored
@@ -125,7 +144,10 @@ class CheckpointManager:
         verify: read every byte of the chosen checkpoint when restoring (falling back past a
             damaged one); ``False`` checks sentinels and sizes only and reads on load.
         override_number: restore this checkpoint instead of the newest (gin's
-            ``get_latest_checkpoint_number.override_number`` too); it must be complete.
+            ``get_latest_checkpoint_number.override_number`` too); it must be complete. Other
+            gin bindings of ``Checkpointer`` or ``get_latest_checkpoint_number`` would change
+            nothing here (the manager passes its own settings): they are a
+            :class:`~lightning_bpk.errors.CheckpointResumeError` naming the setting to bind.
         overwrite: let this run replace complete checkpoints newer than its first save (after
             restoring an older one, or starting over in a used directory); by default its first
             save stops with :class:`~lightning_bpk.errors.CheckpointResumeError` naming them.
@@ -167,6 +189,9 @@ class CheckpointManager:
         mode: str = "min",
         save_top_k: int = 1,
     ) -> None:
+        problem = resume.unapplied_bindings("CheckpointManager", _MANAGER_SETTINGS)
+        if problem is not None:
+            raise CheckpointResumeError(problem)
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)
         if monitor is None and save_top_k != 1:
             raise ValueError(f"save_top_k={save_top_k!r} keeps the best by a metric: set monitor")

@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gin
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 
 from lightning_bpk.layout import RUN_SUBDIRECTORY
+from lightning_bpk.runtime import resume
 from lightning_bpk.store import identity, join, location, parent_of
 
 __all__ = [
@@ -57,7 +57,6 @@ _CALLBACK_SETTINGS = {
         "storage_options": "storage_options",
     },
 }
-_HONOURED = {"override_number"}  # get_latest_checkpoint_number's, read by the resume choice
 
 
 def idle_reason(trainer: pl.Trainer) -> str | None:
@@ -114,27 +113,9 @@ def resumer(trainer: pl.Trainer, mine: type) -> Any:
 
 
 def unapplied_bindings() -> str | None:
-    """The error for gin bindings the callback cannot apply (None: there are none)."""
-    found = []
-    for selector, settings in _CALLBACK_SETTINGS.items():
-        try:
-            bound = gin.get_bindings(selector)
-        except ValueError:  # not registered: nothing bound
-            continue
-        for name in sorted(set(bound) - _HONOURED):
-            short = selector.rpartition(".")[2]
-            own = settings.get(name)
-            instead = f"bind BurnpackCheckpoint.{own}" if own else "remove it"
-            found.append(f"{short}.{name} = {bound[name]!r} ({instead})")
-    if not found:
-        return None
-    return (
-        "gin binds settings BurnpackCheckpoint does not read: "
-        + "; ".join(found)
-        + ". The callback builds its Checkpointer and chooses what to resume with its own "
-        "settings, so these would change nothing; only "
-        "get_latest_checkpoint_number.override_number applies under it"
-    )
+    """The error for gin bindings the callback cannot apply (None: there are none):
+    :func:`lightning_bpk.runtime.resume.unapplied_bindings` with the callback's settings."""
+    return resume.unapplied_bindings("BurnpackCheckpoint", _CALLBACK_SETTINGS)
 
 
 def numbering_problem(

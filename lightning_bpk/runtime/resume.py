@@ -15,6 +15,10 @@ Two decisions, both made by rank 0 and read-only unless ``overwrite`` says other
   they are removed first; otherwise the run stops, naming them, unless none of them is usable
   (a damaged one is replaced anyway: the resume choice fell back past it).
 
+Both integrations also refuse gin bindings of the core they cannot apply
+(:func:`unapplied_bindings`): each builds its ``Checkpointer`` and chooses what to resume with
+its own settings, so such a binding would change nothing without a word.
+
 The bound is one for both integrations: ``>= start``, the resumed checkpoint excluded (the
 Lightning callback's; the manager used ``> step``, which let its first save replace another
 run's checkpoint of the same step without a word).
@@ -29,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gin
+
 from lightning_bpk.checkpointer import (
     Checkpointer,
     _bound_override_number,
@@ -41,9 +47,49 @@ from lightning_bpk.errors import summarise
 from lightning_bpk.layout import SHARDED_INDEX_KEY, _numbered, _sentinel_stem
 from lightning_bpk.store import Store, identity, open_store
 
-__all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer"]
+__all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer", "unapplied_bindings"]
 
 log = logging.getLogger("lightning_bpk")
+
+
+# The core's gin configurables an integration builds or calls with its own settings; of their
+# parameters only this one is honoured (read by choose()).
+_CORE_CONFIGURABLES = (
+    "lightning_bpk.checkpointer.Checkpointer",
+    "lightning_bpk.checkpointer.get_latest_checkpoint_number",
+)
+_HONOURED = {"override_number"}
+
+
+def unapplied_bindings(owner: str, instead: Mapping[str, Mapping[str, str]]) -> str | None:
+    """The error for gin bindings ``owner`` cannot apply (None: there are none): any parameter
+    of ``Checkpointer`` or ``get_latest_checkpoint_number`` but ``override_number``, since an
+    integration builds its checkpointer and chooses its resume with its own settings.
+
+    ``instead`` maps a configurable's selector to ``{parameter: owner's setting}``, the setting
+    to bind in its place (a parameter it does not list has none: the message says to remove
+    the binding)."""
+    found = []
+    for selector in _CORE_CONFIGURABLES:
+        try:
+            bound = gin.get_bindings(selector)
+        except ValueError:  # not registered: nothing bound
+            continue
+        settings = instead.get(selector, {})
+        for name in sorted(set(bound) - _HONOURED):
+            short = selector.rpartition(".")[2]
+            own = settings.get(name)
+            what = f"bind {owner}.{own}" if own else "remove it"
+            found.append(f"{short}.{name} = {bound[name]!r} ({what})")
+    if not found:
+        return None
+    return (
+        f"gin binds settings {owner} does not read: "
+        + "; ".join(found)
+        + f". {owner} builds its Checkpointer and chooses what to resume with its own "
+        "settings, so these would change nothing; only "
+        "get_latest_checkpoint_number.override_number applies under it"
+    )
 
 
 @dataclass(frozen=True)
