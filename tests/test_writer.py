@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 
 import pytest
 import torch
@@ -78,6 +79,52 @@ def test_a_failed_write_in_the_child_is_raised_by_the_next_save_and_loses_nothin
         saver.wait()
     assert checkpointer.verify_checkpoint(0) == []
     assert checkpointer.verify_checkpoint(3) == []
+
+
+class _TwoPartError(Exception):
+    """Pickles, but does not unpickle: its one argument cannot rebuild it."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+
+
+class _LockedError(Exception):
+    """Does not pickle: it holds a lock."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def _two_part(message: str) -> Exception:
+    return _TwoPartError(message, "the disk")
+
+
+class FailsWith(Checkpointer):
+    """A real Checkpointer that raises ``make(message)`` in the writer process instead of
+    saving (``make``: a module-level function, so the checkpointer crosses the pipe)."""
+
+    def __init__(self, directory, make) -> None:
+        super().__init__(directory)
+        self.make = make
+
+    def save_checkpoint(self, iteration_number, data, **kwargs):
+        raise self.make(f"no room for checkpoint {iteration_number}")
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"), [(_two_part, "_TwoPartError"), (_LockedError, "_LockedError")]
+)
+def test_a_child_error_that_cannot_cross_the_pipe_is_raised_as_its_text(tmp_path, make, kind):
+    net, optimizer = _state()
+    checkpointer = Checkpointer(tmp_path / "good")
+    with AsyncCheckpointSaver(process=True) as saver:
+        saver.save_checkpoint(FailsWith(tmp_path / "failing", make), 0, _records(net, optimizer))
+        with pytest.raises(RuntimeError, match=f"{kind}: no room for checkpoint 0"):
+            saver.save_checkpoint(checkpointer, 1, _records(net, optimizer))
+        saver.save_checkpoint(checkpointer, 1, _records(net, optimizer))  # the pipe is intact
+        saver.wait()
+    assert checkpointer.verify_checkpoint(1) == []
 
 
 class KilledWhileWriting(Checkpointer):

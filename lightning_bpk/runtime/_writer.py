@@ -11,8 +11,8 @@ planning, encoding and fsync bookkeeping of the commit so no longer compete with
 the interpreter lock; the writer thread only waits on the pipe.
 
 Guarantees, as for the thread writer: one save in flight (the writer thread waits for the
-child's answer), errors re-raised by the next call (the child's exception itself when it can be
-pickled, else a ``RuntimeError`` with its type, message and traceback). A child that dies
+child's answer), errors re-raised by the next call (the child's exception itself when it
+crosses the pipe, else a ``RuntimeError`` with its type, message and traceback). A child that dies
 (SIGKILL, out of memory) fails the save it was writing with :class:`WriterProcessDied`, which
 the next call raises; that checkpoint was never committed (the sentinel comes last), those
 before it are untouched, and the next save starts a new child. A training process that dies
@@ -21,7 +21,6 @@ closes the pipe: the child finishes the save it is writing, if any, and exits.
 
 from __future__ import annotations
 
-import pickle
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -84,14 +83,17 @@ def _rebuild(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
     return value
 
 
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling, else a RuntimeError saying what it was."""
+def _send_error(conn: Any, error: BaseException) -> None:
+    """Send the child's ``error`` in two messages: its text (type, message, traceback), then
+    the exception itself, or None when it does not pickle; the parent raises the exception, or
+    when that does not arrive whole a RuntimeError with the text
+    (:meth:`WriterProcess._failure`)."""
+    text = "".join(traceback.format_exception(error))
+    conn.send(("failed", f"{type(error).__name__}: {error} (in the writer process)\n{text}"))
     try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        text = "".join(traceback.format_exception(error))
-        return RuntimeError(f"{type(error).__name__}: {error} (in the writer process)\n{text}")
+        conn.send(error)
+    except Exception:  # pickling failed before a byte was sent: the pipe is intact
+        conn.send(None)
 
 
 def _serve(conn: Any) -> None:
@@ -104,7 +106,7 @@ def _serve(conn: Any) -> None:
         except (EOFError, OSError):
             return
         except Exception as e:  # a message that does not unpickle here: the save fails
-            conn.send(("error", _portable(e)))
+            _send_error(conn, e)
             continue
         if message[0] == "buffer":
             buffers[message[1]] = message[2]
@@ -126,7 +128,7 @@ def _serve(conn: Any) -> None:
                 path = checkpointer.save_checkpoint(number, data, retention=retention)
             conn.send(("ok", path))
         except BaseException as e:
-            conn.send(("error", _portable(e)))
+            _send_error(conn, e)
 
 
 class WriterProcess:
@@ -164,15 +166,28 @@ class WriterProcess:
                     self._sent[storage] = raw
             self._conn.send(("save", checkpointer, number, records, retention))
             answer, value = self._conn.recv()
+            if answer == "failed":
+                error = self._failure(value)
         except (EOFError, OSError, BrokenPipeError) as e:
             code = self._stopped()
             raise WriterProcessDied(
                 f"the writer process died (exit code {code}) while writing checkpoint "
                 f"{number}: it was not committed; checkpoints committed before it are untouched"
             ) from e
-        if answer == "error":
-            raise value
+        if answer == "failed":
+            raise error
         return value
+
+    def _failure(self, text: str) -> BaseException:
+        """The child's error after its ``text`` (:func:`_send_error`): the exception itself, or
+        a RuntimeError with the text when it did not pickle there or does not unpickle here."""
+        try:
+            error = self._conn.recv()
+        except (EOFError, OSError):
+            raise
+        except Exception:  # read whole, then failed to unpickle: the pipe is intact
+            error = None
+        return error if isinstance(error, BaseException) else RuntimeError(text)
 
     def start(self) -> None:
         """Spawn the child (seconds: it imports torch, and the main module as spawn does), ending
