@@ -168,6 +168,36 @@ def test_checksums_patched_in_place_around_user_metadata_and_scalars(tmp_path):
     assert path.read_bytes() == burnpack.dumps(tensors, metadata=metadata, scalars=scalars)
 
 
+def test_a_digest_an_entry_comes_with_is_the_checksum_written(tmp_path):
+    # a digest taken as the bytes were made (a staged copy) is recorded as it is, a provider
+    # asked once; one that is no xxh3-64 hex digest is refused naming the tensor, and a wrong
+    # one is trusted, so a verified read of that tensor fails
+    big, small = torch.rand(2**18 + 5), torch.arange(6, dtype=torch.int16)
+    asked: list[str] = []
+
+    def provider() -> str:
+        asked.append("small")
+        return xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(small))
+
+    tensors = {
+        "big": burnpack.TensorEntry.from_tensor(
+            big, digest=xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(big))
+        ),
+        "small": burnpack.TensorEntry.from_tensor(small, digest=provider),
+    }
+    path = burnpack.write(tmp_path / "m.bpk", tensors)
+    assert asked == ["small"]
+    assert path.read_bytes() == burnpack.dumps({"big": big, "small": small})
+    for bad in ("0" * 15, "G" * 16, 7):
+        entry = burnpack.TensorEntry.from_tensor(small, digest=lambda bad=bad: bad)
+        with pytest.raises(burnpack.ValidationError, match="tensor 'odd': digest"):
+            burnpack.dumps({"odd": entry})
+    wrong = burnpack.TensorEntry.from_tensor(small, digest="0123456789abcdef")
+    pack = burnpack.loads(burnpack.dumps({"w": wrong}))
+    with pytest.raises(burnpack.ChecksumError, match="'w'"):
+        pack.tensor("w")
+
+
 def test_write_add_suffix_false_writes_exactly_the_path(tmp_path):
     path = burnpack.write(tmp_path / "manual", {"w": torch.ones(2)}, add_suffix=False)
     assert path == tmp_path / "manual"

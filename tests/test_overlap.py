@@ -8,9 +8,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import xxhash
 
+from lightning_bpk import burnpack
+from lightning_bpk.burnpack import writer as burnpack_writer
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
+from lightning_bpk.runtime._staging import LateCopy
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
 from lightning_bpk.runtime.overlap import StepGate
 
@@ -124,7 +128,7 @@ def test_without_watched_optimizers_everything_is_copied_before_the_save_returns
     net = _net()
     with AsyncCheckpointSaver() as saver:
         saver.save_checkpoint(Checkpointer(tmp_path), 0, {"model": ModuleRecord.from_module(net)})
-        assert not saver._gate.held and saver.staging.late == []
+        assert not saver._gate.held and saver.staging.late == {}
         expected = net[0].weight.clone()
         with torch.no_grad():
             net[0].weight.add_(1.0)
@@ -138,11 +142,60 @@ def test_a_failed_late_copy_releases_the_step_and_fails_the_next_save(tmp_path):
     with AsyncCheckpointSaver() as saver:
         saver.watch([optimizer])
         data = {"model": ModuleRecord.from_module(net)}
-        saver.staging.late.append((torch.zeros(2), torch.zeros(3)))  # a copy that must fail
+        saver.staging.late["x", "y"] = LateCopy(torch.zeros(2), torch.zeros(3))  # must fail
         saver.save_checkpoint(Checkpointer(tmp_path), 0, data)
         _step(net, optimizer, closure=False)  # released, not hung
         with pytest.raises(RuntimeError, match="size"):
             saver.wait()
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        torch.arange(3 * 2**18 + 5, dtype=torch.float32),  # pieces of 1 MiB and a tail
+        torch.arange(7, dtype=torch.bfloat16),
+        torch.ones(3, 2, dtype=torch.complex64),
+        torch.tensor(True),
+        torch.empty(0, 4),
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous: copied whole, then hashed
+    ],
+    ids=["pieces", "bf16", "complex", "0-d bool", "empty", "strided"],
+)
+def test_a_late_copy_is_hashed_as_it_is_copied(source):
+    late = LateCopy(torch.empty(source.shape, dtype=source.dtype), source)
+    late.run()
+    assert torch.equal(late.dst, source)
+    assert late.result() == xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(late.dst))
+
+
+def test_an_overlapped_save_records_the_checksums_taken_while_copying(tmp_path, monkeypatch):
+    # the parameters and the optimizer's state are copied late, hashed as they are copied: the
+    # writer records those digests and hashes only what was copied at once (BatchNorm's
+    # buffers, which the next forward changes); every tensor verifies
+    hashed: list[int] = []
+
+    class Counted:
+        xxh3_64_hexdigest = staticmethod(
+            lambda view: hashed.append(len(view)) or xxhash.xxh3_64_hexdigest(view)
+        )
+
+    monkeypatch.setattr(burnpack_writer, "xxhash", Counted)
+    net = _net()
+    optimizer = torch.optim.Adam(net.parameters())
+    _step(net, optimizer, closure=False)
+    checkpointer = Checkpointer(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        saver.watch([optimizer])
+        records = {
+            "model": ModuleRecord.from_module(net),
+            "optim": OptimizerRecord.from_optimizer(optimizer, net),
+        }
+        saver.save_checkpoint(checkpointer, 0, records)
+        saver.wait()
+    assert sorted(hashed) == sorted(b.nbytes for b in net.buffers())
+    assert checkpointer.verify_checkpoint(0) == []
+    loaded = checkpointer.load_checkpoint(0)["model"].tensors
+    assert all(torch.equal(loaded[k], v) for k, v in net.state_dict().items())
 
 
 def test_the_gate_watches_a_wrapped_optimizer_once_and_only_its_storages():

@@ -27,6 +27,11 @@ class TensorEntry:
     either (a *deferred* tensor, called exactly once while writing; ``nbytes`` is then required).
     ``torch_dtype`` names the torch dtype of a tensor Burn has no dtype for, stored as ``dtype``
     (the same bytes; a complex one with a trailing dimension of 2): :meth:`from_tensor` sets both.
+    ``digest``: the xxh3-64 hex digest of the bytes, when whoever made them hashed them as they
+    were made (a staged copy, hashed chunk by chunk while each chunk is in cache), or a
+    zero-argument callable asked for it once the bytes are written (None: not known). The
+    writer records it as the tensor's checksum without reading the bytes a second time: it is
+    trusted, so a wrong one makes every verified read of the tensor fail.
 
     >>> TensorEntry("F32", [2], b"\\x00" * 8, param_id=7).nbytes
     8
@@ -35,7 +40,7 @@ class TensorEntry:
     ('F32', (3, 2), 'complex64')
     """
 
-    __slots__ = ("data", "dtype", "nbytes", "param_id", "shape", "torch_dtype")
+    __slots__ = ("data", "digest", "dtype", "nbytes", "param_id", "shape", "torch_dtype")
 
     def __init__(
         self,
@@ -45,9 +50,11 @@ class TensorEntry:
         param_id: int | None = None,
         nbytes: int | None = None,
         torch_dtype: str | None = None,
+        digest: str | Callable[[], str | None] | None = None,
     ) -> None:
         self.dtype = dtype
         self.torch_dtype = torch_dtype
+        self.digest = digest
         self.shape = tuple(operator.index(d) for d in shape)  # 2.5 is an error, not 2
         self.data = data
         self.param_id = param_id
@@ -58,7 +65,12 @@ class TensorEntry:
         self.nbytes = int(nbytes)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, param_id: int | None = None) -> TensorEntry:
+    def from_tensor(
+        cls,
+        tensor: torch.Tensor,
+        param_id: int | None = None,
+        digest: str | Callable[[], str | None] | None = None,
+    ) -> TensorEntry:
         """Describe a torch tensor; its bytes are taken zero-copy when it is contiguous on CPU.
         A dtype Burn has none for (fp8, fp4, complex) is stored in one of the same bytes and
         named in the descriptor (key ``torch_dtype``)."""
@@ -71,6 +83,7 @@ class TensorEntry:
             param_id=param_id,
             nbytes=tensor.numel() * tensor.element_size(),
             torch_dtype=torch_name,
+            digest=digest,
         )
 
 

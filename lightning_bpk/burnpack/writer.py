@@ -288,6 +288,23 @@ def _check_entry(name: str, entry: TensorEntry) -> None:
         raise ValidationError(f"tensor '{name}': a torch.bool tensor must be stored as 1 byte")
 
 
+def _known_digest(p: _Planned) -> str | None:
+    """The digest the entry came with (its provider asked now, once), checked to be an xxh3-64
+    hex digest; None when it has none."""
+    digest = p.entry.digest
+    if callable(digest):
+        digest = digest()
+    if digest is not None and not (
+        isinstance(digest, str)
+        and len(digest) == len(_CHECKSUM_PLACEHOLDER)
+        and all(c in "0123456789abcdef" for c in digest)
+    ):
+        raise ValidationError(
+            f"tensor '{p.name}': digest {str(digest)[:40]!r} is not an xxh3-64 hex digest"
+        )
+    return digest
+
+
 def _materialize(p: _Planned) -> memoryview:
     """Call a deferred provider exactly once and check the length it returns."""
     data = p.entry.data
@@ -332,7 +349,11 @@ def _write_plan(plan: _Plan, sink: _fs.Sink) -> bytes:
         if p.start > position:
             sink.write(_ZEROS[: p.start - position])
         view = _materialize(p)
+        known = _known_digest(p) if plan.checksums else None
         if not plan.checksums:
+            sink.write(view)
+        elif known is not None:  # hashed as it was made: no second pass over the bytes
+            digests[p.name] = known
             sink.write(view)
         elif view.nbytes < _PARALLEL_HASH_MIN:
             digests[p.name] = xxhash.xxh3_64_hexdigest(view)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _device, burnpack
@@ -27,6 +28,44 @@ from lightning_bpk.runtime._writer import StagedRecord
 # no copy; below it a copy into the writer's own buffers costs little.
 PLACED_MIN = 8 * 1024 * 1024
 PAGE = mmap.PAGESIZE
+
+
+# Bytes of a late copy hashed per piece: the piece is still in cache when it is hashed.
+_HASHED_CHUNK = 1024 * 1024
+
+
+class LateCopy:
+    """A host copy left to the writer thread (:attr:`StagingArea.late`): ``src`` into the
+    staging buffer ``dst``, hashed as it is copied, so the file's checksum of the tensor
+    (:attr:`digest`, an xxh3-64 hex digest) costs no second pass over its bytes."""
+
+    __slots__ = ("digest", "dst", "src")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst, self.src = dst, src
+        self.digest: str | None = None  # set by run()
+
+    def run(self) -> None:
+        """Copy, piece by piece, each piece hashed right after it lands (one pass over the
+        bytes; xxhash releases the interpreter lock); a source that is not contiguous, or of
+        another dtype, is copied whole, then hashed."""
+        dst, src = self.dst, self.src
+        hasher = xxhash.xxh3_64()
+        if not (src.is_contiguous() and src.dtype == dst.dtype and src.shape == dst.shape):
+            dst.copy_(src)
+            hasher.update(burnpack.tensor_bytes(dst))
+        else:
+            into = dst.reshape(-1).view(torch.uint8)
+            out_of = src.reshape(-1).view(torch.uint8)
+            for start in range(0, into.numel(), _HASHED_CHUNK):
+                piece = into[start : start + _HASHED_CHUNK]
+                piece.copy_(out_of[start : start + _HASHED_CHUNK])
+                hasher.update(burnpack.tensor_bytes(piece))
+        self.digest = hasher.hexdigest()
+
+    def result(self) -> str | None:
+        """The digest once :meth:`run` ran (what a written entry asks: see ``TensorEntry``)."""
+        return self.digest
 
 
 @dataclass
@@ -63,8 +102,8 @@ class StagingArea:
         self._used: set[tuple[str, str]] = set()
         self.allocations = 0  # buffers allocated so far (stays flat once shapes are stable)
         self._copies = _device.DeviceToHost()
-        # host copies left to the writer thread (parameters, optimizer state), as (dst, src)
-        self.late: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # host copies left to the writer thread (parameters, optimizer state), by their key
+        self.late: dict[tuple[str, str], LateCopy] = {}
 
     def copy(
         self,
@@ -86,7 +125,8 @@ class StagingArea:
         lands in host memory, pinned, and is complete once :meth:`settle`'s result is waited
         on). ``stable``: the storages only the next optimizer step changes
         (:meth:`~lightning_bpk.runtime.overlap.StepGate.stable`): a tensor in one is copied
-        late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`."""
+        late (:mod:`lightning_bpk.runtime.overlap`), a host tensor's copy left in :attr:`late`
+        (a :class:`LateCopy` under ``(owner, name)``)."""
         key = (owner, name)
         # detached, the source records nothing for autograd: no no_grad() block (a few us a
         # tensor, at every save)
@@ -95,7 +135,7 @@ class StagingArea:
         slot = self._place(key, source.shape, source.dtype, at, pinned)
         late = bool(stable) and _device.storage_ptr(source) in stable
         if late and not pinned:
-            self.late.append((slot.view, source))
+            self.late[key] = LateCopy(slot.view, source)
         else:
             self._copies.copy(slot.view, source, late=late)
         self._used.add(key)
@@ -204,18 +244,32 @@ def _freeze_entry(
     """A tensor or :class:`burnpack.TensorEntry` with its bytes moved into staging (placed for
     file offset ``at``, late when in ``stable``: see :meth:`StagingArea.copy`)."""
     if isinstance(value, torch.Tensor):
-        return area.copy(owner, name, value, at, stable)
+        view = area.copy(owner, name, value, at, stable)
+        late = area.late.get((owner, name))
+        if late is None or late.dst is not view:
+            return view
+        return burnpack.TensorEntry.from_tensor(view, digest=late.result)  # hashed when copied
     if not isinstance(value, burnpack.TensorEntry):
         return value  # not a tensor: the writer reports it as the synchronous path would
     data = value.data
     if callable(data) and not isinstance(data, torch.Tensor):
         data = data()  # a deferred provider reads live state: call it now, not on the writer
+    digest = value.digest
     if isinstance(data, torch.Tensor):
         data = area.copy(owner, name, data, at, stable)
+        late = area.late.get((owner, name))
+        if late is not None and late.dst is data:
+            digest = late.result  # hashed when copied
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
     return burnpack.TensorEntry(
-        value.dtype, value.shape, data, param_id=value.param_id, nbytes=value.nbytes
+        value.dtype,
+        value.shape,
+        data,
+        param_id=value.param_id,
+        nbytes=value.nbytes,
+        torch_dtype=value.torch_dtype,
+        digest=digest,
     )
 
 

@@ -62,7 +62,8 @@ def _describe(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
     """A tensor in a staging buffer as ``("staged", buffer, byte offset, dtype, shape)``; a
     :class:`burnpack.TensorEntry` with its data so described; anything else as it is."""
     if isinstance(value, burnpack.TensorEntry):
-        entry = (value.dtype, value.shape, value.param_id, value.nbytes)
+        digest = value.digest() if callable(value.digest) else value.digest  # copied by now
+        entry = (value.dtype, value.shape, value.param_id, value.nbytes, value.torch_dtype, digest)
         return ("entry", entry, _describe(value.data, buffers))
     raw = buffers.get(_device.storage_ptr(value)) if isinstance(value, torch.Tensor) else None
     if raw is None:
@@ -74,8 +75,17 @@ def _describe(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
 def _rebuild(value: Any, buffers: Mapping[int, torch.Tensor]) -> Any:
     """:func:`_describe` undone in the child, over the buffers it was sent."""
     if isinstance(value, tuple) and value and value[0] == "entry":
-        (dtype, shape, param_id, nbytes), data = value[1], _rebuild(value[2], buffers)
-        return burnpack.TensorEntry(dtype, shape, data, param_id=param_id, nbytes=nbytes)
+        (dtype, shape, param_id, nbytes, torch_dtype, digest) = value[1]
+        data = _rebuild(value[2], buffers)
+        return burnpack.TensorEntry(
+            dtype,
+            shape,
+            data,
+            param_id=param_id,
+            nbytes=nbytes,
+            torch_dtype=torch_dtype,
+            digest=digest,
+        )
     if isinstance(value, tuple) and value and value[0] == "staged":
         _, key, offset, dtype, shape = value
         count = int(torch.Size(shape).numel()) * dtype.itemsize

@@ -301,7 +301,7 @@ class AsyncCheckpointSaver:
         writer thread makes the late host copies first, and the next step of a watched
         optimizer waits for them (and for late device copies)."""
         ready = self.staging.settle()
-        late, self.staging.late = self.staging.late, []
+        late, self.staging.late = list(self.staging.late.values()), {}
         copied = threading.Event()
         if late or ready.late:
             self._gate.hold(copied, ready)
@@ -309,8 +309,8 @@ class AsyncCheckpointSaver:
         def run() -> Any:
             try:
                 with torch.no_grad():
-                    for dst, src in late:  # beside the caller's next forward and backward
-                        dst.copy_(src)
+                    for copy in late:  # beside the caller's next forward and backward
+                        copy.run()
             finally:
                 copied.set()
             ready.wait()  # device-to-host copies still in flight: nothing reads them before
