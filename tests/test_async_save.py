@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer
@@ -371,6 +372,24 @@ def test_freeze_calls_deferred_providers_now_and_copies_mutable_bytes():
     assert tensors["w"].data.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert bytes(tensors["b"].data) == b"\x01\x02"
     assert frozen.kind == "module"
+
+
+def test_a_staged_entry_keeps_what_its_entry_says_of_its_bytes():
+    # a torch dtype Burn has no name for (stored as U8, named in the descriptor) and a digest
+    # taken when the bytes were made both survive the snapshot: the file reads back as fp8 and
+    # records that checksum
+    fp8 = torch.tensor([0.5, -1.0, 2.0]).to(torch.float8_e4m3fn)
+    digest = xxhash.xxh3_64_hexdigest(burnpack.tensor_bytes(fp8))
+
+    class Carried(ModuleRecord):
+        def to_content(self):
+            return {"w": burnpack.TensorEntry.from_tensor(fp8, digest=digest)}, {}, {}
+
+    frozen = freeze(StagingArea(), "m", Carried({}))
+    entry = frozen.to_content()[0]["w"]
+    assert (entry.dtype, entry.torch_dtype, entry.digest) == ("U8", "float8_e4m3fn", digest)
+    pack = burnpack.loads(burnpack.dumps({"w": entry}))
+    assert pack.tensor("w").dtype == torch.float8_e4m3fn and pack.checksums["w"] == digest
 
 
 def test_writer_runs_on_one_named_background_thread(tmp_path):
