@@ -172,11 +172,18 @@ def _result(stdout: str) -> dict[str, Any]:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The ``RESULT`` of one uninterrupted best_run.py with a ModelCheckpoint beside ours: the
+    reference of every killed-and-resumed case (the kill point does not change it)."""
+    return _result(_run(tmp_path_factory.mktemp("reference"), "--model-checkpoint").stdout)
+
+
 @pytest.mark.parametrize("kill_at", [3, 6])
 def test_killed_and_resumed_keeps_exactly_the_best_and_dopamines(
-    tmp_path: Path, kill_at: int
+    tmp_path: Path, kill_at: int, uninterrupted: dict[str, Any]
 ) -> None:
-    reference = _result(_run(tmp_path / "reference", "--model-checkpoint").stdout)
+    reference = uninterrupted
     killed = _run(tmp_path / "run", "--kill-at-epoch", kill_at, check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = _result(_run(tmp_path / "run").stdout)
