@@ -83,25 +83,6 @@ __all__ = ["CheckpointManager", "Restored"]
 log = logging.getLogger("lightning_bpk")
 
 
-# gin configurables the manager reads no binding of -> {parameter: the manager's own}
-_MANAGER_SETTINGS = {
-    "lightning_bpk.checkpointer.Checkpointer": {
-        "checkpoint_file_prefix": "checkpoint_file_prefix",
-        "sentinel_file_identifier": "sentinel_file_identifier",
-        "checkpoint_frequency": "every_n_train_steps",
-        "checkpoint_duration": "checkpoint_duration",
-        "keep_every": "keep_every",
-        "storage_options": "storage_options",
-    },
-    "lightning_bpk.checkpointer.get_latest_checkpoint_number": {
-        "sentinel_file_identifier": "sentinel_file_identifier",
-        "checkpoint_file_prefix": "checkpoint_file_prefix",
-        "verify": "verify",
-        "storage_options": "storage_options",
-    },
-}
-
-
 class Restored(NamedTuple):
     """What :meth:`CheckpointManager.restore` did: the ``remainder`` (what the checkpoint holds
     that the state did not ask for, as ``fabric.load`` returns it) and the ``step`` restored
@@ -189,7 +170,9 @@ class CheckpointManager:
         mode: str = "min",
         save_top_k: int = 1,
     ) -> None:
-        problem = resume.unapplied_bindings("CheckpointManager", _MANAGER_SETTINGS)
+        # its checkpoint_frequency is the cadence's: every_n_train_steps
+        renamed = {"checkpoint_frequency": "every_n_train_steps"}
+        problem = resume.unapplied_bindings("CheckpointManager", renamed)
         if problem is not None:
             raise CheckpointResumeError(problem)
         self.triggers = SaveTriggers(every_n_train_steps, train_time_interval, max_overhead)

@@ -9,7 +9,8 @@ Checked in the callback's ``setup``, read-only, before anything is chosen or cre
   would then continue from, and a tuner tunes the model it was given.
 - **Several callbacks in one Trainer** (:func:`conflict`): Lightning restores a trainer from
   one checkpoint, so at most one of them may resume, and no two may save into one folder.
-- **gin bindings the callback cannot apply** (:func:`unapplied_bindings`): the callback builds
+- **gin bindings the callback cannot apply**
+  (:func:`lightning_bpk.runtime.resume.unapplied_bindings`): the callback builds
   its ``Checkpointer`` and chooses its resume with its own settings, so a binding of
   ``Checkpointer.*`` or ``get_latest_checkpoint_number.*`` (except ``override_number``, which it
   honours) would change nothing; it is an error naming the callback setting to bind instead.
@@ -28,7 +29,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 
 from lightning_bpk.layout import RUN_SUBDIRECTORY
-from lightning_bpk.runtime import resume
 from lightning_bpk.store import identity, join, location, parent_of
 
 __all__ = [
@@ -37,26 +37,7 @@ __all__ = [
     "idle_reason",
     "numbering_problem",
     "resumer",
-    "unapplied_bindings",
 ]
-
-# gin configurables the callback reads no binding of -> {parameter: the callback's own}
-_CALLBACK_SETTINGS = {
-    "lightning_bpk.checkpointer.Checkpointer": {
-        "checkpoint_file_prefix": "checkpoint_file_prefix",
-        "sentinel_file_identifier": "sentinel_file_identifier",
-        "checkpoint_frequency": "checkpoint_frequency",
-        "checkpoint_duration": "checkpoint_duration",
-        "keep_every": "keep_every",
-        "storage_options": "storage_options",
-    },
-    "lightning_bpk.checkpointer.get_latest_checkpoint_number": {
-        "sentinel_file_identifier": "sentinel_file_identifier",
-        "checkpoint_file_prefix": "checkpoint_file_prefix",
-        "verify": "verify",
-        "storage_options": "storage_options",
-    },
-}
 
 
 def idle_reason(trainer: pl.Trainer) -> str | None:
@@ -110,12 +91,6 @@ def resumer(trainer: pl.Trainer, mine: type) -> Any:
     callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
     ours: list[Any] = [c for c in callbacks if isinstance(c, mine)]
     return next((c for c in ours if c.resume), ours[0] if ours else None)
-
-
-def unapplied_bindings() -> str | None:
-    """The error for gin bindings the callback cannot apply (None: there are none):
-    :func:`lightning_bpk.runtime.resume.unapplied_bindings` with the callback's settings."""
-    return resume.unapplied_bindings("BurnpackCheckpoint", _CALLBACK_SETTINGS)
 
 
 def numbering_problem(

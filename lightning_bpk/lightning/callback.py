@@ -332,7 +332,9 @@ class BurnpackCheckpoint(Checkpoint):
         if stage != "fit":  # validate/test/predict: a ckpt_path of ours loads without the plugin
             _resume.intercept(trainer, ResumeChoice(), None, self.storage_options, lambda n: None)
             return
-        problem = _runs.unapplied_bindings() or _runs.conflict(trainer, type(self))
+        problem = resume.unapplied_bindings("BurnpackCheckpoint") or _runs.conflict(
+            trainer, type(self)
+        )
         if problem is not None:
             raise CheckpointResumeError(problem)
         self._idle = _runs.idle_reason(trainer)

@@ -52,33 +52,44 @@ __all__ = ["ResumeChoice", "choose", "in_the_way", "superseded_by_a_newer", "una
 log = logging.getLogger("lightning_bpk")
 
 
-# The core's gin configurables an integration builds or calls with its own settings; of their
-# parameters only this one is honoured (read by choose()).
-_CORE_CONFIGURABLES = (
-    "lightning_bpk.checkpointer.Checkpointer",
-    "lightning_bpk.checkpointer.get_latest_checkpoint_number",
-)
-_HONOURED = {"override_number"}
+# The core's gin configurables an integration builds or calls with its own settings, and the
+# parameters of each that a setting of the same name on the integration replaces.
+_CORE_CONFIGURABLES = {
+    "lightning_bpk.checkpointer.Checkpointer": (
+        "checkpoint_file_prefix",
+        "sentinel_file_identifier",
+        "checkpoint_frequency",
+        "checkpoint_duration",
+        "keep_every",
+        "storage_options",
+    ),
+    "lightning_bpk.checkpointer.get_latest_checkpoint_number": (
+        "sentinel_file_identifier",
+        "checkpoint_file_prefix",
+        "verify",
+        "storage_options",
+    ),
+}
+_HONOURED = {"override_number"}  # get_latest_checkpoint_number's, read by choose()
 
 
-def unapplied_bindings(owner: str, instead: Mapping[str, Mapping[str, str]]) -> str | None:
+def unapplied_bindings(owner: str, renamed: Mapping[str, str] | None = None) -> str | None:
     """The error for gin bindings ``owner`` cannot apply (None: there are none): any parameter
     of ``Checkpointer`` or ``get_latest_checkpoint_number`` but ``override_number``, since an
     integration builds its checkpointer and chooses its resume with its own settings.
 
-    ``instead`` maps a configurable's selector to ``{parameter: owner's setting}``, the setting
-    to bind in its place (a parameter it does not list has none: the message says to remove
-    the binding)."""
+    The message names the setting of ``owner`` to bind instead: the one of the same name, or
+    the one ``renamed`` gives for a parameter (``{"checkpoint_frequency":
+    "every_n_train_steps"}``); for a parameter no setting replaces, it says to remove it."""
     found = []
-    for selector in _CORE_CONFIGURABLES:
+    for selector, replaced in _CORE_CONFIGURABLES.items():
         try:
             bound = gin.get_bindings(selector)
         except ValueError:  # not registered: nothing bound
             continue
-        settings = instead.get(selector, {})
         for name in sorted(set(bound) - _HONOURED):
             short = selector.rpartition(".")[2]
-            own = settings.get(name)
+            own = (renamed or {}).get(name, name) if name in replaced else None
             what = f"bind {owner}.{own}" if own else "remove it"
             found.append(f"{short}.{name} = {bound[name]!r} ({what})")
     if not found:
