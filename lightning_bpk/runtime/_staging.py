@@ -245,10 +245,8 @@ def _freeze_entry(
     file offset ``at``, late when in ``stable``: see :meth:`StagingArea.copy`)."""
     if isinstance(value, torch.Tensor):
         view = area.copy(owner, name, value, at, stable)
-        late = area.late.get((owner, name))
-        if late is None or late.dst is not view:
-            return view
-        return burnpack.TensorEntry.from_tensor(view, digest=late.result)  # hashed when copied
+        late = _late_digest(area, owner, name, view)
+        return view if late is None else burnpack.TensorEntry.from_tensor(view, digest=late)
     if not isinstance(value, burnpack.TensorEntry):
         return value  # not a tensor: the writer reports it as the synchronous path would
     data = value.data
@@ -257,9 +255,7 @@ def _freeze_entry(
     digest = value.digest
     if isinstance(data, torch.Tensor):
         data = area.copy(owner, name, data, at, stable)
-        late = area.late.get((owner, name))
-        if late is not None and late.dst is data:
-            digest = late.result  # hashed when copied
+        digest = _late_digest(area, owner, name, data) or digest
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
     return burnpack.TensorEntry(
@@ -271,6 +267,15 @@ def _freeze_entry(
         torch_dtype=value.torch_dtype,
         digest=digest,
     )
+
+
+def _late_digest(
+    area: StagingArea, owner: str, name: str, view: Any
+) -> Callable[[], str | None] | None:
+    """The digest provider of ``view`` when :meth:`StagingArea.copy` left it to a late copy,
+    which hashes it as it copies (None: copied now, the writer hashes it)."""
+    late = area.late.get((owner, name))
+    return late.result if late is not None and late.dst is view else None
 
 
 def freeze(
