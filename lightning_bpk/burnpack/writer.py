@@ -349,10 +349,9 @@ def _write_plan(plan: _Plan, sink: _fs.Sink) -> bytes:
         if p.start > position:
             sink.write(_ZEROS[: p.start - position])
         view = _materialize(p)
-        known = _known_digest(p) if plan.checksums else None
         if not plan.checksums:
             sink.write(view)
-        elif known is not None:  # hashed as it was made: no second pass over the bytes
+        elif (known := _known_digest(p)) is not None:  # hashed as made: no second pass
             digests[p.name] = known
             sink.write(view)
         elif view.nbytes < _PARALLEL_HASH_MIN:
