@@ -29,10 +29,12 @@ where these branches are the ones tested.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from lightning_bpk._nested import copy_nested
 
 # Bytes of one host-to-device bounce buffer (two are used in turn).
 BOUNCE_BYTES = 64 * 1024 * 1024
@@ -281,19 +283,7 @@ def to_device(value: Any, device: str | torch.device) -> Any:
 def _moved(value: Any, target: torch.device) -> Any:
     """:func:`to_device` for a checked ``target``: every tensor copied there, each once."""
     found: dict[int, torch.Tensor] = {}
-    _map(value, lambda t: found.setdefault(id(t), t))
+    copy_nested(value, lambda _, t: found.setdefault(id(t), t))
     moved = {key: torch.empty(t.shape, dtype=t.dtype, device=target) for key, t in found.items()}
     upload((moved[key], t) for key, t in found.items())
-    return _map(value, lambda t: moved[id(t)])
-
-
-def _map(value: Any, tensor: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` rebuilt with every tensor ``t`` inside dicts, lists and tuples as ``tensor(t)``."""
-    if isinstance(value, torch.Tensor):
-        return tensor(value)
-    if isinstance(value, Mapping):
-        return {k: _map(v, tensor) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_map(v, tensor) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    return value
+    return copy_nested(value, lambda _, t: moved[id(t)])

@@ -13,7 +13,13 @@ import xxhash
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.checkpointer import Checkpointer
-from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError, load_record
+from lightning_bpk.records import (
+    ModuleRecord,
+    OptimizerRecord,
+    RecordError,
+    StateRecord,
+    load_record,
+)
 from lightning_bpk.runtime._staging import StagingArea, freeze
 from lightning_bpk.runtime.async_save import _WRITER_THREAD_NAME, AsyncCheckpointSaver
 
@@ -211,19 +217,21 @@ def test_the_writer_reads_the_buffers_only_once_the_copies_have_landed(tmp_path)
     assert checkpointer.load_checkpoint(0) is not None
 
 
-def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(tmp_path):
+@pytest.mark.parametrize("kind", [ModuleRecord, StateRecord])
+def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(kind, tmp_path):
     """A tensor of PLACED_MIN bytes or more starts at the same offset within a memory page as
     its bytes within the file written from the snapshot (an O_DIRECT writer writes it from
-    there); the file is the one a synchronous save writes."""
+    there); the file is the one a synchronous save writes. Nested state holding one is encoded
+    at the save for that, not left to the writer."""
     from lightning_bpk.runtime._staging import PAGE, PLACED_MIN
 
     torch.manual_seed(0)
     big = torch.randn(PLACED_MIN // 4 + 3)  # an odd size: the next tensor's offset moves
     state = {"a": big, "b": torch.randn(PLACED_MIN // 4), "small": torch.ones(5)}
     area = StagingArea()
-    staged = freeze(area, "state", ModuleRecord(state))
+    staged = freeze(area, "state", kind(state))
     sync = tmp_path / "sync.bpk"
-    ModuleRecord(state).save(sync)
+    kind(state).save(sync)
     with burnpack.read(sync) as pack:
         offsets = {n: pack.data_start + pack.entries[n].data_offsets[0] for n in state}
     tensors = staged.content()[0]
@@ -309,6 +317,34 @@ def test_close_waits_for_the_write_and_reraises_its_error(tmp_path):
     with pytest.raises(ValueError, match="not a safe file name"):
         saver.close()
     assert checkpointer.latest_checkpoint_number() == 0
+
+
+def test_nested_state_is_encoded_by_the_writer_from_a_copy_taken_at_the_save(tmp_path, monkeypatch):
+    # the save copies the loop state's containers and stages its tensors; the writer encodes
+    # that copy, so what training changes after the save returns is not in the checkpoint
+    encoded_on: list[str] = []
+    to_content = StateRecord.to_content
+
+    def recorded(self):
+        encoded_on.append(threading.current_thread().name)
+        return to_content(self)
+
+    monkeypatch.setattr(StateRecord, "to_content", recorded)
+    shared = torch.arange(3.0)
+    live = {"hist": [1, {"best": 0.5}], "w": shared, "again": shared, "seen": {"a"}}
+    checkpointer = GatedCheckpointer(tmp_path)
+    with AsyncCheckpointSaver() as saver:
+        saver.save_checkpoint(checkpointer, 0, {"loop": live})
+        live["hist"].append(2)
+        live["hist"][1]["best"] = 0.1
+        live["seen"].add("b")
+        shared.add_(1)
+        checkpointer.gate.set()
+    assert encoded_on and all(n.startswith(_WRITER_THREAD_NAME) for n in encoded_on)
+    loaded = checkpointer.load_checkpoint(0)["loop"]
+    assert loaded["hist"] == [1, {"best": 0.5}] and loaded["seen"] == {"a"}
+    assert loaded["w"].tolist() == [0.0, 1.0, 2.0]
+    assert loaded["again"] is loaded["w"]  # a tensor held twice is one tensor in the file
 
 
 def test_unstorable_data_fails_on_the_callers_thread(tmp_path):
@@ -544,22 +580,12 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
     class Observed(BurnpackCheckpoint):
         before: dict | None = None
         after: dict | None = None
-        wanted: dict | None = None
 
         def _save(self, trainer, number, **kwargs):
             first = self.before is None
             if first:
                 self._saver.wait()  # join the reservation, as the save itself does first
                 self.before = dict(self._saver.staging.buffers)
-                module = trainer.lightning_module
-                self.wanted = {
-                    (key, name): (tuple(entry.shape), entry.data.dtype)
-                    for key, record in (
-                        ("model", ModuleRecord.from_module(module)),
-                        ("optim", OptimizerRecord.from_optimizer(trainer.optimizers[0], module)),
-                    )
-                    for name, entry in record.to_content()[0].items()
-                }
             super()._save(trainer, number, **kwargs)
             if first:
                 self.after = dict(self._saver.staging.buffers)
@@ -574,9 +600,14 @@ def test_callback_stages_model_and_optimizer_before_the_first_step_save(tmp_path
         L.seed_everything(0)
         quick = dict(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0)
         make_trainer(str(root), 1, [callback], **quick).fit(TinyModel())
-    assert observed.before is not None and observed.after is not None and observed.wanted
-    reserved = {k: (tuple(b.shape), b.dtype) for k, b in observed.before.items()}
-    assert reserved == observed.wanted  # all of model and optimizer, nothing else, before the save
+    assert observed.before is not None and observed.after is not None
+    module = TinyModel()
+    # the model's tensors, and Adam's step and two moments per parameter
+    expected = len(module.state_dict()) + 3 * sum(1 for _ in module.parameters())
+    staged = {key for key in observed.after if key[0] in ("model", "optim")}
+    # every buffer the first save staged of the model and the optimizer was reserved before
+    # it, and nothing else was
+    assert set(observed.before) == staged and len(staged) == expected
     for key, buffer in observed.before.items():
         assert observed.after[key] is buffer, key  # copied into, never reallocated
     assert {owner for owner, _ in set(observed.after) - set(observed.before)} <= {TRAINER_KEY}

@@ -20,10 +20,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightning_bpk"
 # the checkpointer, the run layer, then the two integrations beside each other; interop and the
 # CLI sit beside those they use.
 LAYERS = {
-    # primitives: errors, durable files, device copies, gin, the on-disk name grammar
+    # primitives: errors, durable files, device copies, nested data copied, gin, the on-disk
+    # name grammar
     "errors": 0,
     "_fs": 0,
     "_device": 0,
+    "_nested": 0,
     "_gin": 0,
     "layout": 0,
     # where the bytes go, and the lease that makes one run own a directory

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_bpk import _device, _fs, burnpack
+from lightning_bpk import _fs, burnpack
+from lightning_bpk._nested import copy_nested
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records import (
     RECORD_KIND_KEY,
@@ -201,10 +202,10 @@ def test_moving_a_record_copies_every_tensor_it_holds_and_keeps_the_rest(kind: s
     record = _records()[kind]
     before = record.to_bytes()
     held: list[torch.Tensor] = []
-    _device._map(vars(record), held.append)
+    copy_nested(vars(record), lambda _, t: held.append(t))
     moved = record._moved_to(torch.device("cpu"))
     after: list[torch.Tensor] = []
-    _device._map(vars(record), after.append)
+    copy_nested(vars(record), lambda _, t: after.append(t))
     assert moved is record and moved.to_bytes() == before
     assert len(after) == len(held) > 0
     assert not {id(t) for t in held} & {id(t) for t in after}  # every one a copy

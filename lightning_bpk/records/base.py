@@ -8,14 +8,16 @@ compatibility; files Burn wrote carry no tag and load through the class the call
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from lightning_bpk import _device, burnpack, state
+from lightning_bpk._nested import copy_nested
 from lightning_bpk.records import files
 from lightning_bpk.records._kind import (
     KINDS,
@@ -36,6 +38,8 @@ __all__ = [
 ]
 
 R = TypeVar("R", bound="Record")
+# Where a snapshot puts a tensor (see Record._snapshot): its path in the record -> the copy.
+_Stage = Callable[[tuple, torch.Tensor], torch.Tensor]
 
 
 def _class_name(obj: object) -> str:
@@ -65,6 +69,20 @@ class Record:
     def from_pack(cls: type[R], pack: burnpack.Pack) -> R:
         """Build the record from an open pack (tensors may stay zero-copy views of it)."""
         raise NotImplementedError
+
+    def _snapshot(self, stage: _Stage) -> Record | None:
+        """This record as it is now, for another thread to encode later: a copy whose
+        :meth:`to_content` (run there) gives the content this one gives now, every tensor it
+        holds replaced by ``stage(path, tensor)`` (a copy the caller owns; ``stage`` may raise
+        to decline, e.g. for a tensor it must place by its offset in the file), every container
+        copied. An asynchronous save takes it on the training thread, so the encoding (names,
+        scalars, the structure's JSON) leaves that thread.
+
+        None where the record is encoded now: by default (a module's tensors are named as they
+        are, so there is little to move), and where it holds a leaf that is not plain data or a
+        tensor (only the codec can tell whether it stores, and its error or warning belongs to
+        the save that met it)."""
+        return None
 
     # -- shared behaviour --
 
@@ -175,6 +193,15 @@ class StateRecord(Record):
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+    def _snapshot(self, stage: _Stage) -> Record | None:
+        odd: list[Any] = []
+        value = copy_nested(self.value, stage, odd.append)
+        if odd:  # a leaf only the codec can judge (a user object): encoded now, as it raises
+            return None
+        snapshot = copy.copy(self)
+        snapshot.value = value
+        return snapshot
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         try:

@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,8 +48,9 @@ import torch
 from torch import nn
 
 from lightning_bpk import burnpack, state
+from lightning_bpk._nested import copy_nested
 from lightning_bpk.burnpack import _parallel
-from lightning_bpk.records.base import Record, RecordError, _class_name
+from lightning_bpk.records.base import Record, RecordError, _class_name, _Stage
 from lightning_bpk.records.module import _param_table
 
 __all__ = [
@@ -270,6 +272,16 @@ class OptimizerRecord(Record):
 
     def _tree(self) -> dict[str, Any]:
         return {"state": self.state, "param_groups": self.param_groups}
+
+    def _snapshot(self, stage: _Stage) -> Record | None:
+        odd: list[Any] = []
+        tree = copy_nested(self._tree(), stage, odd.append)
+        if odd:  # e.g. a user object in a param group: encoded now, as it raises
+            return None
+        snapshot = copy.copy(self)
+        snapshot.state, snapshot.param_groups = tree["state"], tree["param_groups"]
+        snapshot.paths, snapshot.ranks = dict(self.paths), dict(self.ranks)
+        return snapshot
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         burn = _burn_names(self.optimizer_class)

@@ -3,13 +3,13 @@
 :class:`StagingArea` holds reused CPU buffers (shared memory for a writer process, pinned memory
 for a GPU's tensors) keyed by owner and tensor name; :func:`freeze` snapshots a record into it,
 each large tensor placed where its bytes lie in the file the writer will write (so an O_DIRECT
-writer needs no copy); :func:`map_tree` snapshots nested state (a DCP state dict) the same way.
+writer needs no copy) or, for nested state and small records, staged under their paths and left
+for the writer to encode.
 :mod:`lightning_bpk.runtime.async_save` owns one area per saver.
 """
 
 from __future__ import annotations
 
-import copy
 import mmap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -258,13 +258,20 @@ def _freeze_entry(
         digest = _late_digest(area, owner, name, data) or digest
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
+    return _entry(value, data, digest)
+
+
+def _entry(
+    entry: burnpack.TensorEntry, data: Any, digest: str | Callable[[], str | None] | None
+) -> burnpack.TensorEntry:
+    """``entry`` with ``data`` (its bytes, staged) and ``digest`` in place of its own."""
     return burnpack.TensorEntry(
-        value.dtype,
-        value.shape,
+        entry.dtype,
+        entry.shape,
         data,
-        param_id=value.param_id,
-        nbytes=value.nbytes,
-        torch_dtype=value.torch_dtype,
+        param_id=entry.param_id,
+        nbytes=entry.nbytes,
+        torch_dtype=entry.torch_dtype,
         digest=digest,
     )
 
@@ -278,6 +285,12 @@ def _late_digest(
     return late.result if late is not None and late.dst is view else None
 
 
+class _Declined(Exception):
+    """A tensor a snapshot does not stage by its path: one of :data:`PLACED_MIN` bytes or more,
+    whose buffer its offset in the file places, or one the codec refuses (not strided), whose
+    error the save itself raises (see :func:`freeze`)."""
+
+
 def freeze(
     area: StagingArea, owner: str, value: Any, stable: frozenset[int] = frozenset()
 ) -> Record:
@@ -285,9 +298,19 @@ def freeze(
     ``stable`` copied late).
 
     The result shares no mutable memory with ``value``: tensors live in staging buffers,
-    scalars and strings are immutable.
+    containers are copied, scalars and strings are immutable. A record that offers a snapshot
+    (:meth:`Record._snapshot`: nested state, an optimizer's, of plain data and tensors) and
+    holds no tensor of :data:`PLACED_MIN` bytes is returned as that snapshot, each tensor staged
+    under its path in the record: the writer encodes it (names, scalars, the structure's JSON),
+    not the caller's thread, so what the codec alone refuses (a dict key of another type, a
+    dtype the format lacks) fails the write. Any other record is encoded now, raising here
+    what it cannot store, each tensor staged under its name in the file and a large one placed
+    where its bytes lie in the file.
     """
     record = value if isinstance(value, Record) else StateRecord(value)
+    snapshot = _snapshot(area, owner, record, stable)
+    if snapshot is not None:
+        return snapshot
     tensors, scalars, metadata = record.to_content()
     at = _offsets(StagedRecord(record.kind, tensors, scalars, metadata))
     frozen = {
@@ -295,6 +318,105 @@ def freeze(
         for name, t in tensors.items()
     }
     return StagedRecord(record.kind, frozen, dict(scalars), dict(metadata))
+
+
+def _snapshot(
+    area: StagingArea, owner: str, record: Record, stable: frozenset[int]
+) -> Record | None:
+    """``record``'s snapshot, its tensors staged under their paths, to be encoded by the writer
+    (:class:`_Snapshot`); None when it offers none or holds a tensor it declines (then the
+    staging it took is left unread: its late copies are dropped, its buffers kept for the next
+    save's attempt)."""
+    names: list[str] = []
+    digests: dict[tuple[int, int], Callable[[], str | None]] = {}
+
+    def put(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        names.append(name)
+        view = area.copy(owner, name, tensor, None, stable)
+        digest = _late_digest(area, owner, name, view)
+        if digest is not None and view.numel():
+            digests[view.data_ptr(), view.nbytes] = digest
+        return view
+
+    snapshot = _by_path(record, put)
+    if snapshot is None:
+        for name in names:
+            area.late.pop((owner, name), None)
+        return None
+    return _Snapshot(snapshot, digests)
+
+
+class _Snapshot(Record):
+    """A record's snapshot (:meth:`Record._snapshot`), encoded where it is written (on the
+    writer thread): its content, each tensor a late copy made carrying the digest taken as it
+    was copied (:class:`LateCopy`), found by where its bytes lie and how many there are (the
+    staged tensor itself, whatever object the encoding wraps it in)."""
+
+    def __init__(
+        self, record: Record, digests: dict[tuple[int, int], Callable[[], str | None]]
+    ) -> None:
+        # instance attribute: this class registers no kind of its own
+        self.kind = record.kind  # type: ignore[misc]
+        self.record, self.digests = record, digests
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        tensors, scalars, metadata = self.record.to_content()
+        if self.digests:
+            tensors = {name: self._hashed(value) for name, value in tensors.items()}
+        return tensors, scalars, metadata
+
+    def _hashed(self, value: Any) -> Any:
+        data = value.data if isinstance(value, burnpack.TensorEntry) else value
+        if not isinstance(data, torch.Tensor) or not data.numel():
+            return value
+        digest = self.digests.get((data.data_ptr(), data.nbytes))
+        if digest is None:
+            return value
+        if isinstance(value, burnpack.TensorEntry):
+            return _entry(value, data, digest)
+        return burnpack.TensorEntry.from_tensor(value, digest=digest)
+
+
+def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -> Record | None:
+    """:meth:`Record._snapshot` with each tensor replaced by ``put(name, tensor)``, ``name``
+    its path in the record (a tensor held twice is put once); None when the record offers no
+    snapshot or holds a tensor it declines (:class:`_Declined`)."""
+    staged: dict[int, torch.Tensor] = {}
+
+    def stage(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        view = staged.get(id(tensor))
+        if view is not None:
+            return view
+        if tensor.layout != torch.strided or _nbytes(tensor) >= PLACED_MIN:
+            raise _Declined
+        # the path's repr: one name per path, never a file's name (those never start with "(")
+        view = staged[id(tensor)] = put(repr(path), tensor)
+        return view
+
+    try:
+        return record._snapshot(stage)
+    except _Declined:
+        return None
+
+
+def staged_tensors(owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs :func:`freeze` stages for ``value`` under ``owner`` (what a
+    saver allocates ahead: :meth:`StagingArea.reserve`)."""
+    record = value if isinstance(value, Record) else StateRecord(value)
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def put(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        found.append((name, tensor))
+        return tensor
+
+    if _by_path(record, put) is not None:
+        return found
+    pairs = []
+    for name, entry in record.to_content()[0].items():
+        tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
+        if isinstance(tensor, torch.Tensor):
+            pairs.append((name, tensor))
+    return pairs
 
 
 def _offsets(record: Record) -> dict[str, int]:
@@ -312,21 +434,3 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, burnpack.TensorEntry):
         return value.nbytes
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-# Leaves a snapshot shares with the live state: nothing can change them in place.
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
-
-
-def map_tree(value: Any, tensor: Callable[[str, torch.Tensor], Any], path: str = "") -> Any:
-    """Nested state (dicts, lists, tuples: a DCP state dict) rebuilt with every tensor replaced
-    by ``tensor(path, it)`` (``path``: where it lies, ``/model/net.0.weight``), immutable leaves
-    kept and any other leaf deep-copied: nothing of the result changes with the live state."""
-    if isinstance(value, torch.Tensor):
-        return tensor(path, value)
-    if isinstance(value, Mapping):
-        return {k: map_tree(v, tensor, f"{path}/{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [map_tree(v, tensor, f"{path}/{i}") for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    return value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value)

@@ -3,16 +3,20 @@
 A synchronous save blocks training for the whole durable write (about 0.4-0.9 s per GiB on a
 virtio disk, more with first-touch memory). :class:`AsyncCheckpointSaver` splits it in two:
 
-1. **on the caller's thread**, each record's content (``Record.to_content``: tensors, scalars,
-   string metadata, all computed from the live objects now) is frozen: every tensor is copied
-   into a *staging buffer* owned by the saver. The buffers are allocated on the first save and
-   reused by every later one (keyed by data key and tensor name; one is reallocated only when
-   that tensor's shape or dtype changes), so a save costs a memory copy, never a fresh clone of
-   the model (which on these VMs costs ~10x more: fresh memory is slow to fault in);
+1. **on the caller's thread**, each record is frozen: every tensor is copied into a *staging
+   buffer* owned by the saver, and the rest is either encoded now (``Record.to_content``: a
+   module's tensors, a record of large tensors, whose buffers are placed by their offsets in the
+   file) or copied as it is (nested state, a small optimizer's: containers rebuilt, immutable
+   leaves kept), to be encoded by the writer. The buffers are allocated on the first save and
+   reused by every later one (keyed by data key and tensor name or path; one is reallocated only
+   when that tensor's shape or dtype changes), so a save costs a memory copy, never a fresh
+   clone of the model (which on these VMs costs ~10x more: fresh memory is slow to fault in);
 2. **on one background writer thread**, the frozen records go through the unchanged synchronous
-   path, e.g. :meth:`Checkpointer.save_checkpoint`: data written and fsynced, then the sentinel,
-   then garbage collection, in that order. A sentinel therefore never names data that is not yet
-   durable, and old checkpoints are only collected after the new one is complete.
+   path, e.g. :meth:`Checkpointer.save_checkpoint`: encoded where the caller left that, data
+   written and fsynced, then the sentinel, then garbage collection, in that order. A sentinel
+   therefore never names data that is not yet durable, and old checkpoints are only collected
+   after the new one is complete. A value the format cannot store fails that write, raised as
+   any write's failure is (below).
 
 **On a GPU** (a tensor on a CUDA device, chosen by capability, no flag) the staging buffers are
 pinned host memory and the copies are issued ``non_blocking`` on a side stream that first waits
@@ -52,7 +56,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
+import copy
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -64,11 +68,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_bpk import _device, burnpack
+from lightning_bpk import _device
+from lightning_bpk._nested import copy_nested
 from lightning_bpk.checkpointer import Checkpointer, Retention
-from lightning_bpk.records.base import Record, StateRecord
+from lightning_bpk.records.base import Record
 from lightning_bpk.runtime import sharded
-from lightning_bpk.runtime._staging import StagingArea, freeze, map_tree
+from lightning_bpk.runtime._staging import StagingArea, freeze, staged_tensors
 from lightning_bpk.runtime._writer import WriterProcess
 from lightning_bpk.runtime.overlap import StepGate
 
@@ -84,6 +89,11 @@ _RECORD_OWNER = "<record>"
 _SHARDS_OWNER = "<shards>"
 # No process group made yet (None: made, and there is no distributed run).
 _NO_GROUP = object()
+
+
+def _shard_name(path: tuple) -> str:
+    """The staging name of a DCP state dict's tensor: its keys, ``/model/net.0.weight``."""
+    return "".join(f"/{key}" for key in path)
 
 
 def _checkpoint_group() -> dist.ProcessGroup | None:
@@ -202,19 +212,18 @@ class AsyncCheckpointSaver:
         self.wait()
         wanted = []
         for key, value in data.items():
-            record = value if isinstance(value, Record) else StateRecord(value)
-            for name, entry in record.to_content()[0].items():
-                tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
-                if isinstance(tensor, torch.Tensor):
-                    pinned = _device.accelerated(tensor.device)
-                    wanted.append((key, name, tuple(tensor.shape), tensor.dtype, pinned))
+            for name, tensor in staged_tensors(key, value):
+                pinned = _device.accelerated(tensor.device)
+                wanted.append((key, name, tuple(tensor.shape), tensor.dtype, pinned))
 
-        def shard(path: str, tensor: torch.Tensor) -> None:
+        def shard(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             pinned = _device.accelerated(local.device)
-            wanted.append((_SHARDS_OWNER, path, tuple(local.shape), local.dtype, pinned))
+            name = _shard_name(path)
+            wanted.append((_SHARDS_OWNER, name, tuple(local.shape), local.dtype, pinned))
+            return tensor
 
-        map_tree(shards or {}, shard)
+        copy_nested(shards or {}, shard)
 
         def prepare() -> None:
             self.staging.reserve(wanted)
@@ -259,7 +268,13 @@ class AsyncCheckpointSaver:
             if self._group is _NO_GROUP:
                 self._group = _checkpoint_group()
             group = self._group
-        shards = map_tree(state, functools.partial(self.staging.copy, _SHARDS_OWNER))
+        # every tensor staged (a DTensor as its local shard), any other leaf deep-copied: the
+        # writer thread's DCP save pickles such leaves, after training changed them
+        shards = copy_nested(
+            state,
+            lambda path, t: self.staging.copy(_SHARDS_OWNER, _shard_name(path), t),
+            copy.deepcopy,
+        )
         frozen = {key: freeze(self.staging, key, value) for key, value in (data or {}).items()}
         self.staging.prune()
         what = f"checkpoint {iteration_number} in {checkpointer.base_directory}"
