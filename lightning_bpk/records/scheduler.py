@@ -34,7 +34,8 @@ from typing import Any
 from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_bpk import burnpack, state
-from lightning_bpk.records.base import Record, RecordError, _class_name
+from lightning_bpk._nested import copy_nested
+from lightning_bpk.records.base import Record, RecordError, _class_name, _Stage
 
 __all__ = [
     "LrSchedulerRecord",
@@ -73,29 +74,45 @@ def _torch_form(tree: Mapping[Any, Any]) -> dict[str, Any]:
     return out
 
 
+def _copied(tree: dict[Any, Any]) -> tuple[dict[Any, Any], bool]:
+    """``tree`` with every list and dict copied, and whether it is plain data: False when it
+    holds a tensor or another value the codec must judge (kept as they are)."""
+    odd: list[Any] = []
+
+    def kept(leaf: Any) -> Any:
+        odd.append(leaf)
+        return leaf
+
+    return copy_nested(tree, lambda _, tensor: kept(tensor), kept), not odd
+
+
 class LrSchedulerRecord(Record):
     """A scheduler's ``state_dict()`` as scalars and strings; ``state`` is that dict with
     composed children under integer keys, ``scheduler_class`` the scheduler's class name."""
 
     kind = "lr_scheduler"
-    # the content encoded when the record was taken (from_scheduler), else None
-    _content: state.Content | None
 
     def __init__(self, state: Mapping[Any, Any], scheduler_class: str) -> None:
         self.state = dict(state)
         self.scheduler_class = scheduler_class
-        self._content = None
 
     @classmethod
     def from_scheduler(cls, scheduler: SchedulerLike) -> LrSchedulerRecord:
         """Record ``scheduler.state_dict()``; raises :class:`RecordError` if it holds a tensor or
         anything else that is not plain data.
 
-        The state is encoded here, once: the record is the scheduler as it is now (the
-        content saved later is this one, whatever the scheduler does meanwhile)."""
-        record = cls(_indexed(scheduler.state_dict()), _class_name(scheduler))
-        record._content = record._encode()  # fails now, naming the key, not at save time
+        The state is copied here (every list and dict): the record is the scheduler as it is
+        now, whatever the scheduler does meanwhile (torch's ``state_dict()`` shares lists such
+        as ``base_lrs`` with the scheduler)."""
+        copied, plain = _copied(_indexed(scheduler.state_dict()))
+        record = cls(copied, _class_name(scheduler))
+        if not plain:  # a tensor, or a value only the codec can judge: fails now, naming it
+            record._encode()
         return record
+
+    def _snapshot(self, stage: _Stage) -> Record | None:
+        copied, plain = _copied(self.state)
+        return LrSchedulerRecord(copied, self.scheduler_class) if plain else None
 
     def state_dict(self) -> dict[str, Any]:
         """The state as torch's ``scheduler.state_dict()`` has it (children in ``_schedulers``)."""
@@ -131,7 +148,7 @@ class LrSchedulerRecord(Record):
         return content
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        content = self._content if self._content is not None else self._encode()
+        content = self._encode()
         return {}, content.scalars, {**content.metadata, _SCHEDULER_CLASS_KEY: self.scheduler_class}
 
     @classmethod
