@@ -23,6 +23,7 @@ from lightning_bpk.lightning.data_position import POSITION_KEY
 from lightning_bpk.lightning.triggers import FINISHED_KEY, finished
 from lightning_bpk.records import ModuleRecord, OptimizerRecord
 from lightning_bpk.runtime.async_save import AsyncCheckpointSaver
+from lightning_bpk.runtime.rng import capture_rng
 
 
 class SaveData(NamedTuple):
@@ -43,21 +44,23 @@ def is_sharded(trainer: pl.Trainer, checkpoint: dict, distributed_save: bool) ->
 
 def collect(
     trainer: pl.Trainer,
-    positions: Callable[[], list[Any] | None],
+    positions: Callable[[dict], list[Any] | None],
     consumed: int | None,
     distributed_save: bool,
 ) -> SaveData:
-    """The save of ``trainer`` now (every rank): ``positions()`` gathers every rank's data
-    position on rank 0 (a collective); ``consumed``, the batches of this epoch a mid-epoch
-    save comes after (None: the epoch's end)."""
+    """The save of ``trainer`` now (every rank): ``positions(rng)`` gathers every rank's data
+    position on rank 0 (a collective; ``rng``: this rank's RNG states, which its position
+    holds); ``consumed``, the batches of this epoch a mid-epoch save comes after (None: the
+    epoch's end)."""
     epoch_end = consumed is None
+    rng = capture_rng()  # once: this rank's position and rank 0's trainer record hold them
     # Lightning's own dict builder; weights_only=False there means "include optimizers,
     # schedulers and callback states", not unpickling: nothing is ever loaded with pickle.
     checkpoint = _compat.dump_checkpoint(trainer)
     shards = None
     if is_sharded(trainer, checkpoint, distributed_save):
         shards = sharded._take_state(trainer, checkpoint)
-    checkpoint[POSITION_KEY] = positions()
+    checkpoint[POSITION_KEY] = positions(rng)
     checkpoint[_exact.EXACT_KEY] = _exact.capture(trainer, epoch_end)  # what Lightning drops
     checkpoint[_log_continuity.LOGGERS_KEY] = _log_continuity.capture(trainer)
     ended = finished(trainer, epoch_end)
@@ -73,9 +76,9 @@ def collect(
 
     def records() -> dict[str, Any]:
         if shards is not None:  # the model and optimizers are in the shards
-            return trainer_state._other_records(checkpoint, schedulers)
+            return trainer_state._other_records(checkpoint, schedulers, rng)
         module = trainer.lightning_module
-        return trainer_state.to_records(checkpoint, module, trainer.optimizers, schedulers)
+        return trainer_state.to_records(checkpoint, module, trainer.optimizers, schedulers, rng)
 
     return SaveData(records, shards, ended is not None or not epoch_end)
 

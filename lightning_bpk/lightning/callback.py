@@ -520,7 +520,7 @@ class BurnpackCheckpoint(Checkpoint):
         value = self.best.monitored(trainer)
         save = _save_data.collect(
             trainer,
-            lambda: ranks.gather(capture(consumed or 0, consumed is None)),
+            lambda rng: ranks.gather(capture(consumed or 0, consumed is None, rng)),
             consumed,
             self.distributed_save,
         )

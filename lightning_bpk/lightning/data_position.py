@@ -52,7 +52,7 @@ from lightning_bpk.runtime.loaders import (
     track,
     workers_warning,
 )
-from lightning_bpk.runtime.rng import capture_rng, restore_rng
+from lightning_bpk.runtime.rng import restore_rng
 
 __all__ = [
     "POSITION_KEY",
@@ -240,8 +240,10 @@ class DataPosition:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def capture(self, consumed: int, epoch_end: bool) -> dict:
-        """This rank's position after ``consumed`` batches of the current epoch (or at its end)."""
+    def capture(self, consumed: int, epoch_end: bool, rng: dict) -> dict:
+        """This rank's position after ``consumed`` batches of the current epoch (or at its end);
+        ``rng``: this rank's RNG states now (:func:`~lightning_bpk.runtime.rng.capture_rng`,
+        taken once per save)."""
         mode = "max_size_cycle"
         if len(self._loaders) > 1 and self._trainer is not None:
             mode = _compat.train_combined_mode(self._trainer)
@@ -264,7 +266,7 @@ class DataPosition:
             "accumulate": self._trainer.accumulate_grad_batches,
             "world_size": self._trainer.world_size,
             "loaders": loaders,
-            "rng": capture_rng(),
+            "rng": rng,
         }
 
     # -- resuming ----------------------------------------------------------------------------

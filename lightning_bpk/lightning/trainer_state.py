@@ -165,26 +165,31 @@ def to_records(
     module: torch.nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     schedulers: Sequence[Any],
+    rng: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Split Lightning's dict into the files of a checkpoint directory (see module docstring).
 
     The module, optimizers and schedulers are recorded from the live objects (so optimizer state
-    is keyed by parameter id); every other key goes to ``trainer`` with the current RNG states.
+    is keyed by parameter id); every other key goes to ``trainer`` with the RNG states ``rng``
+    (:func:`~lightning_bpk.runtime.rng.capture_rng`'s; None: captured now).
     """
     data: dict[str, Any] = {MODEL_KEY: ModuleRecord.from_module(module)}
     for i, optimizer in enumerate(optimizers):
         data[_numbered_key(OPTIMIZER_KEY, i)] = OptimizerRecord.from_optimizer(optimizer, module)
-    return data | _other_records(checkpoint, schedulers)
+    return data | _other_records(checkpoint, schedulers, rng)
 
 
-def _other_records(checkpoint: Mapping[str, Any], schedulers: Sequence[Any]) -> dict[str, Any]:
-    """The schedulers' records and ``trainer`` (the other keys, with the current RNG states):
-    what a sharded save's rank 0 writes beside the shards of the model and optimizers."""
+def _other_records(
+    checkpoint: Mapping[str, Any], schedulers: Sequence[Any], rng: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The schedulers' records and ``trainer`` (the other keys, with the RNG states ``rng``,
+    None: captured now): what a sharded save's rank 0 writes beside the shards of the model
+    and optimizers."""
     data: dict[str, Any] = {}
     for i, scheduler in enumerate(schedulers):
         data[_numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
     rest = {k: v for k, v in _storable(checkpoint).items() if k not in _RECORD_KEYS}
-    rest[RNG_KEY] = capture_rng()
+    rest[RNG_KEY] = capture_rng() if rng is None else rng
     data[TRAINER_KEY] = _LoopState(rest)
     return data
 
