@@ -26,7 +26,7 @@ user's code on resume, so they are not needed to continue training, and refusing
 all would be worse. What a user's ``on_save_checkpoint`` or a callback's state adds is stored
 when the codec can store it without pickle (plain data, tensors, ``Path``, sets, tuple keys,
 dates, ``deque``); anything else is left out of the checkpoint with a warning naming its key,
-never a stopped run (:class:`_LoopState`).
+never a stopped run (a lenient :class:`~lightning_bpk.records.StateRecord`).
 
 **RNG states** (torch, CUDA when available, numpy, Python ``random``) go under :data:`RNG_KEY`;
 Lightning ignores the key, :func:`~lightning_bpk.runtime.rng.restore_rng` puts them back (the
@@ -92,30 +92,6 @@ HPARAM_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
 _PLAIN = (bool, int, float, str)
 # Keys whose content lives in the module/optimizer/scheduler records, not in trainer.bpk.
 _RECORD_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
-
-
-class _LoopState(StateRecord):
-    """The trainer record: a :class:`StateRecord` (kind ``state``, loads as one) whose
-    encoding is lenient, so a value pickle-free storage cannot hold (a user object in a
-    callback's state) is left out with a warning naming its key instead of failing the save.
-
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     _ = _LoopState({"epoch": 1, "callbacks": {"Mine": {"obj": object()}}}).to_content()
-    >>> "$['callbacks']['Mine']['obj']" in str(caught[0].message)
-    True
-    """
-
-    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        dropped: list[str] = []
-        try:
-            content = state.encode(self.value, inline=True, dropped=dropped)
-        except state.StateError as e:
-            raise RecordError("validation", str(e)) from e
-        for problem in dropped:
-            warnings.warn(f"left out of the checkpoint: {problem}", stacklevel=2)
-        return content.tensors, content.scalars, content.metadata
 
 
 # --- Lightning dict -> storable data --------------------------------------------------------------
@@ -190,7 +166,7 @@ def _other_records(
         data[_numbered_key(SCHEDULER_KEY, i)] = LrSchedulerRecord.from_scheduler(scheduler)
     rest = {k: v for k, v in _storable(checkpoint).items() if k not in _RECORD_KEYS}
     rest[RNG_KEY] = capture_rng() if rng is None else rng
-    data[TRAINER_KEY] = _LoopState(rest)
+    data[TRAINER_KEY] = StateRecord(rest, lenient=True)
     return data
 
 
@@ -285,7 +261,7 @@ def _file_record(checkpoint: Mapping[str, Any]) -> StateRecord:
     """The StateRecord ``_save_file`` writes: Lightning's storable dict plus RNG states."""
     value = _storable(checkpoint)
     value[RNG_KEY] = capture_rng()
-    return _LoopState(value)
+    return StateRecord(value, lenient=True)
 
 
 def _write_record(record: Record, path: str | os.PathLike[str]) -> Path | str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -185,14 +186,26 @@ def _user_metadata(pack: burnpack.Pack) -> dict[str, str]:
 class StateRecord(Record):
     """Nested plain data (no pickle) as one record: Lightning's loop counters, RNG states, ...
 
+    ``lenient``: a value pickle-free storage cannot hold (a user object in a callback's state)
+    is left out, with a warning naming where it sat, instead of failing the record (a run's
+    loop state: the run goes on; it loads as any state record).
+
     >>> StateRecord.from_bytes(StateRecord({"epoch": 3}).to_bytes()).value
     {'epoch': 3}
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     loop = StateRecord({"epoch": 1, "cb": {"obj": object()}}, lenient=True)
+    ...     _ = loop.to_content()
+    >>> "$['cb']['obj']" in str(caught[0].message)
+    True
     """
 
     kind = "state"
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, *, lenient: bool = False) -> None:
         self.value = value
+        self.lenient = lenient
 
     def _snapshot(self, stage: _Stage) -> Record | None:
         odd: list[Any] = []
@@ -204,10 +217,13 @@ class StateRecord(Record):
         return snapshot
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        try:
-            content = state.encode(self.value, inline=True)  # the loop state: one pass
+        dropped: list[str] | None = [] if self.lenient else None
+        try:  # inline: the loop state in one pass
+            content = state.encode(self.value, inline=True, dropped=dropped)
         except state.StateError as e:
             raise RecordError("validation", str(e)) from e
+        for problem in dropped or ():
+            warnings.warn(f"left out of the checkpoint: {problem}", stacklevel=2)
         return content.tensors, content.scalars, content.metadata
 
     @classmethod
