@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from lightning_bpk import state
 from lightning_bpk.checkpointer import Checkpointer
 from lightning_bpk.records import ModuleRecord, OptimizerRecord, RecordError
 from lightning_bpk.runtime._writer import WriterProcessDied
@@ -57,6 +58,34 @@ def test_the_child_commits_the_snapshot_from_shared_staging_and_training_goes_on
     second = checkpointer.load_checkpoint(1)["model"].tensors
     assert all(torch.equal(second[k], v) for k, v in net.state_dict().items())
     assert checkpointer.verify_checkpoint(1) == []
+
+
+def test_the_child_encodes_the_nested_state_and_the_optimizer_and_writes_the_same_files(
+    tmp_path, monkeypatch
+):
+    # the loop state and the optimizer leave the training process as copies: the child names
+    # and encodes them (with the checksums the late copies took), this process encodes nothing
+    net, optimizer = _state()
+    sync = Checkpointer(tmp_path / "sync")
+    sync.save_checkpoint(0, _records(net, optimizer))
+    encoded: list[str] = []
+    encode = state.encode
+
+    def recorded(*args, **kwargs):
+        encoded.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(state, "encode", recorded)
+    checkpointer = Checkpointer(tmp_path / "async")
+    with AsyncCheckpointSaver(process=True) as saver:
+        saver.watch([optimizer])
+        saver.save_checkpoint(checkpointer, 0, _records(net, optimizer))
+        saver.wait()
+    assert encoded == []
+    for name in ("optim.bpk", "trainer.bpk", "model.bpk"):
+        want = (sync.checkpoint_path(0) / name).read_bytes()
+        assert (checkpointer.checkpoint_path(0) / name).read_bytes() == want, name
+    assert checkpointer.verify_checkpoint(0) == []
 
 
 def test_a_failed_write_in_the_child_is_raised_by_the_next_save_and_loses_nothing(tmp_path):

@@ -11,7 +11,7 @@ for the writer to encode.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_bpk import _device, burnpack
 from lightning_bpk.records.base import Record, StateRecord
-from lightning_bpk.runtime._writer import StagedRecord
+from lightning_bpk.runtime._writer import Snapshot, StagedRecord, entry_with
 
 # A staging buffer of at least this many bytes starts where its bytes lie within a page of
 # the file written from it (a page of room per buffer), so an O_DIRECT writer writes it with
@@ -269,22 +269,7 @@ def _freeze_entry(
         digest = _late_digest(area, owner, name, data) or digest
     elif not isinstance(data, bytes):
         data = bytes(data)  # bytearray/memoryview may change under the writer
-    return _entry(value, data, digest)
-
-
-def _entry(
-    entry: burnpack.TensorEntry, data: Any, digest: str | Callable[[], str | None] | None
-) -> burnpack.TensorEntry:
-    """``entry`` with ``data`` (its bytes, staged) and ``digest`` in place of its own."""
-    return burnpack.TensorEntry(
-        entry.dtype,
-        entry.shape,
-        data,
-        param_id=entry.param_id,
-        nbytes=entry.nbytes,
-        torch_dtype=entry.torch_dtype,
-        digest=digest,
-    )
+    return entry_with(value, data, digest)
 
 
 def _late_digest(
@@ -335,9 +320,9 @@ def _snapshot(
     area: StagingArea, owner: str, record: Record, stable: frozenset[int]
 ) -> Record | None:
     """``record``'s snapshot, its tensors staged under their paths, to be encoded by the writer
-    (:class:`_Snapshot`); None when it offers none or holds a tensor it declines (then the
-    staging it took is left unread: its late copies are dropped, its buffers kept for the next
-    save's attempt)."""
+    (:class:`~lightning_bpk.runtime._writer.Snapshot`); None when it offers none or holds a
+    tensor it declines (then the staging it took is left unread: its late copies are dropped,
+    its buffers kept for the next save's attempt)."""
     names: list[str] = []
     digests: dict[tuple[int, int], Callable[[], str | None]] = {}
 
@@ -354,38 +339,7 @@ def _snapshot(
         for name in names:
             area.late.pop((owner, name), None)
         return None
-    return _Snapshot(snapshot, digests)
-
-
-class _Snapshot(Record):
-    """A record's snapshot (:meth:`Record._snapshot`), encoded where it is written (on the
-    writer thread): its content, each tensor a late copy made carrying the digest taken as it
-    was copied (:class:`LateCopy`), found by where its bytes lie and how many there are (the
-    staged tensor itself, whatever object the encoding wraps it in)."""
-
-    def __init__(
-        self, record: Record, digests: dict[tuple[int, int], Callable[[], str | None]]
-    ) -> None:
-        # instance attribute: this class registers no kind of its own
-        self.kind = record.kind  # type: ignore[misc]
-        self.record, self.digests = record, digests
-
-    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
-        tensors, scalars, metadata = self.record.to_content()
-        if self.digests:
-            tensors = {name: self._hashed(value) for name, value in tensors.items()}
-        return tensors, scalars, metadata
-
-    def _hashed(self, value: Any) -> Any:
-        data = value.data if isinstance(value, burnpack.TensorEntry) else value
-        if not isinstance(data, torch.Tensor) or not data.numel():
-            return value
-        digest = self.digests.get((data.data_ptr(), data.nbytes))
-        if digest is None:
-            return value
-        if isinstance(value, burnpack.TensorEntry):
-            return _entry(value, data, digest)
-        return burnpack.TensorEntry.from_tensor(value, digest=digest)
+    return Snapshot(snapshot, digests)
 
 
 def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -> Record | None:

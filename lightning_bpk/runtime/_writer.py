@@ -22,13 +22,14 @@ closes the pipe: the child finishes the save it is writing, if any, and exits.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing as mp
 
 from lightning_bpk import _device, burnpack
+from lightning_bpk._nested import copy_nested
 from lightning_bpk.errors import LightningBpkError
 from lightning_bpk.records.base import Record
 
@@ -52,6 +53,103 @@ class StagedRecord(Record):
 
     def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
         return self._frozen
+
+
+# A digest as a TensorEntry takes it: the text, or a provider asked once the bytes are copied.
+Digest = str | Callable[[], str | None]
+
+
+class Snapshot(Record):
+    """A record's snapshot (:meth:`Record._snapshot <lightning_bpk.records.Record>`), encoded
+    where it is written: on the writer thread, or in the writer process, which it is sent to as
+    it is (:func:`_portable`). Its content gives each tensor a late copy made the digest taken
+    as it was copied (:class:`~lightning_bpk.runtime._staging.LateCopy`), found by where the
+    tensor's bytes lie and how many there are (whatever object the encoding wraps it in)."""
+
+    def __init__(self, record: Record, digests: Mapping[tuple[int, int], Digest]) -> None:
+        # instance attribute: this class registers no kind of its own
+        self.kind = record.kind  # type: ignore[misc]
+        self.record, self.digests = record, digests
+
+    def to_content(self) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, str]]:
+        tensors, scalars, metadata = self.record.to_content()
+        if self.digests:
+            tensors = {name: self._hashed(value) for name, value in tensors.items()}
+        return tensors, scalars, metadata
+
+    def _hashed(self, value: Any) -> Any:
+        data = value.data if isinstance(value, burnpack.TensorEntry) else value
+        if not isinstance(data, torch.Tensor) or not data.numel():
+            return value
+        digest = self.digests.get((data.data_ptr(), data.nbytes))
+        if digest is None:
+            return value
+        if isinstance(value, burnpack.TensorEntry):
+            return entry_with(value, data, digest)
+        return burnpack.TensorEntry.from_tensor(value, digest=digest)
+
+
+def entry_with(
+    entry: burnpack.TensorEntry, data: Any, digest: Digest | None
+) -> burnpack.TensorEntry:
+    """``entry`` with ``data`` (its bytes, staged) and ``digest`` in place of its own."""
+    return burnpack.TensorEntry(
+        entry.dtype,
+        entry.shape,
+        data,
+        param_id=entry.param_id,
+        nbytes=entry.nbytes,
+        torch_dtype=entry.torch_dtype,
+        digest=digest,
+    )
+
+
+class _InBuffer(NamedTuple):
+    """A snapshot's tensor as the writer process is sent it: where it lies in a staging buffer
+    (``storage``: the buffer's, as :func:`_describe` names it), and its digest if known."""
+
+    storage: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: str | None
+
+
+def _portable(snapshot: Snapshot, buffers: Mapping[int, torch.Tensor]) -> tuple:
+    """What the writer process is sent of ``snapshot``: its record's class and attributes, each
+    staged tensor an :class:`_InBuffer` (plain data otherwise: containers and immutable
+    leaves), so the child encodes it, not this process's writer thread."""
+
+    def located(_: tuple, tensor: torch.Tensor) -> Any:
+        described = _describe(tensor, buffers)
+        if not (isinstance(described, tuple) and described[0] == "staged"):
+            return tensor  # not in a staging buffer (none is, in a snapshot): sent as it is
+        _, storage, offset, dtype, shape = described
+        digest = snapshot.digests.get((tensor.data_ptr(), tensor.nbytes))
+        if callable(digest):
+            digest = digest()  # the late copies have run by now
+        return _InBuffer(storage, offset, dtype, shape, digest if tensor.numel() else None)
+
+    record = snapshot.record
+    return type(record), copy_nested(vars(record), located)
+
+
+def _unportable(sent: tuple, buffers: Mapping[int, torch.Tensor]) -> Snapshot:
+    """:func:`_portable` undone in the child, over the buffers it was sent."""
+    cls, attributes = sent
+    digests: dict[tuple[int, int], Digest] = {}
+
+    def rebuilt(leaf: Any) -> Any:
+        if not isinstance(leaf, _InBuffer):
+            return leaf
+        tensor = _rebuild(("staged", leaf.storage, leaf.offset, leaf.dtype, leaf.shape), buffers)
+        if leaf.digest is not None:
+            digests[tensor.data_ptr(), tensor.nbytes] = leaf.digest
+        return tensor
+
+    record = object.__new__(cls)
+    vars(record).update(copy_nested(attributes, lambda _, tensor: tensor, rebuilt))
+    return Snapshot(record, digests)
 
 
 class WriterProcessDied(LightningBpkError, RuntimeError):
@@ -123,15 +221,18 @@ def _serve(conn: Any) -> None:
             continue
         _, checkpointer, number, records, retention = message
         try:
-            data = {
-                key: StagedRecord(
+            data: dict[str, Record] = {}
+            for key, (form, sent) in records.items():
+                if form == "snapshot":  # encoded here, by the checkpointer
+                    data[key] = _unportable(sent, buffers)
+                    continue
+                kind, tensors, scalars, meta = sent
+                data[key] = StagedRecord(
                     kind,
                     {n: _rebuild(t, buffers) for n, t in tensors.items()},
                     {n: burnpack.Scalar(*s) for n, s in scalars.items()},
                     meta,
                 )
-                for key, (kind, tensors, scalars, meta) in records.items()
-            }
             if retention is None:
                 path = checkpointer.save_checkpoint(number, data)
             else:
@@ -163,12 +264,15 @@ class WriterProcess:
         if self._process is None or not self._process.is_alive():
             self.start()
         by_storage = {_device.storage_ptr(raw): raw for raw in buffers}
-        records = {}
+        records: dict[str, tuple[str, Any]] = {}
         for key, record in staged.items():
+            if isinstance(record, Snapshot):  # the child encodes it
+                records[key] = ("snapshot", _portable(record, by_storage))
+                continue
             tensors, scalars, metadata = record.to_content()
             described = {n: _describe(t, by_storage) for n, t in tensors.items()}
             plain = {n: (s.kind, s.value) for n, s in scalars.items()}  # Scalar: no pickle
-            records[key] = (record.kind, described, plain, dict(metadata))
+            records[key] = ("content", (record.kind, described, plain, dict(metadata)))
         try:
             for storage, raw in by_storage.items():
                 if self._sent.get(storage) is not raw:
