@@ -4,8 +4,10 @@ With ``AsyncCheckpointSaver(process=True)`` the staging buffers live in shared m
 saver's writer thread, instead of committing the snapshot itself, hands it to one child process
 (spawned at the first save, kept for the next ones): every staging buffer is sent to the child
 once (a handle to its shared memory, not its bytes), each save sends the checkpointer, the
-iteration and the records with each tensor named by its buffer, offset, dtype and shape, and
-the child builds the records over those buffers (it only reads them) and runs the ordinary
+iteration and the records with each tensor named by its buffer, offset, dtype and shape (a
+record encoded at the save as its content; a :class:`Snapshot`, the loop state or a small
+optimizer's, as its record's attributes, which the child encodes), and the child builds the
+records over those buffers (it only reads them) and runs the ordinary
 ``Checkpointer.save_checkpoint``: data fsynced, then the sentinel, then garbage collection. The
 planning, encoding and fsync bookkeeping of the commit so no longer compete with training for
 the interpreter lock; the writer thread only waits on the pipe.
