@@ -140,11 +140,15 @@ def _unportable(sent: tuple, buffers: Mapping[int, torch.Tensor]) -> Snapshot:
     """:func:`_portable` undone in the child, over the buffers it was sent."""
     cls, attributes = sent
     digests: dict[tuple[int, int], Digest] = {}
+    tensors: dict[_InBuffer, torch.Tensor] = {}  # a tensor held twice: one tensor again
 
     def rebuilt(leaf: Any) -> Any:
         if not isinstance(leaf, _InBuffer):
             return leaf
-        tensor = _rebuild(("staged", leaf.storage, leaf.offset, leaf.dtype, leaf.shape), buffers)
+        tensor = tensors.get(leaf)
+        if tensor is None:
+            where = ("staged", leaf.storage, leaf.offset, leaf.dtype, leaf.shape)
+            tensor = tensors[leaf] = _rebuild(where, buffers)
         if leaf.digest is not None:
             digests[tensor.data_ptr(), tensor.nbytes] = leaf.digest
         return tensor
