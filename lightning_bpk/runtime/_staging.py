@@ -3,8 +3,8 @@
 :class:`StagingArea` holds reused CPU buffers (shared memory for a writer process, pinned memory
 for a GPU's tensors) keyed by owner and tensor name; :func:`freeze` snapshots a record into it,
 each large tensor placed where its bytes lie in the file the writer will write (so an O_DIRECT
-writer needs no copy) or, for nested state and small records, staged under their paths and left
-for the writer to encode.
+writer needs no copy) or, for nested state and small records written by a writer process, staged
+under their paths and left for the child to encode.
 :mod:`lightning_bpk.runtime.async_save` owns one area per saver.
 """
 
@@ -294,17 +294,21 @@ def freeze(
     ``stable`` copied late).
 
     The result shares no mutable memory with ``value``: tensors live in staging buffers,
-    containers are copied, scalars and strings are immutable. A record that offers a snapshot
+    containers are copied, scalars and strings are immutable.
+
+    For a writer process (``area.shared``), a record that offers a snapshot
     (:meth:`Record._snapshot`: nested state, an optimizer's, of plain data and tensors) and
     holds no tensor of :data:`PLACED_MIN` bytes is returned as that snapshot, each tensor staged
-    under its path in the record: the writer encodes it (names, scalars, the structure's JSON),
-    not the caller's thread, so what the codec alone refuses (a dict key of another type, a
-    dtype the format lacks) fails the write. Any other record is encoded now, raising here
-    what it cannot store, each tensor staged under its name in the file and a large one placed
-    where its bytes lie in the file.
+    under its path in the record: the child encodes it (names, scalars, the structure's JSON),
+    outside this interpreter, so what the codec alone refuses (a dict key of another type, a
+    dtype the format lacks) fails the write. Any other record, and every record for a writer
+    thread, is encoded now, raising here what it cannot store, each tensor staged under its
+    name in the file and a large one placed where its bytes lie in the file. (A writer
+    thread's encoding would hold the interpreter lock training waits for: on the digits example
+    the whole loop took ~1.2 ms a save longer that way, for ~1.1 ms less blocked in the save.)
     """
     record = value if isinstance(value, Record) else StateRecord(value)
-    snapshot = _snapshot(area, owner, record, stable)
+    snapshot = _snapshot(area, owner, record, stable) if area.shared else None
     if snapshot is not None:
         return snapshot
     tensors, scalars, metadata = record.to_content()
@@ -364,9 +368,9 @@ def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -
         return None
 
 
-def staged_tensors(owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` pairs :func:`freeze` stages for ``value`` under ``owner`` (what a
-    saver allocates ahead: :meth:`StagingArea.reserve`)."""
+def staged_tensors(area: StagingArea, owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs :func:`freeze` stages for ``value`` under ``owner`` in
+    ``area`` (what a saver allocates ahead: :meth:`StagingArea.reserve`)."""
     record = value if isinstance(value, Record) else StateRecord(value)
     found: list[tuple[str, torch.Tensor]] = []
 
@@ -374,7 +378,7 @@ def staged_tensors(owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
         found.append((name, tensor))
         return tensor
 
-    if _by_path(record, put) is not None:
+    if area.shared and _by_path(record, put) is not None:
         return found
     pairs = []
     for name, entry in record.to_content()[0].items():

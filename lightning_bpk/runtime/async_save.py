@@ -4,19 +4,19 @@ A synchronous save blocks training for the whole durable write (about 0.4-0.9 s 
 virtio disk, more with first-touch memory). :class:`AsyncCheckpointSaver` splits it in two:
 
 1. **on the caller's thread**, each record is frozen: every tensor is copied into a *staging
-   buffer* owned by the saver, and the rest is either encoded now (``Record.to_content``: a
-   module's tensors, a record of large tensors, whose buffers are placed by their offsets in the
-   file) or copied as it is (nested state, a small optimizer's: containers rebuilt, immutable
-   leaves kept), to be encoded by the writer. The buffers are allocated on the first save and
-   reused by every later one (keyed by data key and tensor name or path; one is reallocated only
-   when that tensor's shape or dtype changes), so a save costs a memory copy, never a fresh
-   clone of the model (which on these VMs costs ~10x more: fresh memory is slow to fault in);
+   buffer* owned by the saver, and the rest is encoded now (``Record.to_content``) or, for a
+   writer process, copied as it is where it can be (nested state, a small optimizer's:
+   containers rebuilt, immutable leaves kept) and encoded by the child. The buffers are
+   allocated on the first save and reused by every later one (keyed by data key and tensor
+   name or path; one is reallocated only when that tensor's shape or dtype changes), so a save
+   costs a memory copy, never a fresh clone of the model (which on these VMs costs ~10x more:
+   fresh memory is slow to fault in);
 2. **on one background writer thread**, the frozen records go through the unchanged synchronous
-   path, e.g. :meth:`Checkpointer.save_checkpoint`: encoded where the caller left that, data
-   written and fsynced, then the sentinel, then garbage collection, in that order. A sentinel
-   therefore never names data that is not yet durable, and old checkpoints are only collected
-   after the new one is complete. A value the format cannot store fails that write, raised as
-   any write's failure is (below).
+   path, e.g. :meth:`Checkpointer.save_checkpoint`: data written and fsynced, then the
+   sentinel, then garbage collection, in that order. A sentinel therefore never names data
+   that is not yet durable, and old checkpoints are only collected after the new one is
+   complete. A value the format cannot store fails that write, raised as any write's failure
+   is (below).
 
 **On a GPU** (a tensor on a CUDA device, chosen by capability, no flag) the staging buffers are
 pinned host memory and the copies are issued ``non_blocking`` on a side stream that first waits
@@ -212,7 +212,7 @@ class AsyncCheckpointSaver:
         self.wait()
         wanted = []
         for key, value in data.items():
-            for name, tensor in staged_tensors(key, value):
+            for name, tensor in staged_tensors(self.staging, key, value):
                 pinned = _device.accelerated(tensor.device)
                 wanted.append((key, name, tuple(tensor.shape), tensor.dtype, pinned))
 
