@@ -297,6 +297,7 @@ class StepOverhead:
     first: list[float]  # ... in the first save of each run
     auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
     dumped: list[float]  # ModelCheckpoint's own part at the same steps (see _DumpCost)
+    blocked_process: list[float]  # ... each later save with async_save="process"
     epochs: int = STEP_EPOCHS
     repeat: int = REPEAT
     what: str = (
@@ -326,7 +327,10 @@ class StepOverhead:
             f"{statistics.median(self.blocked) * 1000:.1f} ms (median of {len(self.blocked)}; "
             f"range {min(self.blocked) * 1000:.1f} - {max(self.blocked) * 1000:.1f} ms), the "
             f"first save of a run for {statistics.median(self.first) * 1000:.1f} ms (median of "
-            f"{len(self.first)}). ModelCheckpoint's own part of a save at the same steps "
+            f'{len(self.first)}); with `async_save="process"` (the writer process encodes '
+            "the loop state and the optimizer) for "
+            f"{statistics.median(self.blocked_process) * 1000:.1f} ms (median of "
+            f"{len(self.blocked_process)}). ModelCheckpoint's own part of a save at the same steps "
             "(`dump_checkpoint` + `torch.save` into memory, before any file is written): "
             f"{statistics.median(self.dumped) * 1000:.1f} ms (median of {len(self.dumped)}). "
             f"{_PAIRED}",
@@ -337,6 +341,9 @@ class StepOverhead:
             "none": "no checkpoints",
             "lightning": f"Lightning `ModelCheckpoint(every_n_train_steps={STEP_INTERVAL})`",
             "async": f"`BurnpackCheckpoint(every_n_train_steps={STEP_INTERVAL}, async_save=True)`",
+            "process": (
+                f'`BurnpackCheckpoint(every_n_train_steps={STEP_INTERVAL}, async_save="process")`'
+            ),
         }
         for variant in self.times:
             lines.append(_row(names[variant], variant, self.times, self.laps, STEP_INTERVAL))
@@ -383,12 +390,15 @@ class _CountingCheckpoint(BurnpackCheckpoint):
 
 
 def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> StepOverhead:
-    """Interleaved runs: no checkpoints, Lightning's ModelCheckpoint and ours every
-    ``STEP_INTERVAL`` steps; then one "auto" run per budget in ``BUDGETS``."""
+    """Interleaved runs: no checkpoints, Lightning's ModelCheckpoint and ours (a writer thread,
+    a writer process) every ``STEP_INTERVAL`` steps; then one "auto" run per budget in
+    ``BUDGETS``."""
     reps = reps or (2 if quick else 5)
     epochs = 1 if quick else STEP_EPOCHS
     blocked: list[float] = []
     first: list[float] = []
+    blocked_process: list[float] = []
+    first_process: list[float] = []
 
     def variants() -> dict[str, list[L.Callback]]:
         return {
@@ -397,11 +407,19 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
             "async": [
                 _TimedCheckpoint(blocked, first, every_n_train_steps=STEP_INTERVAL, async_save=True)
             ],
+            "process": [
+                _TimedCheckpoint(
+                    blocked_process,
+                    first_process,
+                    every_n_train_steps=STEP_INTERVAL,
+                    async_save="process",
+                )
+            ],
         }
 
     def warmed_up() -> None:
-        blocked.clear()
-        first.clear()
+        for measured in (blocked, first, blocked_process, first_process):
+            measured.clear()
 
     label = f"every {STEP_INTERVAL} steps"
     times, laps = _rounds(directory, variants, epochs, REPEAT, reps, label, warmed_up)
@@ -416,7 +434,7 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
     dumped: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory) as root:
         _fit(Path(root), epochs, [_DumpCost(dumped)], REPEAT)
-    return StepOverhead(times, laps, blocked, first, auto, dumped[1:], epochs)
+    return StepOverhead(times, laps, blocked, first, auto, dumped[1:], blocked_process, epochs)
 
 
 def main() -> None:
