@@ -72,12 +72,12 @@ class Record:
         raise NotImplementedError
 
     def _snapshot(self, stage: _Stage) -> Record | None:
-        """This record as it is now, for another thread to encode later: a copy whose
+        """This record as it is now, for a writer to encode later: a copy whose
         :meth:`to_content` (run there) gives the content this one gives now, every tensor it
         holds replaced by ``stage(path, tensor)`` (a copy the caller owns; ``stage`` may raise
         to decline, e.g. for a tensor it must place by its offset in the file), every container
-        copied. An asynchronous save takes it on the training thread, so the encoding (names,
-        scalars, the structure's JSON) leaves that thread.
+        copied. An asynchronous save to a writer process takes it on the training thread, so
+        the encoding (names, scalars, the structure's JSON) leaves the training process.
 
         None where the record is encoded now: by default (a module's tensors are named as they
         are, so there is little to move), and where it holds a leaf that is not plain data or a
