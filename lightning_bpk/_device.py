@@ -50,6 +50,16 @@ def accelerated(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+def on_accelerator(tensor: torch.Tensor) -> bool:
+    """:func:`accelerated` for the device ``tensor`` is on, without building that device
+    (~1 us a call, at every tensor of every snapshot).
+
+    >>> on_accelerator(torch.ones(1))
+    False
+    """
+    return tensor.is_cuda and torch.cuda.is_available()
+
+
 def storage_ptr(tensor: torch.Tensor) -> int:
     """Where a tensor's memory starts: its storage's, so a view of a tensor (a slice of a
     parameter, a tensor inside a staging buffer) counts as that tensor's memory."""
@@ -162,7 +172,7 @@ class DeviceToHost:
         ``non_blocking`` one on the device's side stream (``dst`` pinned), complete only once
         the :meth:`settle` that follows has been waited on; ``late``: on the stream the
         training stream waits for only at :meth:`Ready.order_device`."""
-        if not accelerated(src.device):
+        if not on_accelerator(src):
             dst.copy_(src)
             return
         key = (src.device, late)

@@ -131,15 +131,13 @@ class StagingArea:
         # detached, the source records nothing for autograd: no no_grad() block (a few us a
         # tensor, at every save)
         source = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
-        pinned = source.is_cuda and _device.accelerated(source.device)
+        pinned = _device.on_accelerator(source)
         slot = self._place(key, source.shape, source.dtype, at, pinned)
         late = bool(stable) and _device.storage_ptr(source) in stable
-        if pinned:
-            self._copies.copy(slot.view, source, late=late)
-        elif late:
+        if late and not pinned:
             self.late[key] = LateCopy(slot.view, source)
         else:
-            slot.view.copy_(source)  # a host tensor: what DeviceToHost.copy does, one call less
+            self._copies.copy(slot.view, source, late=late)
         self._used.add(key)
         if not isinstance(tensor, DTensor):
             return slot.view
