@@ -240,6 +240,27 @@ def test_large_tensors_are_staged_where_their_bytes_lie_in_the_file(kind, tmp_pa
     assert staged.to_bytes() == sync.read_bytes()
 
 
+def test_nested_state_that_declines_a_snapshot_is_staged_by_file_name_from_its_second_save():
+    """For a writer process, nested state holding a large tensor declines the snapshot after
+    staging (by path) the small tensors met before it; its later saves go straight to the
+    encoding, so those tensors are staged once a save, under their names in the file."""
+    from lightning_bpk.runtime._staging import PLACED_MIN
+    from lightning_bpk.runtime._writer import Snapshot
+
+    state = {"a": torch.ones(3), "b": torch.ones(4), "big": torch.zeros(PLACED_MIN // 4)}
+    area = StagingArea(shared=True)
+    first = freeze(area, "state", StateRecord(state))
+    area.prune()
+    assert len(area.buffers) == 5  # "a" and "b" by path, then all three by name
+    assert area.declined == {"state"}
+    second = freeze(area, "state", StateRecord(state))
+    area.prune()  # drops what this save did not stage
+    assert sorted(name for owner, name in area.buffers) == ["a", "b", "big"]
+    assert first.to_bytes() == second.to_bytes() == StateRecord(state).to_bytes()
+    assert isinstance(freeze(area, "small", StateRecord({"a": torch.ones(3)})), Snapshot)
+    assert area.declined == {"state"}
+
+
 def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
     checkpointer = GatedCheckpointer(tmp_path)
     saver = AsyncCheckpointSaver()

@@ -10,6 +10,7 @@ under their paths and left for the child to encode.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +105,9 @@ class StagingArea:
         self._copies = _device.DeviceToHost()
         # host copies left to the writer thread (parameters, optimizer state), by their key
         self.late: dict[tuple[str, str], LateCopy] = {}
+        # owners whose record declined a snapshot for a tensor it holds (see freeze): encoded
+        # at the save from then on, not first staged by path again at every save
+        self.declined: set[str] = set()
 
     def copy(
         self,
@@ -323,8 +327,11 @@ def _snapshot(
 ) -> Record | None:
     """``record``'s snapshot, its tensors staged under their paths, to be encoded by the writer
     (:class:`~lightning_bpk.runtime._writer.Snapshot`); None when it offers none or holds a
-    tensor it declines (then the staging it took is left unread: its late copies are dropped,
-    its buffers kept for the next save's attempt)."""
+    tensor it declines: then the staging it took is left unread (its late copies dropped) and
+    the owner's later saves do not try again (:attr:`StagingArea.declined`; a large tensor
+    stays large)."""
+    if owner in area.declined:
+        return None
     names: list[str] = []
     digests: dict[tuple[int, int], Callable[[], str | None]] = {}
 
@@ -336,18 +343,20 @@ def _snapshot(
             digests[view.data_ptr(), view.nbytes] = digest
         return view
 
-    snapshot = _by_path(record, put)
-    if snapshot is None:
+    try:
+        snapshot = _by_path(record, put)
+    except _Declined:
         for name in names:
             area.late.pop((owner, name), None)
+        area.declined.add(owner)
         return None
-    return Snapshot(snapshot, digests)
+    return None if snapshot is None else Snapshot(snapshot, digests)
 
 
 def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -> Record | None:
     """:meth:`Record._snapshot` with each tensor replaced by ``put(name, tensor)``, ``name``
     its path in the record (a tensor held twice is put once); None when the record offers no
-    snapshot or holds a tensor it declines (:class:`_Declined`)."""
+    snapshot; :class:`_Declined` when it holds a tensor not staged by its path."""
     staged: dict[int, torch.Tensor] = {}
 
     def stage(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
@@ -360,10 +369,7 @@ def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -
         view = staged[id(tensor)] = put(repr(path), tensor)
         return view
 
-    try:
-        return record._snapshot(stage)
-    except _Declined:
-        return None
+    return record._snapshot(stage)
 
 
 def staged_tensors(area: StagingArea, owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
@@ -376,8 +382,10 @@ def staged_tensors(area: StagingArea, owner: str, value: Any) -> list[tuple[str,
         found.append((name, tensor))
         return tensor
 
-    if area.shared and _by_path(record, put) is not None:
-        return found
+    if area.shared and owner not in area.declined:
+        with contextlib.suppress(_Declined):
+            if _by_path(record, put) is not None:
+                return found
     pairs = []
     for name, entry in record.to_content()[0].items():
         tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
