@@ -5,10 +5,11 @@ stores ``Linear`` weights as ``[in, out]`` and names BatchNorm's affine paramete
 ``beta``; :class:`~lightning_bpk.interop.BurnToPyTorchAdapter` translates both from the torch
 layer types, so the torch module below needs nothing but the same submodule names.
 
-MNIST itself cannot be downloaded here, so the digits are scikit-learn's ``load_digits`` (1797
-real handwritten digits, 8x8, values 0..16), brought to MNIST's form: scaled to a 20x20 box
-(bicubic: MNIST digits are anti-aliased with sharp strokes) centred in 28x28, values in [0, 1],
-then normalised with MNIST's mean 0.1307 and std 0.3081, as Burn's example does.
+MNIST itself cannot be downloaded here, so the digits are the UCI handwritten digits committed
+with the examples (``digits_data``: 1797 real handwritten digits, 8x8, values 0..16), brought
+to MNIST's form: scaled to a 20x20 box (bicubic: MNIST digits are anti-aliased with sharp
+strokes) centred in 28x28, values in [0, 1], then normalised with MNIST's mean 0.1307 and std
+0.3081, as Burn's example does.
 
 Run: ``.venv/bin/python examples/burn_mnist_interop.py [path/to/mnist-model.bpk]``; without a
 path it reads the copy committed with the tests (``tests/fixtures/burn/``, described there).
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from digits_data import load_digits
 from torch import nn
 
 from lightning_bpk.interop import BurnToPyTorchAdapter, load_module_record
@@ -29,7 +31,7 @@ from lightning_bpk.interop import BurnToPyTorchAdapter, load_module_record
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "burn" / "mnist-model.bpk"
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # Burn's normalisation (the MNIST training set's stats)
 MNIST_SIDE, MNIST_BOX = 28, 20  # MNIST digits fill a 20x20 box centred in 28x28
-DIGITS_MAX = 16.0  # load_digits pixels are counts 0..16
+DIGITS_MAX = 16.0  # the digits' pixels are counts 0..16
 
 
 class ConvBlock(nn.Module):
@@ -68,15 +70,13 @@ def load_burn_mnist(path: str | Path = FIXTURE) -> MnistNet:
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's handwritten digits as MNIST-like ``[N, 1, 28, 28]`` inputs, and labels."""
-    from sklearn.datasets import load_digits  # a dev dependency, bundled data (no download)
-
-    data = load_digits()
-    images = torch.tensor(data.images, dtype=torch.float32)[:, None] / DIGITS_MAX
+    """The handwritten digits as MNIST-like ``[N, 1, 28, 28]`` inputs, and labels."""
+    pixels, labels = load_digits()
+    images = torch.tensor(pixels, dtype=torch.float32)[:, None] / DIGITS_MAX
     box = F.interpolate(images, size=(MNIST_BOX, MNIST_BOX), mode="bicubic", align_corners=False)
     pad = (MNIST_SIDE - MNIST_BOX) // 2
     images = F.pad(box.clamp(0.0, 1.0), (pad, pad, pad, pad))
-    return (images - MNIST_MEAN) / MNIST_STD, torch.tensor(data.target)
+    return (images - MNIST_MEAN) / MNIST_STD, torch.tensor(labels)
 
 
 def accuracy(net: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:

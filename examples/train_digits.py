@@ -24,7 +24,7 @@ import signal
 import gin
 import lightning as L
 import torch
-from sklearn.datasets import load_digits
+from digits_data import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,9 +81,9 @@ class DigitsData(L.LightningDataModule):
         self.batch_size = batch_size
 
     def setup(self, stage: str) -> None:
-        digits = load_digits()
-        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-        y = torch.tensor(digits.target, dtype=torch.int64)
+        images, labels = load_digits()
+        x = torch.tensor(images.reshape(len(images), -1), dtype=torch.float32) / 16.0
+        y = torch.tensor(labels)
         self.train_set = TensorDataset(x[:-VALIDATION_SAMPLES], y[:-VALIDATION_SAMPLES])
         self.val_set = TensorDataset(x[-VALIDATION_SAMPLES:], y[-VALIDATION_SAMPLES:])
 

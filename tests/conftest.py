@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import site
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,6 +35,11 @@ SCRIPTS = TESTS / "scripts"
 FIXTURES = TESTS / "fixtures"
 # Burn's own MNIST model (see tests/fixtures/README.md): the one file no code of ours wrote.
 MNIST_BPK = FIXTURES / "burn" / "mnist-model.bpk"
+# The test libraries only this process imports (transformers 5, MLflow: `make slow-imports`),
+# appended to its path here and never to a training subprocess's: torchmetrics, which Lightning
+# imports, would import them (and scipy, matplotlib) in every one (the Makefile says more).
+SLOW_IMPORTS = ROOT / ".venv-slow-imports"
+site.addsitedir(str(SLOW_IMPORTS))
 
 # The fuzz harness needs atheris, which the suite does not install; --doctest-modules would
 # import it (tests/scripts import fine: they only run when started as scripts).
