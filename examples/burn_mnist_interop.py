@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     images, labels = digits()
     print(
         f"Burn MNIST weights in torch: accuracy {accuracy(net, images, labels):.2%} "
-        f"on {len(labels)} scikit-learn digits (chance: 10%)"
+        f"on {len(labels)} UCI digits (chance: 10%)"
     )
     return 0
 

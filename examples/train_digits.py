@@ -1,7 +1,8 @@
-"""Train a small MLP on scikit-learn's handwritten digits with automatic burnpack checkpoints.
+"""Train a small MLP on handwritten digits with automatic burnpack checkpoints.
 
-The data (1797 8x8 images, 10 classes) ships inside scikit-learn: no download. Configuration is
-gin, as in Dopamine: ``--gin_file`` (repeatable) then ``--gin_binding`` (repeatable) overrides::
+The data (1797 8x8 images, 10 classes) is committed beside it (``digits_data``): no download.
+Configuration is gin, as in Dopamine: ``--gin_file`` (repeatable) then ``--gin_binding``
+(repeatable) overrides::
 
     python examples/train_digits.py --base_dir runs/digits --gin_file lightning_bpk/gin/digits.gin
     python examples/train_digits.py --base_dir runs/digits \\

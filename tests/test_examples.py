@@ -60,10 +60,26 @@ def test_preemption_walkthrough_exits_cleanly_and_resumes(tmp_path: Path) -> Non
     assert trainer_state.PREEMPTED_KEY not in final
 
 
+def test_the_committed_digits_are_the_uci_test_set() -> None:
+    """``examples/data/digits.csv.gz`` is the UCI set as scikit-learn ships it: 1797 images of
+    8x8 counts 0..16, the class sizes of its description, in its order."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from digits_data import load_digits
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    images, labels = load_digits()
+    assert images.shape == (1797, 8, 8) and images.min() == 0 and images.max() == 16
+    assert (images == images.round()).all() and images.sum() == 561718
+    counts = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    assert [int((labels == digit).sum()) for digit in range(10)] == counts
+    assert labels[:10].tolist() == list(range(10))
+
+
 def test_burn_mnist_interop_example_classifies_digits(tmp_path: Path) -> None:
     # the only run of this script (test_interop.py tests its functions in-process)
     out = run_example("burn_mnist_interop.py", cwd=tmp_path)
-    assert "on 1797 scikit-learn digits" in out  # every digit of load_digits was classified
+    assert "on 1797 UCI digits" in out  # every digit was classified
     accuracy = float(re.search(r"accuracy ([\d.]+)%", out).group(1))
     assert accuracy > 80.0, out  # chance is 10%
 
