@@ -18,13 +18,14 @@ TRANSFORMERS4 := .venv-transformers4
 TRANSFORMERS4_PINS := transformers==4.57.1 huggingface_hub==0.36.0 tokenizers==0.22.1
 
 # The test libraries only the pytest process imports (requirements-slow-imports.txt: transformers
-# 5, MLflow), with what .venv lacks of their dependencies (scipy, matplotlib, pandas, ...), in a
-# folder beside .venv that tests/conftest.py adds to the pytest process's path alone. Lightning
-# imports torchmetrics, which imports scipy, matplotlib and transformers whenever it can: ~4 s
-# of the ~10 s every training subprocess of the tests took to start here.
+# 5, MLflow), with what .venv lacks of their dependencies (scipy, matplotlib, pandas, ...), go
+# to a folder beside .venv that tests/conftest.py adds to the pytest process's path alone (one
+# resolution for both files: tools/install_split.py). Lightning imports torchmetrics, which
+# imports scipy, matplotlib and transformers whenever it can: ~4 s of the ~10 s each training
+# subprocess of the tests took to start here.
 SLOW_IMPORTS := .venv-slow-imports
 
-.PHONY: test test-lightning-oldest transformers4 slow-imports demo bench docs lint format clean
+.PHONY: test test-lightning-oldest transformers4 demo bench docs lint format clean
 
 # `make demo` installs the package and what the example needs; `make test` adds the development
 # stack of requirements-dev.txt (test runner, linters, docs, the servers the tests start).
@@ -33,8 +34,10 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e .
 	touch $(DEMO_STAMP)
 
-$(STAMP): $(DEMO_STAMP) requirements-dev.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -r requirements-dev.txt
+$(STAMP): $(DEMO_STAMP) requirements-dev.txt requirements-slow-imports.txt tools/install_split.py
+	rm -rf $(SLOW_IMPORTS)
+	$(PY) tools/install_split.py requirements-dev.txt requirements-slow-imports.txt $(SLOW_IMPORTS) \
+		constraints.txt
 	# litdata's StreamingDataLoader, for the Fabric loader tests. Without its dependencies: it
 	# declares torchvision, whose PyPI wheel is built against CUDA torch and, beside the CPU
 	# pin, breaks `import lightning`; what litdata's loader needs is already installed.
@@ -50,7 +53,7 @@ lint: $(STAMP)
 # slowest first); TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-test: lint transformers4 slow-imports
+test: lint transformers4
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(MAKE) test-lightning-oldest
 
@@ -70,12 +73,6 @@ $(TRANSFORMERS4)/.stamp: $(STAMP)
 
 transformers4: $(TRANSFORMERS4)/.stamp
 
-$(SLOW_IMPORTS)/.stamp: $(STAMP) requirements-slow-imports.txt
-	rm -rf $(SLOW_IMPORTS)
-	$(PY) tools/install_beside.py $(SLOW_IMPORTS) requirements-slow-imports.txt constraints.txt
-	touch $@
-
-slow-imports: $(SLOW_IMPORTS)/.stamp
 
 test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
 	$(OLDEST)/bin/python -c 'import lightning; assert lightning.__version__ == "$(LIGHTNING_MIN)", lightning.__version__'
@@ -84,7 +81,7 @@ test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
 demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
-bench: $(STAMP) slow-imports
+bench: $(STAMP)
 	$(PY) benchmarks/run.py
 	PYTHONPATH=$(SLOW_IMPORTS) $(PY) benchmarks/remap_load.py
 	PYTHONPATH=$(SLOW_IMPORTS) $(PY) benchmarks/hub_load.py

@@ -35,9 +35,9 @@ SCRIPTS = TESTS / "scripts"
 FIXTURES = TESTS / "fixtures"
 # Burn's own MNIST model (see tests/fixtures/README.md): the one file no code of ours wrote.
 MNIST_BPK = FIXTURES / "burn" / "mnist-model.bpk"
-# The test libraries only this process imports (transformers 5, MLflow: `make slow-imports`),
-# appended to its path here and never to a training subprocess's: torchmetrics, which Lightning
-# imports, would import them (and scipy, matplotlib) in every one (the Makefile says more).
+# The test libraries only this process imports (transformers 5, MLflow; `make test` installs
+# them there), appended to its path here and never to a training subprocess's: torchmetrics,
+# which Lightning imports, would import them (and scipy, matplotlib) in every one (Makefile).
 SLOW_IMPORTS = ROOT / ".venv-slow-imports"
 site.addsitedir(str(SLOW_IMPORTS))
 

@@ -194,7 +194,7 @@ def test_killed_and_resumed_keeps_exactly_the_best_and_dopamines(
 
 
 def test_a_real_mlflow_logger_records_each_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    mlflow = pytest.importorskip("mlflow", reason="mlflow: run `make slow-imports`")
+    mlflow = pytest.importorskip("mlflow", reason="`make test` installs mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store, offline
     from lightning.pytorch.loggers import MLFlowLogger
 
@@ -225,7 +225,7 @@ def test_a_real_mlflow_logger_records_each_checkpoint(tmp_path: Path, monkeypatc
 def test_with_async_save_loggers_hear_of_each_checkpoint_once_durable(tmp_path, monkeypatch):
     """The loggers hear of an asynchronous save once it is committed (at the next save, the
     last one when fit ends); MLflow's log_model=True logs the best directories at the end."""
-    mlflow = pytest.importorskip("mlflow", reason="mlflow: run `make slow-imports`")
+    mlflow = pytest.importorskip("mlflow", reason="`make test` installs mlflow")
     from lightning.pytorch.loggers import MLFlowLogger
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
