@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import site
 import subprocess
 import sys
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from lightning_bpk.store import object_store
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 SCRIPTS = TESTS / "scripts"
+EXAMPLES = ROOT / "examples"
 FIXTURES = TESTS / "fixtures"
 # Burn's own MNIST model (see tests/fixtures/README.md): the one file no code of ours wrote.
 MNIST_BPK = FIXTURES / "burn" / "mnist-model.bpk"
@@ -128,6 +131,20 @@ def finish_process(
     if check and result.returncode != 0:
         pytest.fail(f"{args} exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result
+
+
+def import_example(name: str) -> types.ModuleType:
+    """``examples/{name}.py`` as a module, imported as running it imports it: with its folder
+    first on the path, for the modules the examples share (``digits_data``)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+        assert spec is not None and spec.loader is not None, name
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLES))
 
 
 def run_process(

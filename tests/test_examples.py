@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_process
+from conftest import EXAMPLES, ROOT, import_example, run_process
 
-EXAMPLES = ROOT / "examples"
 GIN_FILES = sorted((ROOT / "lightning_bpk" / "gin").glob("*.gin"))
 TIMEOUT_S = 240  # each example takes 5-40 s; this only stops a hung one
 
@@ -63,12 +62,7 @@ def test_preemption_walkthrough_exits_cleanly_and_resumes(tmp_path: Path) -> Non
 def test_the_committed_digits_are_the_uci_test_set() -> None:
     """``examples/data/digits.csv.gz`` is the UCI set as scikit-learn ships it: 1797 images of
     8x8 counts 0..16, the class sizes of its description, in its order."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from digits_data import load_digits
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    images, labels = load_digits()
+    images, labels = import_example("digits_data").load_digits()
     assert images.shape == (1797, 8, 8) and images.min() == 0 and images.max() == 16
     assert (images == images.round()).all() and images.sum() == 561718
     counts = [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]

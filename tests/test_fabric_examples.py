@@ -14,9 +14,8 @@ import yaml
 from lightning_bpk import burnpack
 from lightning_bpk.checkpointer import Checkpointer, list_checkpoints
 
-from conftest import ROOT, run_process
+from conftest import EXAMPLES, run_process
 
-EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240  # each run takes 5-20 s on 2 loaded cores; this only stops a hung one
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -38,18 +37,14 @@ from lightning_bpk.interop import (
 from lightning_bpk.records import RecordError
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
-from conftest import MNIST_BPK, ROOT
+from conftest import MNIST_BPK, import_example
 
-EXAMPLE = ROOT / "examples" / "burn_mnist_interop.py"
 FIXTURE = MNIST_BPK
 MIN_DIGIT_ACCURACY = 0.80  # measured 89.5%; chance is 10%
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("burn_mnist_interop", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_example("burn_mnist_interop")
 
 
 # --- adapters on Burn's real file ----------------------------------------------------------------
