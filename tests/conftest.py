@@ -201,30 +201,32 @@ def tiny_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # is spent in training subprocesses of one process each, which leave the second core idle, and in
 # waits on the SLURM controller; two workers fill that time. Each test file is one unit of work
 # that one worker runs whole, so a file's module fixtures (the SLURM cluster, the moto server, the
-# docs build) start once and its tests keep their order. The slowest files (measured) go first,
-# so that no worker is left alone with one of them at the end. A run without ``-n`` is not
-# affected.
+# docs build) start once and its tests keep their order. The slowest files go first, longest
+# first (each file's total in a --junitxml run of the suite), so that no worker is left alone
+# with one of them at the end. A run without ``-n`` is not affected.
 SLOWEST_FILES = (
-    "test_sharded.py",
-    "test_slurm.py",
     "test_e2e_resume.py",
-    "test_examples.py",
-    "test_fabric_e2e.py",
+    "test_sharded.py",
     "test_object_storage.py",
-    "test_sharded_object_storage.py",
-    "test_ddp.py",
-    "test_fabric_examples.py",
-    "test_fabric_sharded.py",
-    "test_preemption.py",
-    "test_data_position.py",
-    "test_callback_rerun.py",
-    "test_lightning_cli.py",
+    "test_slurm.py",
+    "test_examples.py",
     "test_cli_tools.py",
-    "test_checkpointer_crash.py",
+    "test_ddp.py",
+    "test_sharded_object_storage.py",
+    "test_preemption.py",
+    "test_fabric_e2e.py",
+    "test_writer.py",
+    "test_callback_best.py",
     "test_cli.py",
+    "test_callback_rerun.py",
+    "test_checkpointer_crash.py",
+    "test_fabric_examples.py",
+    "test_interop_hub.py",
     "test_dcp.py",
-    "test_interop_shards.py",
-    "test_docs.py",
+    "test_lightning_cli.py",
+    "test_fabric_sharded.py",
+    "test_gpu.py",
+    "test_data_position.py",
 )
 
 
