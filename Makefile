@@ -27,8 +27,9 @@ SLOW_IMPORTS := .venv-slow-imports
 
 .PHONY: test test-lightning-oldest transformers4 demo bench docs lint format clean
 
-# `make demo` installs the package and what the example needs; `make test` adds the development
-# stack of requirements-dev.txt (test runner, linters, docs, the servers the tests start).
+# `make demo` installs the package (its example needs nothing more); `make test` adds the
+# development stack of requirements-dev.txt (test runner, linters, docs, the servers the tests
+# start) and, beside it, requirements-slow-imports.txt.
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e .
@@ -73,7 +74,6 @@ $(TRANSFORMERS4)/.stamp: $(STAMP)
 	touch $@
 
 transformers4: $(TRANSFORMERS4)/.stamp
-
 
 test-lightning-oldest: $(OLDEST)/.stamp-$(LIGHTNING_MIN)
 	$(OLDEST)/bin/python -c 'import lightning; assert lightning.__version__ == "$(LIGHTNING_MIN)", lightning.__version__'
