@@ -261,6 +261,23 @@ def test_nested_state_that_declines_a_snapshot_is_staged_by_file_name_from_its_s
     assert area.declined == {"state"}
 
 
+def test_state_holding_a_user_object_leaves_no_late_copy_of_its_declined_snapshot():
+    """A record whose snapshot stops at a user object is encoded at the save instead: the late
+    copies its snapshot had left (tensors by path) are dropped, so only the file's are made,
+    and the next save tries the snapshot again (the object may be gone)."""
+    weight = torch.ones(3)
+    state = {"w": weight, "obj": object()}
+    area = StagingArea(shared=True)
+    stable = frozenset({_device.storage_ptr(weight)})
+    with pytest.warns(UserWarning, match="obj"):
+        staged = freeze(area, "state", StateRecord(state, lenient=True), stable)
+    assert [name for owner, name in area.late] == ["w"]
+    assert area.declined == set()
+    for late in area.late.values():
+        late.run()
+    assert staged.content()[0]["w"].data.tolist() == [1.0, 1.0, 1.0]
+
+
 def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
     checkpointer = GatedCheckpointer(tmp_path)
     saver = AsyncCheckpointSaver()

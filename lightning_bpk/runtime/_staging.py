@@ -10,7 +10,6 @@ under their paths and left for the child to encode.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -326,12 +325,8 @@ def _snapshot(
     area: StagingArea, owner: str, record: Record, stable: frozenset[int]
 ) -> Record | None:
     """``record``'s snapshot, its tensors staged under their paths, to be encoded by the writer
-    (:class:`~lightning_bpk.runtime._writer.Snapshot`); None when it offers none or holds a
-    tensor it declines: then the staging it took is left unread (its late copies dropped) and
-    the owner's later saves do not try again (:attr:`StagingArea.declined`; a large tensor
-    stays large)."""
-    if owner in area.declined:
-        return None
+    (:class:`~lightning_bpk.runtime._writer.Snapshot`); None when :func:`_by_path` gives none
+    (then the staging it took is left unread: its late copies are dropped)."""
     names: list[str] = []
     digests: dict[tuple[int, int], Callable[[], str | None]] = {}
 
@@ -343,20 +338,24 @@ def _snapshot(
             digests[view.data_ptr(), view.nbytes] = digest
         return view
 
-    try:
-        snapshot = _by_path(record, put)
-    except _Declined:
+    snapshot = _by_path(area, owner, record, put)
+    if snapshot is None:
         for name in names:
             area.late.pop((owner, name), None)
-        area.declined.add(owner)
         return None
-    return None if snapshot is None else Snapshot(snapshot, digests)
+    return Snapshot(snapshot, digests)
 
 
-def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -> Record | None:
+def _by_path(
+    area: StagingArea, owner: str, record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]
+) -> Record | None:
     """:meth:`Record._snapshot` with each tensor replaced by ``put(name, tensor)``, ``name``
     its path in the record (a tensor held twice is put once); None when the record offers no
-    snapshot; :class:`_Declined` when it holds a tensor not staged by its path."""
+    snapshot or holds a tensor it declines (:class:`_Declined`). A decline is remembered in
+    :attr:`StagingArea.declined`: a large tensor stays large, so ``owner``'s later calls give
+    None at once rather than staging its small tensors by path again at every save."""
+    if owner in area.declined:
+        return None
     staged: dict[int, torch.Tensor] = {}
 
     def stage(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
@@ -369,7 +368,11 @@ def _by_path(record: Record, put: Callable[[str, torch.Tensor], torch.Tensor]) -
         view = staged[id(tensor)] = put(repr(path), tensor)
         return view
 
-    return record._snapshot(stage)
+    try:
+        return record._snapshot(stage)
+    except _Declined:
+        area.declined.add(owner)
+        return None
 
 
 def staged_tensors(area: StagingArea, owner: str, value: Any) -> list[tuple[str, torch.Tensor]]:
@@ -382,10 +385,8 @@ def staged_tensors(area: StagingArea, owner: str, value: Any) -> list[tuple[str,
         found.append((name, tensor))
         return tensor
 
-    if area.shared and owner not in area.declined:
-        with contextlib.suppress(_Declined):
-            if _by_path(record, put) is not None:
-                return found
+    if area.shared and _by_path(area, owner, record, put) is not None:
+        return found
     pairs = []
     for name, entry in record.to_content()[0].items():
         tensor = entry.data if isinstance(entry, burnpack.TensorEntry) else entry
