@@ -11,10 +11,10 @@ import torch
 
 from lightning_bpk.records import ModuleRecord
 
-from conftest import ROOT, run_process
+from conftest import EXAMPLES, run_process
 
-SCRIPT = ROOT / "examples" / "lightning_cli.py"
-CONFIG = ROOT / "examples" / "cli" / "config.yaml"
+SCRIPT = EXAMPLES / "lightning_cli.py"
+CONFIG = EXAMPLES / "cli" / "config.yaml"
 TIMEOUT_S = 180
 FINAL = 32  # 4 epochs of 8 batches: checkpoints are numbered by global step (every 5 steps)
 

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_process
+from conftest import EXAMPLES, ROOT, run_process
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 
 
@@ -78,7 +77,7 @@ def test_the_installed_wheel_trains_the_example_with_its_shipped_gin_file(
     gin_file = site / "lightning_bpk" / "gin" / "digits.gin"
     assert gin_file.is_file()
     run = run_process(
-        [sys.executable, ROOT / "examples" / "train_digits.py", "--base_dir", tmp_path / "run",
+        [sys.executable, EXAMPLES / "train_digits.py", "--base_dir", tmp_path / "run",
          "--gin_file", gin_file, "--gin_binding", "train.max_epochs = 1"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(site)},
