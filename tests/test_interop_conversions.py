@@ -31,6 +31,7 @@ from lightning_bpk.interop import (
     record_remapped,
     remap,
 )
+from lightning_bpk.interop._placing import placing
 from lightning_bpk.records.module import ModuleRecord, param_ids
 
 EXPERTS, HIDDEN, INTER = 3, 4, 6
@@ -223,6 +224,45 @@ def test_transpose_is_the_rule_with_a_pattern_and_the_op_without():
     for obj in (rule, Transpose(1, 2)):
         for again in (copy.deepcopy(obj), pickle.loads(pickle.dumps(obj))):
             assert type(again) is type(obj) and again == obj
+
+
+_A, _B = [torch.randn(2, 3, 4) for _ in range(2)], [torch.randn(2, 3, 4) for _ in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("sources", "ops", "in_place"),
+    [
+        (["a.*.w", "b.*.w"], [MergeModulelist(0), Concatenate(1)], True),  # Mixtral's gate_up
+        (["a.*.w"], [MergeModulelist(1)], True),
+        (["a.*.w", "b.*.w"], [Concatenate(2)], True),
+        (["a.*.w"], [MergeModulelist(0), Transpose(1, 3)], True),
+        (["a.0.w"], [Transpose(0, 1)], True),
+        (["a.0.w"], [Interleave(0)], False),  # ops that permute within a tensor compute it
+        (["a.0.w"], [PermuteForRope(num_heads=1)], False),
+    ],
+)
+def test_a_converter_builds_its_result_in_the_tensor_placing_gives(sources, ops, in_place):
+    """Under ``placing``, a converter whose ops all run backward writes each source tensor
+    into its slice of the destination and gives the destination itself as its result; other
+    converters, and a destination of another shape or dtype, leave the destination as it was.
+    The values are the same either way."""
+    tensors = {f"m.a.{e}.w": (_A[e], None) for e in range(2)}
+    tensors |= {f"m.b.{e}.w": (_B[e], None) for e in range(2)}
+    if "a.0.w" in sources:
+        tensors = {"m.a.0.w": (_A[0].reshape(6, 4), None)}
+    converter = WeightConverter(sources, "fused", ops)
+    expected = converter.forward(tensors)[0]["m.fused"][0]
+    for dest, used in (
+        (torch.zeros(expected.shape), in_place),
+        (torch.zeros(expected.shape, dtype=torch.float64), False),
+        (torch.zeros(expected.numel() + 1), False),
+    ):
+        before = dest.clone()
+        with placing({"m.fused": dest}):
+            result = converter.forward(tensors)[0]["m.fused"][0]
+        assert torch.equal(result, expected)
+        assert (result is dest) is used, (ops, dest.dtype, dest.shape)
+        assert torch.equal(dest, expected if used else before)
 
 
 def test_transformers_rules_run_as_a_block_renamings_first():

@@ -8,13 +8,16 @@ import uuid
 import fsspec
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from test_interop_conversions import MIXTRAL, fused_model, legacy_state
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_bpk import burnpack, cli
 from lightning_bpk.interop import (
     BurnToPyTorchAdapter,
     Chunk,
+    Concatenate,
     KeyRemapper,
     RemapError,
     Rename,
@@ -55,6 +58,65 @@ def test_same_result_as_apply_remapped(tmp_path, suffix, workers):
     for name, tensor in _state(expected).items():
         assert torch.equal(ours[name], tensor), name
     assert param_ids(model) == param_ids(expected)
+
+
+class _DataOps(TorchDispatchMode):
+    """The aten ops that ran on tensors holding data (the meta tensors of planning left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(not t.is_meta for t in tensors):
+            self.ran.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("suffix", [".bpk", ".safetensors"])
+def test_fused_experts_are_built_in_their_parameters(tmp_path, suffix):
+    """Each expert's w1/w2/w3 is copied once, straight into its slice of the fused parameter:
+    no stacked or concatenated tensor is built in new memory and copied again."""
+    state = legacy_state(layers=2)
+    path = save_module_record(ModuleRecord(state), tmp_path / f"mixtral{suffix}")
+    model = fused_model(2)
+    experts = model.layers[1].mlp.experts.gate_up_proj
+    storage = experts.untyped_storage().data_ptr()
+    with _DataOps() as ops:
+        load_remapped(path, model, KeyRemapper(MIXTRAL), workers=1)
+    assert not {"cat", "stack"} & set(ops.ran), sorted(set(ops.ran))
+    assert ops.ran.count("copy_") == len(state)  # one copy per file tensor, none after
+    assert experts.untyped_storage().data_ptr() == storage
+    expected = fused_model(2)
+    apply_remapped(load_module_record(path), expected, KeyRemapper(MIXTRAL))
+    for name, tensor in _state(expected).items():
+        assert torch.equal(_state(model)[name], tensor), name
+
+
+class _TransposedView(Rule):
+    """A user's rule that changes a tensor after the converter built it, returning a view."""
+
+    traced = True
+
+    def forward(self, items):
+        return {n: (t.transpose(0, 1) if n == "fused" else t, p) for n, (t, p) in items.items()}, 1
+
+    backward = forward
+
+
+def test_a_result_a_later_rule_changes_is_built_in_new_memory(tmp_path):
+    """Only a tensor no later rule reads or changes is built in place: here a rule transposes
+    the fused tensor (as a view of it), which built in the parameter would copy over itself."""
+    parts = {"a": torch.randn(2, 4), "b": torch.randn(2, 4)}
+    path = ModuleRecord(parts).save(tmp_path / "ab.bpk")
+    remapper = KeyRemapper(
+        [WeightConverter(["^a", "^b"], "fused", [Concatenate(0)]), _TransposedView()]
+    )
+    net = nn.Module()
+    net.register_buffer("fused", torch.zeros(4, 4))
+    assert load_remapped(path, net, remapper, workers=1) == []
+    assert torch.equal(net.fused, torch.cat([parts["a"], parts["b"]]).T)
 
 
 def test_groups_follow_the_rules():

@@ -38,7 +38,8 @@ file read through its store: errors, the safetensors header) <- ``formats`` <- `
 (finding and checking a set) <-
 ``_sources`` (files and sets opened) <- ``_plan`` (what both loaders share) <- ``loading``, and
 ``_ranges`` (boxes of stored tensors read in byte ranges), ``_dims`` <- ``shards``; ``_ranges``
-<- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top. No interop module imports a private
+<- ``lazy``; ``sets`` on ``_sources``; ``hub`` on top; ``_placing`` (the tensors a converter
+builds its results in) <- ``conversions`` and ``loading``. No interop module imports a private
 name of another.
 """
 

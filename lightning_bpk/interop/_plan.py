@@ -150,6 +150,7 @@ class Planned:
     steps: list[Step]  # every rule applied, in order
     meta: Items  # the file's tensors (aliases included) as the rules took them
     tied: dict[str, str] = field(default_factory=dict)  # filled from another: target -> source
+    built: set[str] = field(default_factory=set)  # results one step built and none touched since
 
 
 def plan(source: Source, remapper: KeyRemapper, ties: Mapping[str, str] | None = None) -> Planned:
@@ -176,7 +177,19 @@ def plan(source: Source, remapper: KeyRemapper, ties: Mapping[str, str] | None =
         if all(rule.traced for rule in remapper.rules)
         else [names]
     )
-    return Planned(result, record, groups, steps, meta, tied)
+    return Planned(result, record, groups, steps, meta, tied, _built_once(steps, found))
+
+
+def _built_once(steps: list[Step], final: Items) -> set[str]:
+    """The names of ``final`` whose tensor one step built and no later step touched: their
+    rule may build them in their destination (:func:`~lightning_bpk.interop._placing.placing`),
+    since nothing reads or changes them after it."""
+    built: dict[str, list[torch.Tensor]] = {}
+    for step in steps:
+        for name, (tensor, _) in step.after.items():
+            if name not in step.before or step.before[name][0] is not tensor:
+                built.setdefault(name, []).append(tensor)
+    return {n for n, (t, _) in final.items() if len(b := built.get(n, [])) == 1 and b[0] is t}
 
 
 def tie(items: Items, tied: Mapping[str, str]) -> Items:

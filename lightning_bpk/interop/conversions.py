@@ -50,8 +50,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
 # transformers keeps its ops in the module of its rules, so the ``name as name`` imports make them
 # importable from here too (not in __all__: documented once, in lightning_bpk.interop.ops).
+from lightning_bpk.interop._placing import placement
 from lightning_bpk.interop.ops import Chunk as Chunk
 from lightning_bpk.interop.ops import Concatenate as Concatenate
 from lightning_bpk.interop.ops import (
@@ -400,21 +403,104 @@ class WeightConverter(WeightTransform):
         return ordered if len(problems) == bad else None
 
     def _convert_group(self, renamed: str, names: dict[str, list[str]], items: Items) -> Items:
-        """Run the ops on one group and name the results as transformers does."""
+        """Run the ops on one group and name the results as transformers does; results bound
+        for a tensor of :func:`~lightning_bpk.interop._placing.placing` are built in it."""
         tensors: dict[str, Tensors] = {p: [items[n][0] for n in ns] for p, ns in names.items()}
+        full = renamed.replace("*.", "0.") if "*." in renamed else renamed
+        results = self._placed(full, tensors)
+        if results is None:
+            results = self._run_ops(tensors)
+        named = _result_names(full, results)
+        pid = items[next(iter(names.values()))[0]][1]
+        out: dict[str, Item] = {}
+        for k, (key, value) in enumerate(results.items()):
+            out[named[key]] = (first_tensor(value), pid if k == 0 else derived_param_id(pid, k))
+        return out
+
+    def _run_ops(self, tensors: dict[str, Tensors]) -> dict[str, Tensors]:
         for op in self.operations:
             tensors = op.convert(
                 tensors, source_patterns=self.source_patterns, target_patterns=self.target_patterns
             )
-        full = renamed.replace("*.", "0.") if "*." in renamed else renamed
-        key = next((k for k in tensors if k in full), None)
-        prefix, _, suffix = full.partition(key) if key is not None else ("", "", "")
-        pid = items[next(iter(names.values()))[0]][1]
-        out: dict[str, Item] = {}
-        for k, (name, value) in enumerate(tensors.items()):
-            full_name = prefix + name + suffix
-            out[full_name] = (first_tensor(value), pid if k == 0 else derived_param_id(pid, k))
-        return out
+        return tensors
+
+    def _placed(self, full: str, tensors: dict[str, Tensors]) -> dict[str, Tensors] | None:
+        """The ops' results built in the tensors :func:`~lightning_bpk.interop._placing.placing`
+        gives for their names: the ops run on meta tensors for every stage's names and shapes,
+        then backward from the destinations (:meth:`ConversionOps.input_views`) to a view for
+        each source tensor, which is copied into it: one copy, no new memory. None, with
+        nothing written, unless every result has a destination of its shape and dtype and
+        every op runs backward."""
+        into = placement()
+        if not into:
+            return None
+        stages: list[dict[str, Tensors]] = [
+            {
+                p: [t.to("meta") for t in (ts if isinstance(ts, list) else [ts])]
+                for p, ts in tensors.items()
+            }
+        ]
+        for op in self.operations:
+            stages.append(
+                op.convert(
+                    stages[-1],
+                    source_patterns=self.source_patterns,
+                    target_patterns=self.target_patterns,
+                )
+            )
+        named = _result_names(full, stages[-1])
+        dests: dict[str, Tensors] = {}
+        for key, meta in stages[-1].items():
+            dest = into.get(named[key])
+            if not (
+                isinstance(meta, torch.Tensor)
+                and dest is not None
+                and (dest.shape, dest.dtype) == (meta.shape, meta.dtype)
+            ):
+                return None
+            dests[key] = dest
+        with torch.no_grad():
+            views = dests
+            for op, before in zip(reversed(self.operations), reversed(stages[:-1]), strict=True):
+                back = op.input_views(views, before, self.source_patterns, self.target_patterns)
+                if back is None:
+                    return None
+                views = back
+            pairs = _pairs(views, tensors)
+            if pairs is None:
+                return None
+            for view, source in pairs:
+                view.copy_(source)
+        return dests
+
+
+def _result_names(full: str, results: Mapping[str, object]) -> dict[str, str]:
+    """Each result key's full name, as transformers names a converter's results: the key found
+    in the group's name ``full`` (``*`` as ``0``) is replaced by each key in turn."""
+    key = next((k for k in results if k in full), None)
+    prefix, _, suffix = full.partition(key) if key is not None else ("", "", "")
+    return {k: prefix + k + suffix for k in results}
+
+
+def _pairs(
+    views: dict[str, Tensors], tensors: dict[str, Tensors]
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each source tensor with the view it is written into; None where the views do not match
+    the sources one to one in shape and dtype."""
+    if views.keys() != tensors.keys():
+        return None
+    pairs = []
+    for key, sources in tensors.items():
+        targets = views[key]
+        targets = targets if isinstance(targets, list) else [targets]
+        sources = sources if isinstance(sources, list) else [sources]
+        if len(targets) != len(sources):
+            return None
+        for view, source in zip(targets, sources, strict=True):
+            if (view.shape, view.dtype) != (source.shape, source.dtype):
+                return None
+            pairs.append((view, source))
+    return pairs
 
 
 def _same_shapes(

@@ -15,7 +15,10 @@ does, with the same checks and result, in three steps:
 2. **Verify**: a ``.bpk`` file's checksums are all checked (on the pool) before anything is
    written, so a damaged file leaves the module as it was.
 3. **Materialise on the pool**: each group is a task that reads its tensors, runs the rules on
-   them and copies the results into the module's tensors, as ``apply`` would. Hashing (xxhash),
+   them and copies the results into the module's tensors, as ``apply`` would; a tensor a
+   converter builds whole (experts stacked, gate and up fused) is built in its module tensor
+   (:func:`~lightning_bpk.interop._placing.placing`): each file tensor is copied once, into its
+   slice, and no fused tensor is allocated. Hashing (xxhash),
    reading, torch's ``stack``/``cat`` and the copies release the GIL, so the tasks overlap; at
    most ``workers`` run at once, and a group's converted tensors are freed when it is done
    (``apply_remapped`` holds every converted tensor until it applies them).
@@ -37,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_bpk import burnpack
+from lightning_bpk.interop._placing import placing
 from lightning_bpk.interop._plan import (
     DEFAULT_WORKERS,
     Planned,
@@ -116,7 +120,9 @@ def load_remapped(
                     ],
                 )
             cast = dtype_policy == "cast_to_module"
-            load = _Load(source, planned, remapper, module, into, adapter, cast)
+            # a tensor one rule builds whole (fused experts) is built in its module tensor
+            places = {n: into[n] for n in planned.built if n in into} if adapter is None else {}
+            load = _Load(source, planned, remapper, module, into, places, adapter, cast)
             try:
                 if source.verify is not None:  # checksums first: a damaged file changes nothing
                     run_tasks(source.verify, list(source.specs), workers)
@@ -141,6 +147,7 @@ class _Load:
     remapper: KeyRemapper
     module: nn.Module
     into: Mapping[str, torch.Tensor]
+    places: Mapping[str, torch.Tensor]  # what the rules may build in place (see _placing.placing)
     adapter: Adapter | None
     cast: bool
     skipped: dict[str, str] = field(default_factory=dict)  # one key per task: shared safely
@@ -148,7 +155,8 @@ class _Load:
     def group(self, group: list[str]) -> None:
         """Read ``group``, run the rules on it and load what they give into the module."""
         items = group_items(self.source, group, self.source.read)
-        loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
+        with placing(self.places):
+            loaded = tie(self.remapper.load(items).tensors, self.planned.tied)
         for name, (tensor, pid) in loaded.items():
             if name not in self.into:
                 continue  # unused (allowed), or a tied tensor loaded under its first name

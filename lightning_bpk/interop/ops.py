@@ -59,6 +59,21 @@ class ConversionOps:
     def reverse_op(self) -> ConversionOps:
         raise NotImplementedError
 
+    def input_views(
+        self,
+        into: dict[str, Tensors],
+        inputs: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+    ) -> dict[str, Tensors] | None:
+        """Where this op's inputs must be written for its results to land in ``into`` (their
+        destinations, keyed as :meth:`convert` keys its results): views of those tensors, keyed
+        and shaped as ``inputs`` (the inputs, or meta tensors of their shapes: only their
+        structure is read). The op run backward on views, no data moved; None (the default)
+        where it cannot run so, as for an op that splits or permutes: its result is computed
+        in new memory, then copied."""
+        return None
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({args})"
@@ -121,6 +136,38 @@ class Concatenate(ConversionOps):
                 parts.extend(value if isinstance(value, list) else [value])
         return {target_patterns[0]: torch.cat(parts, dim=self.dim)}
 
+    def input_views(
+        self,
+        into: dict[str, Tensors],
+        inputs: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+    ) -> dict[str, Tensors] | None:
+        """The target's slices along ``dim``, one per part in :meth:`convert`'s order.
+
+        >>> inputs = {"a": torch.ones(1, 2), "b": [torch.ones(2, 2)]}
+        >>> views = Concatenate(0).input_views({"w": torch.zeros(3, 2)}, inputs, ["a", "b"], ["w"])
+        >>> [v.shape[0] for v in (views["a"], *views["b"])]
+        [1, 2]
+        """
+        dest = into.get(target_patterns[0])
+        if (
+            len(target_patterns) > 1
+            or not isinstance(dest, torch.Tensor)
+            or set(inputs) - set(source_patterns)
+        ):
+            return None
+        values = [inputs[p] for p in source_patterns if p in inputs]
+        parts = [t for v in values for t in (v if isinstance(v, list) else [v])]
+        sizes = [t.shape[self.dim] if t.dim() == dest.dim() else -1 for t in parts]
+        if -1 in sizes or sum(sizes) != dest.shape[self.dim]:
+            return None
+        pieces = iter(dest.split(sizes, self.dim))
+        return {
+            p: [next(pieces) for _ in v] if isinstance(v, list) else next(pieces)
+            for p, v in zip((p for p in source_patterns if p in inputs), values, strict=True)
+        }
+
     @property
     def reverse_op(self) -> ConversionOps:
         return Chunk(self.dim)
@@ -151,6 +198,26 @@ class MergeModulelist(ConversionOps):
                 tensors if isinstance(tensors, torch.Tensor) else torch.stack(tensors, dim=self.dim)
             )
         return merged
+
+    def input_views(
+        self,
+        into: dict[str, Tensors],
+        inputs: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+    ) -> dict[str, Tensors] | None:
+        """Each list's destination unbound along ``dim``: element ``i`` of the list is written
+        into slice ``i`` (a single tensor passes through, as in :meth:`convert`)."""
+        if len(inputs) == 1 and len(target_patterns) != 1:
+            return None
+        views: dict[str, Tensors] = {}
+        for pattern, tensors in inputs.items():
+            dest = into.get(target_patterns[0] if len(inputs) == 1 else pattern)
+            if not isinstance(dest, torch.Tensor):
+                return None
+            whole = isinstance(tensors, torch.Tensor)
+            views[pattern] = dest if whole else list(dest.unbind(self.dim))
+        return views
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -245,6 +312,23 @@ class Transpose(ConversionOps, Rule):
         target = _single_target(self, input_dict, source_patterns, target_patterns)
         tensor = first_tensor(next(iter(input_dict.values())))
         return {target: torch.transpose(tensor, self.dim0, self.dim1).contiguous()}
+
+    def input_views(
+        self,
+        into: dict[str, Tensors],
+        inputs: dict[str, Tensors],
+        source_patterns: list[str],
+        target_patterns: list[str],
+    ) -> dict[str, Tensors] | None:
+        """The destination with the two dims swapped back: the input is written transposed."""
+        if len(inputs) != 1 or (len(target_patterns) > 1 and len(source_patterns) != 1):
+            return None
+        target = _single_target(self, inputs, source_patterns, target_patterns)
+        (source, tensors), dest = next(iter(inputs.items())), into.get(target)
+        if not isinstance(dest, torch.Tensor) or (isinstance(tensors, list) and len(tensors) != 1):
+            return None
+        view = dest.transpose(self.dim0, self.dim1)
+        return {source: [view] if isinstance(tensors, list) else view}
 
     @property
     def reverse_op(self) -> ConversionOps:

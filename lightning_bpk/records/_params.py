@@ -36,7 +36,8 @@ def set_param_id(tensor: torch.Tensor, pid: int) -> None:
 
 def load_tensor(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
     """Load ``tensor`` into the module tensor ``target`` in place, as ``ModuleRecord.apply``
-    does (shapes already checked): one copy, casting to ``target``'s dtype when ``cast``, else
+    does (shapes already checked): one copy (none where ``tensor`` is ``target``, which a
+    loader built in place), casting to ``target``'s dtype when ``cast``, else
     ``target`` takes ``tensor``'s dtype (it stays the same object, so optimizers still hold it);
     then ``target`` takes the record's ``pid`` (:func:`set_param_id`), if any."""
     with torch.no_grad():
@@ -46,7 +47,9 @@ def load_tensor(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cas
 def _load(target: torch.Tensor, tensor: torch.Tensor, pid: int | None, cast: bool) -> None:
     """:func:`load_tensor` inside ``torch.no_grad()`` (entered once for a whole module: per
     tensor it cost more than the copy of a small one)."""
-    if cast or tensor.dtype == target.dtype:
+    if tensor is target:
+        pass  # already there: a loader built it in place
+    elif cast or tensor.dtype == target.dtype:
         target.copy_(tensor)  # the one copy out of the record, casting if needed
     else:
         target.data = tensor.to(device=target.device, copy=True)
