@@ -281,8 +281,9 @@ def finish_run(trainer: L.Trainer, callback: Any) -> NoReturn:
     exit_now()
 
 
-def exit_now() -> NoReturn:
-    """End a finished run with status 0 at once: output flushed, no interpreter teardown.
+def exit_now(status: int = 0) -> NoReturn:
+    """End a finished (or, on 2 ranks, a preempted) run with ``status`` at once: output
+    flushed, no interpreter teardown.
 
     With torch 2.13 a gloo process that ends soon after a collective can die in that teardown:
     a gloo worker thread is still dropping the collective's tensors and waits for the GIL, so
@@ -293,7 +294,7 @@ def exit_now() -> NoReturn:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -393,7 +394,12 @@ def main(argv: list[str] | None = None) -> None:
     epochs = args.epochs if args.max_steps == -1 else -1
     extra["accumulate_grad_batches"] = args.accumulate
     trainer = make_trainer(args.root, epochs, callbacks, max_steps=args.max_steps, **extra)
-    trainer.fit(model)
+    try:
+        trainer.fit(model)
+    except SystemExit as stop:  # a preemption stop: its status, checkpoint flushed on every rank
+        if args.devices > 1 and isinstance(stop.code, int):
+            exit_now(stop.code)  # gloo's teardown can abort after the stop's collectives
+        raise
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
         if ema is not None:
