@@ -206,11 +206,16 @@ def main(argv: list[str]) -> None:
     if args.kill_in_save is not None:
         kill_in_save(args.kill_in_save)
     children = fork_ranks(args.devices)
+    status = 0
     try:
         train(args)
+    except SystemExit as stop:  # a preemption stop: its status, checkpoint flushed on every rank
+        if args.devices == 1 or not isinstance(stop.code, int):
+            raise
+        status = stop.code
     finally:
         wait_for(children)
-    exit_now()  # skip the interpreter teardown that gloo can abort or hang (see exit_now)
+    exit_now(status)  # skip the interpreter teardown that gloo can abort or hang (see exit_now)
 
 
 def train(args: argparse.Namespace) -> None:
