@@ -298,6 +298,7 @@ class StepOverhead:
     auto: dict[float, tuple[int | None, int]]  # budget -> (interval chosen, checkpoints saved)
     dumped: list[float]  # ModelCheckpoint's own part at the same steps (see _DumpCost)
     blocked_process: list[float]  # ... each later save with async_save="process"
+    first_process: list[float]  # ... its first save of each run
     epochs: int = STEP_EPOCHS
     repeat: int = REPEAT
     what: str = (
@@ -330,7 +331,12 @@ class StepOverhead:
             f'{len(self.first)}); with `async_save="process"` (the writer process encodes '
             "the loop state and the optimizer) for "
             f"{statistics.median(self.blocked_process) * 1000:.1f} ms (median of "
-            f"{len(self.blocked_process)}). ModelCheckpoint's own part of a save at the same steps "
+            f"{len(self.blocked_process)}), and for "
+            f"{statistics.median(self.first_process) * 1000:.0f} ms at the first save of a run "
+            f"(median of {len(self.first_process)}): it waits for the writer process, started "
+            "at setup, to come up (the child imports torch and the script, as `spawn` does), "
+            "which a fit this short cannot hide; its whole-fit column counts that once per run. "
+            "ModelCheckpoint's own part of a save at the same steps "
             "(`dump_checkpoint` + `torch.save` into memory, before any file is written): "
             f"{statistics.median(self.dumped) * 1000:.1f} ms (median of {len(self.dumped)}). "
             f"{_PAIRED}",
@@ -434,7 +440,9 @@ def measure_steps(directory: Path, *, quick: bool, reps: int | None = None) -> S
     dumped: list[float] = []
     with tempfile.TemporaryDirectory(dir=directory) as root:
         _fit(Path(root), epochs, [_DumpCost(dumped)], REPEAT)
-    return StepOverhead(times, laps, blocked, first, auto, dumped[1:], blocked_process, epochs)
+    return StepOverhead(
+        times, laps, blocked, first, auto, dumped[1:], blocked_process, first_process, epochs
+    )
 
 
 def main() -> None:
