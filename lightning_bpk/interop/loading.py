@@ -18,10 +18,10 @@ does, with the same checks and result, in three steps:
    them and copies the results into the module's tensors, as ``apply`` would; a tensor a
    converter builds whole (experts stacked, gate and up fused) is built in its module tensor
    (:func:`~lightning_bpk.interop._placing.placing`): each file tensor is copied once, into its
-   slice, and no fused tensor is allocated. Hashing (xxhash),
-   reading, torch's ``stack``/``cat`` and the copies release the GIL, so the tasks overlap; at
-   most ``workers`` run at once, and a group's converted tensors are freed when it is done
-   (``apply_remapped`` holds every converted tensor until it applies them).
+   slice, and no fused tensor is allocated. Hashing (xxhash), reading, torch's ``stack``/``cat``
+   and the copies release the GIL, so the tasks overlap; at most ``workers`` run at once, and
+   a group's converted tensors are freed when it is done (``apply_remapped`` holds every
+   converted tensor until it applies them).
 
 ``workers=1`` runs the tasks in order on the calling thread. A rule without ``traced`` (a
 user's own :class:`~lightning_bpk.interop.rules.Rule` subclass) makes the whole file one group.
