@@ -113,6 +113,14 @@ class Chunk(ConversionOps):
         return Concatenate(self.dim)
 
 
+def _in_order(
+    inputs: dict[str, Tensors], patterns: list[str]
+) -> list[tuple[str, list[torch.Tensor]]]:
+    """The tensors of each of ``patterns`` that ``inputs`` holds, in that order, as lists: the
+    order :class:`Concatenate` joins them in."""
+    return [(p, v if isinstance(v := inputs[p], list) else [v]) for p in patterns if p in inputs]
+
+
 class Concatenate(ConversionOps):
     """The sources' tensors, in the order of ``source_patterns``, joined along ``dim`` into the
     one target; reverse: :class:`Chunk`."""
@@ -129,11 +137,7 @@ class Concatenate(ConversionOps):
     ) -> dict[str, Tensors]:
         if len(target_patterns) > 1:
             raise _undefined(self, "more than one target")
-        parts: list[torch.Tensor] = []
-        for pattern in source_patterns:
-            if pattern in input_dict:
-                value = input_dict[pattern]
-                parts.extend(value if isinstance(value, list) else [value])
+        parts = [t for _, tensors in _in_order(input_dict, source_patterns) for t in tensors]
         return {target_patterns[0]: torch.cat(parts, dim=self.dim)}
 
     def input_views(
@@ -157,16 +161,16 @@ class Concatenate(ConversionOps):
             or set(inputs) - set(source_patterns)
         ):
             return None
-        values = [inputs[p] for p in source_patterns if p in inputs]
-        parts = [t for v in values for t in (v if isinstance(v, list) else [v])]
-        sizes = [t.shape[self.dim] if t.dim() == dest.dim() else -1 for t in parts]
-        if -1 in sizes or sum(sizes) != dest.shape[self.dim]:
+        ordered = _in_order(inputs, source_patterns)
+        parts = [t for _, tensors in ordered for t in tensors]
+        if any(t.dim() != dest.dim() for t in parts):
+            return None
+        sizes = [t.shape[self.dim] for t in parts]
+        if sum(sizes) != dest.shape[self.dim]:
             return None
         pieces = iter(dest.split(sizes, self.dim))
-        return {
-            p: [next(pieces) for _ in v] if isinstance(v, list) else next(pieces)
-            for p, v in zip((p for p in source_patterns if p in inputs), values, strict=True)
-        }
+        views = {p: [next(pieces) for _ in tensors] for p, tensors in ordered}
+        return {p: v if isinstance(inputs[p], list) else v[0] for p, v in views.items()}
 
     @property
     def reverse_op(self) -> ConversionOps:
