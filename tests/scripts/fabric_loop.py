@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_tiny import exit_now  # a sibling: the script's own directory
+from lightning_tiny import exit_now, exit_stopped  # a sibling: the script's own directory
 
 SAMPLES, BATCH_SIZE, FEATURES, SEED = 48, 4, 6, 1234
 
@@ -206,16 +206,17 @@ def main(argv: list[str]) -> None:
     if args.kill_in_save is not None:
         kill_in_save(args.kill_in_save)
     children = fork_ranks(args.devices)
-    status = 0
+    stopped: SystemExit | None = None
     try:
         train(args)
     except SystemExit as stop:  # a preemption stop: its status, checkpoint flushed on every rank
-        if args.devices == 1 or not isinstance(stop.code, int):
-            raise
-        status = stop.code
+        stopped = stop
     finally:
         wait_for(children)
-    exit_now(status)  # skip the interpreter teardown that gloo can abort or hang (see exit_now)
+    if stopped is not None:
+        exit_stopped(stopped, args.devices)
+        raise stopped
+    exit_now()  # skip the interpreter teardown that gloo can abort or hang (see exit_now)
 
 
 def train(args: argparse.Namespace) -> None:

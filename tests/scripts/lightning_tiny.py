@@ -34,6 +34,7 @@ which its ``state_dict`` holds.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import resource
@@ -297,6 +298,17 @@ def exit_now(status: int = 0) -> NoReturn:
     os._exit(status)
 
 
+def exit_stopped(stop: SystemExit, devices: int) -> None:
+    """After ``fit`` (or a Fabric loop) left through a preemption stop's ``stop``: on 2 or more
+    ``devices`` (a gloo group), run the exit handlers as any exit does (a script's ``EXIT``
+    line, the library's own), then :func:`exit_now` with the stop's status, skipping the
+    teardown that gloo can abort; on one, return, and the caller re-raises ``stop`` (an orderly
+    exit)."""
+    if devices > 1 and isinstance(stop.code, int):
+        atexit._run_exitfuncs()
+        exit_now(stop.code)
+
+
 def main(argv: list[str] | None = None) -> None:
     from lightning_bpk import BurnpackCheckpoint, ModuleRecord
 
@@ -397,8 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         trainer.fit(model)
     except SystemExit as stop:  # a preemption stop: its status, checkpoint flushed on every rank
-        if args.devices > 1 and isinstance(stop.code, int):
-            exit_now(stop.code)  # gloo's teardown can abort after the stop's collectives
+        exit_stopped(stop, args.devices)
         raise
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)

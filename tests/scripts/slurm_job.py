@@ -7,7 +7,7 @@ happen at that epoch's end. It prints ``START``/``EXIT`` lines (the latter at in
 so only for an orderly stop) and ``FINISHED`` when ``fit`` returns (after which the process ends
 at once, without ``EXIT``: lightning_tiny's ``finish_run``). A DDP job's stop runs the exit
 handlers (``EXIT`` among them), then ends without the interpreter's teardown, which gloo can
-abort (lightning_tiny's ``exit_now``).
+abort (lightning_tiny's ``exit_stopped``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import lightning as L
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_tiny import SEED, TinyModel, exit_now, finish_run, make_trainer
+from lightning_tiny import SEED, TinyModel, exit_stopped, finish_run, make_trainer
 
 PAUSE_LIMIT = 120.0  # seconds; a signal that never comes lets training finish (and the test fail)
 
@@ -78,10 +78,8 @@ def main(argv: list[str]) -> None:
     try:
         trainer.fit(model)
     except SystemExit as stop:  # a preemption stop: its status, checkpoint flushed on every rank
-        if args.devices == 1 or not isinstance(stop.code, int):
-            raise
-        atexit._run_exitfuncs()  # the EXIT line and the library's exit handlers, as at any exit
-        exit_now(stop.code)  # then no interpreter teardown, which gloo can abort (see exit_now)
+        exit_stopped(stop, args.devices)
+        raise
     if args.out and trainer.is_global_zero:
         ModuleRecord.from_module(model).save(args.out)
     finish_run(trainer, callback)
